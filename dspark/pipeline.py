@@ -1,0 +1,71 @@
+"""The main job: run each pipeline stage that exists, in order, and say what it did."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from dspark.config import DSparkConfig, TargetConfig, to_object
+from dspark.target import TargetHeads, load_target_heads, resolve_target
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Stages in pipeline order with the issue that delivers each one still missing.
+PENDING_STAGES = [
+    ("extract", "hidden-state capture inside vLLM to Parquet shards (issue #3)"),
+    ("train", "DeepSpeed training of the drafter (issue #4)"),
+    ("export+eval", "vLLM export and AA-LCR-style acceptance eval (issue #5)"),
+]
+
+
+@dataclass
+class PipelineResult:
+    target: TargetHeads
+    drafter: DSparkConfig
+    stages_run: list[str]
+    stages_pending: list[str]
+
+
+def prepare_target(cfg: DictConfig) -> TargetHeads:
+    """Resolve the target spec to a directory and load its frozen heads."""
+    spec = to_object(cfg.target, TargetConfig)
+    t0 = time.perf_counter()
+    resolved = resolve_target(spec, cache_dir=Path(cfg.paths.cache_dir).expanduser())
+    heads = load_target_heads(resolved.path, dtype=DTYPES[cfg.train.dtype], spec=spec)
+    log.info(
+        "target %s: %s at %s (%s, %.1fs) | hidden %d, vocab %d, %s head, chat template %s",
+        spec.name,
+        heads.architecture,
+        resolved.path,
+        "converted now" if resolved.converted else "cached",
+        time.perf_counter() - t0,
+        heads.hidden_size,
+        heads.vocab_size,
+        "tied" if heads.tied else "untied",
+        "present" if heads.chat_template else "MISSING",
+    )
+    log.info("capture layers (transformers hidden_states ids): %s", spec.capture_layer_ids(int(heads.config["num_hidden_layers"])))
+    return heads
+
+
+def run(cfg: DictConfig) -> PipelineResult:
+    heads = prepare_target(cfg)
+    drafter = to_object(cfg.drafter, DSparkConfig)
+    log.info(
+        "drafter: %d layers, block %d, Markov rank %d (%s), confidence head %s",
+        drafter.num_layers,
+        drafter.block_size,
+        drafter.markov_rank,
+        drafter.markov_head_type,
+        "on" if drafter.enable_confidence_head else "off",
+    )
+    for name, what in PENDING_STAGES:
+        log.warning("stage %-11s not implemented yet: %s", name, what)
+    return PipelineResult(heads, drafter, ["target"], [n for n, _ in PENDING_STAGES])

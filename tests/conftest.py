@@ -1,0 +1,34 @@
+"""Shared fixtures. Everything runs offline on CPU in fp32."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded target converted to a transformers dir (in the user cache, so converted
+    once per machine, not once per test run)."""
+    from dspark.config import TargetConfig
+    from dspark.target import resolve_target
+
+    return resolve_target(TargetConfig()).path
+
+
+@pytest.fixture
+def compose_config():
+    """Compose the real conf/config.yaml with overrides, as `python train.py ...` would."""
+    from hydra import compose, initialize_config_dir
+
+    def _compose(*overrides: str):
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+
+    return _compose
