@@ -1,0 +1,356 @@
+"""Stage 1: on-policy answers and hidden-state capture inside vLLM, to Parquet shards.
+
+    python -m data_tools.extract +experiment=smollm2_cpu_demo
+    python -m data_tools.extract +experiment=kimi_k3_gb300 data.rank=3 data.world_size=8
+
+One vLLM engine does both jobs in one pass: the target answers each prompt (greedy or sampled,
+through its chat template) while vLLM's ``extract_hidden_states`` speculative method stores the
+states of the chosen layers for prompt + answer; the hidden-states KV connector writes one
+safetensors file per request, which is packed into a shard and deleted.
+
+Resumable: a shard is written under a temporary name, renamed when complete, then recorded
+in a sidecar; a rerun skips shards with a sidecar and redoes the rest. Work is split by shard
+across ``data.rank``/``data.world_size`` (default: the Slurm array index and count).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from filelock import FileLock
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from data_tools.prompts import Conversation, dedupe_and_split, load_source
+from data_tools.schema import (
+    COMPRESSIONS, SCHEMA, SPLITS, STORE_DTYPES, Manifest, ShardInfo, atomic_write_text, file_sha256,
+    shard_name, text_sha256,
+)
+from dspark.config import TargetConfig, to_object
+from dspark.layers import CONVENTION, vllm_aux_layer_ids
+from dspark.target import read_config, resolve_target
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MIN_ANSWER_TOKENS = 8
+OVERLONG = ("skip", "truncate")
+
+
+@dataclass
+class Request:
+    """One sequence to capture. ``answer_ids`` is None when the target writes the answer."""
+
+    seq_id: str
+    prompt_ids: list[int]
+    answer_ids: Optional[list[int]]
+    max_new_tokens: int
+
+
+@dataclass
+class Summary:
+    rows: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    shards_written: int = 0
+    shards_resumed: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    raw_bytes_per_token: int = 0
+
+    def log(self) -> None:
+        bpt = self.bytes / max(self.tokens, 1)
+        log.info(
+            "extract: %d rows, %d tokens, %.0f bytes/token (raw floor %d, ratio %.3f), %.1f tok/s; "
+            "shards written %d, already complete %d; skipped prompts: %s",
+            self.rows, self.tokens, bpt, self.raw_bytes_per_token, bpt / max(self.raw_bytes_per_token, 1),
+            self.tokens / max(self.seconds, 1e-9), self.shards_written, self.shards_resumed,
+            dict(self.skipped) or "none",
+        )
+
+
+# --- prompts -> token ids --------------------------------------------------------------------
+
+
+def tokenize(conv: Conversation, tokenizer: Any, *, regenerate: bool) -> tuple[list[int], Optional[list[int]]]:
+    messages, answer = conv.prompt_and_answer(regenerate=regenerate)
+    prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False).input_ids
+    if answer is None:
+        return prompt_ids, None
+    full_text = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": answer}], tokenize=False)
+    if not full_text.startswith(prompt_text):
+        raise ValueError(f"chat template renders the answer of {conv.seq_id} without the generation prompt as prefix")
+    return prompt_ids, tokenizer(full_text[len(prompt_text):], add_special_tokens=False).input_ids
+
+
+def plan_requests(
+    convs: list[Conversation], tokenizer: Any, data: DictConfig
+) -> tuple[list[Request], Counter]:
+    """Tokenise and fit each conversation to the window; overlong ones are skipped or
+    truncated (``data.on_overlong``), never fatal."""
+    window, max_new = int(data.max_seq_len), int(data.max_new_tokens)
+    requests, skipped = [], Counter()
+    for conv in convs:
+        try:
+            prompt, answer = tokenize(conv, tokenizer, regenerate=bool(data.regenerate))
+        except ValueError as e:
+            skipped[str(e).split(":")[0]] += 1
+            continue
+        if answer is None:  # the target answers: leave room for at least MIN_ANSWER_TOKENS
+            if len(prompt) + MIN_ANSWER_TOKENS > window:
+                if data.on_overlong == "skip":
+                    skipped["prompt longer than window"] += 1
+                    continue
+                prompt = prompt[-(window - min(max_new, window // 2)):]  # keep the end: question + generation prompt
+            requests.append(Request(conv.seq_id, prompt, None, min(max_new, window - len(prompt))))
+        else:
+            if len(prompt) + len(answer) > window:
+                if data.on_overlong == "skip" or len(prompt) + MIN_ANSWER_TOKENS > window:
+                    skipped["sequence longer than window"] += 1
+                    continue
+                answer = answer[: window - len(prompt)]
+            requests.append(Request(conv.seq_id, prompt, answer, 1))
+    return requests, skipped
+
+
+# --- the vLLM engine -------------------------------------------------------------------------
+
+
+def make_engine(target: TargetConfig, target_path: Path, capture_ids: list[int], data: DictConfig, work_dir: Path):
+    from vllm import LLM
+
+    on_cpu = not torch.cuda.is_available()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(data.vllm.cpu_kvcache_gib))
+    connector: dict[str, Any] = {
+        "kv_connector": "CPUHiddenStatesConnector" if on_cpu else "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(work_dir)},
+    }
+    if on_cpu:  # the stock connector copies through pinned CUDA memory
+        connector["kv_connector_module_path"] = "data_tools.cpu_connector"
+    return LLM(
+        model=str(target_path),
+        dtype=target.dtype,
+        tensor_parallel_size=target.tensor_parallel_size,
+        pipeline_parallel_size=target.pipeline_parallel_size,
+        max_model_len=int(data.max_seq_len) + 1,
+        trust_remote_code=target.trust_remote_code,
+        enforce_eager=True,
+        enable_chunked_prefill=False,  # capture needs each prompt in one prefill
+        seed=int(data.seed),
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(capture_ids)}},
+        },
+        kv_transfer_config=connector,
+        **OmegaConf.to_container(data.vllm.engine_kwargs, resolve=True),  # type: ignore[arg-type]
+    )
+
+
+def capture_rows(llm: Any, requests: list[Request], data: DictConfig, *, n_layers: int, hidden: int) -> list[dict]:
+    """Run one batch through vLLM and return finished shard rows in request order."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states, load_hidden_states,
+    )
+
+    params = [
+        SamplingParams(
+            max_tokens=r.max_new_tokens,
+            temperature=float(data.temperature),
+            seed=int(data.seed) + int(r.seq_id[:8], 16) if data.temperature > 0 else None,
+            extra_args={"kv_transfer_params": {"include_output_tokens": True}},
+        )
+        for r in requests
+    ]
+    prompts = [{"prompt_token_ids": r.prompt_ids + (r.answer_ids or [])} for r in requests]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    store = TORCH_DTYPES[data.store_dtype]
+    rows = []
+    for req, out in zip(requests, outputs):
+        if req.answer_ids is None:
+            ids = req.prompt_ids + list(out.outputs[0].token_ids)
+            mask = [0] * len(req.prompt_ids) + [1] * (len(ids) - len(req.prompt_ids))
+        else:  # the one generated token is not part of the sequence
+            ids = req.prompt_ids + req.answer_ids
+            mask = [0] * len(req.prompt_ids) + [1] * len(req.answer_ids)
+        path = out.kv_transfer_params["hidden_states_path"]
+        saved = load_hidden_states(path)
+        states = saved["hidden_states"][: len(ids) - 1]  # [T-1, n_layers, H]
+        if saved["token_ids"][: len(ids) - 1].tolist() != ids[:-1] or states.shape != (len(ids) - 1, n_layers, hidden):
+            raise RuntimeError(f"vLLM returned states {tuple(states.shape)} for {req.seq_id}, expected ({len(ids) - 1}, {n_layers}, {hidden})")
+        cleanup_hidden_states(path)
+        rows.append({
+            "seq_id": req.seq_id,
+            "num_tokens": len(ids),
+            "input_ids": ids,
+            "loss_mask": mask,
+            "hidden_states": states.to(store).contiguous().view(torch.uint8).numpy().tobytes(),
+        })
+    return rows
+
+
+# --- shards and resume -----------------------------------------------------------------------
+
+
+def write_shard(rows: list[dict], directory: Path, split: str, index: int, compression: str, skipped: Counter) -> ShardInfo:
+    """Write a shard atomically (temp name, fsync, rename), then its sidecar."""
+    out_dir = directory / split
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = shard_name(index)
+    final, tmp = out_dir / f"{name}.parquet", out_dir / f".{name}.parquet.tmp-{os.getpid()}"
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    pq.write_table(
+        table, tmp, compression=None if compression == "none" else compression,
+        use_dictionary=False, write_statistics=["seq_id", "num_tokens"], row_group_size=16,
+    )
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    info = ShardInfo(split=split, name=name, rows=len(rows), tokens=sum(r["num_tokens"] for r in rows),
+                     bytes=final.stat().st_size, sha256=file_sha256(final), skipped=dict(skipped))
+    atomic_write_text(out_dir / f"{name}.json", json.dumps(info.__dict__))
+    return info
+
+
+def complete_shard(directory: Path, split: str, index: int) -> Optional[ShardInfo]:
+    """The sidecar of a shard whose file is present at its recorded size, else None."""
+    sidecar = directory / split / f"{shard_name(index)}.json"
+    if not sidecar.is_file():
+        return None
+    info = ShardInfo(**json.loads(sidecar.read_text()))
+    shard = directory / info.path
+    if not shard.is_file() or shard.stat().st_size != info.bytes:
+        return None
+    return info
+
+
+def assign(units: list[tuple[str, int]], rank: int, world_size: int) -> list[tuple[str, int]]:
+    return [u for i, u in enumerate(units) if i % world_size == rank]
+
+
+def default_rank_world() -> tuple[int, int]:
+    """Slurm array index/count when run as an array job, else a single worker."""
+    if "SLURM_ARRAY_TASK_ID" in os.environ:
+        first = int(os.environ.get("SLURM_ARRAY_TASK_MIN", 0))
+        return int(os.environ["SLURM_ARRAY_TASK_ID"]) - first, int(os.environ.get("SLURM_ARRAY_TASK_COUNT", 1))
+    return 0, 1
+
+
+def build_manifest(target: TargetConfig, target_path: Path, tokenizer: Any, chat_template: Optional[str],
+                   capture_ids: list[int], text_cfg: dict, arch: str, data: DictConfig, prompt_set: str) -> Manifest:
+    tok_file = target_path / "tokenizer.json"
+    tok_hash = file_sha256(tok_file) if tok_file.is_file() else text_sha256(str(sorted(tokenizer.get_vocab().items())))
+    return Manifest(
+        target=target.name, target_path=str(target_path), revision=target.revision, architecture=arch,
+        tokenizer_sha256=tok_hash, chat_template_sha256=text_sha256(chat_template),
+        layer_ids=capture_ids, layer_id_convention=CONVENTION, num_hidden_layers=int(text_cfg["num_hidden_layers"]),
+        hidden_size=int(text_cfg["hidden_size"]), dtype=str(data.store_dtype), compression=str(data.compression),
+        prompt_set_sha256=prompt_set, rows_per_shard=int(data.rows_per_shard),
+    )
+
+
+def extract(cfg: DictConfig) -> Summary:
+    from transformers import AutoTokenizer
+
+    data, target = cfg.data, to_object(cfg.target, TargetConfig)
+    if data.store_dtype not in STORE_DTYPES or data.compression not in COMPRESSIONS or data.on_overlong not in OVERLONG:
+        raise ValueError(
+            f"data.store_dtype must be in {list(STORE_DTYPES)}, data.compression in {list(COMPRESSIONS)}, "
+            f"data.on_overlong in {list(OVERLONG)}; got {data.store_dtype!r}, {data.compression!r}, {data.on_overlong!r}"
+        )
+    rank, world = (int(data.rank), int(data.world_size)) if data.rank is not None else default_rank_world()
+    out = Path(data.shards_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+
+    resolved = resolve_target(target, cache_dir=Path(cfg.paths.cache_dir).expanduser())
+    arch, _, _, text_cfg = read_config(resolved.path)
+    capture_ids = target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.path), trust_remote_code=target.trust_remote_code)
+
+    splits = dedupe_and_split(load_source(str(data.source), split=str(data.hf_split)),
+                              val_fraction=float(data.val_fraction), limit=int(data.num_prompts))
+    prompt_set = text_sha256(",".join(f"{s}:{c.seq_id}" for s in SPLITS for c in splits[s]) + f"|{data.regenerate}|{data.max_new_tokens}|{data.max_seq_len}|{data.temperature}")
+    manifest = build_manifest(target, resolved.path, tokenizer, tokenizer.chat_template, capture_ids, text_cfg, arch, data, prompt_set)
+    with FileLock(str(out / ".manifest.lock")):
+        if (out / "manifest.json").is_file():
+            diffs = manifest.header_differences(Manifest.load(out))
+            if diffs:
+                raise ValueError(f"{out}: refusing to resume into a dataset made differently: " + "; ".join(diffs))
+        else:
+            manifest.save(out)
+
+    per = int(data.rows_per_shard)
+    units = [(s, k) for s in SPLITS for k in range((len(splits[s]) + per - 1) // per)]
+    mine = assign(units, rank, world)
+    summary = Summary(raw_bytes_per_token=len(capture_ids) * manifest.hidden_size * manifest.bytes_per_value)
+    todo = []
+    for split, k in mine:
+        if complete_shard(out, split, k) is not None:
+            summary.shards_resumed += 1
+        else:
+            todo.append((split, k))
+    log.info("extract rank %d/%d: %d shards, %d already complete, %d to do -> %s", rank, world, len(mine),
+             summary.shards_resumed, len(todo), out)
+    if todo:
+        work = out / "_work" / f"rank{rank}"
+        shutil.rmtree(work, ignore_errors=True)  # request files of a killed run
+        for split, _ in todo:
+            for stale in (out / split).glob(".shard-*.tmp-*") if (out / split).is_dir() else []:
+                stale.unlink()
+        llm = make_engine(target, resolved.path, capture_ids, data, work)
+        t0 = time.perf_counter()
+        bar = tqdm(total=sum(len(splits[s][k * per:(k + 1) * per]) for s, k in todo), unit="seq", desc="extract", dynamic_ncols=True)
+        for split, k in todo:
+            requests, skipped = plan_requests(splits[split][k * per:(k + 1) * per], tokenizer, data)
+            rows = capture_rows(llm, requests, data, n_layers=len(capture_ids), hidden=manifest.hidden_size) if requests else []
+            info = write_shard(rows, out, split, k, str(data.compression), skipped)
+            summary.rows += info.rows
+            summary.tokens += info.tokens
+            summary.bytes += info.bytes
+            summary.skipped.update(skipped)
+            summary.shards_written += 1
+            summary.seconds = time.perf_counter() - t0
+            bar.update(len(requests) + sum(skipped.values()))
+            bar.set_postfix(tok_s=f"{summary.tokens / summary.seconds:.0f}", shard=f"{split}/{k}")
+        bar.close()
+        shutil.rmtree(work, ignore_errors=True)
+        if not any(work.parent.iterdir()):
+            work.parent.rmdir()
+    finalize(out, units)
+    summary.log()
+    return summary
+
+
+def finalize(out: Path, units: list[tuple[str, int]]) -> Manifest:
+    """Record every complete shard in manifest.json; complete=True once all units are there."""
+    with FileLock(str(out / ".manifest.lock")):
+        manifest = Manifest.load(out)
+        infos = [complete_shard(out, s, k) for s, k in units]
+        manifest.shards = [i for i in infos if i is not None]
+        manifest.complete = all(i is not None for i in infos)
+        manifest.save(out)
+    return manifest
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    extract(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Prompt sources: chat files, HF datasets and a bundled offline default.
+
+Every source yields :class:`Conversation` objects (OpenAI-style messages). ShareGPT
+``conversations`` ({"from": "human"|"gpt"|"system", "value": ...}) and OpenAI ``messages``
+({"role", "content"}) are both accepted. Then :func:`dedupe_and_split` removes duplicates and
+assigns each conversation to train or val by a hash of its content, so the split does not
+depend on file order or on how many prompts were asked for.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import random
+import sys
+import sysconfig
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+ROLES = ("system", "user", "assistant")
+
+
+class PromptFileError(ValueError):
+    """A prompt file is malformed; the message names file, line/row and field."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: tuple[tuple[str, str], ...]  # (role, content)
+
+    @property
+    def seq_id(self) -> str:
+        return hashlib.sha256(json.dumps(self.messages).encode()).hexdigest()[:16]
+
+    def prompt_and_answer(self, *, regenerate: bool) -> tuple[list[dict[str, str]], Optional[str]]:
+        """Split into the prompt messages and the answer to train on.
+
+        regenerate=True: the prompt ends at the last user turn; the target writes the answer.
+        regenerate=False: the last assistant turn is the answer, everything before is prompt.
+        """
+        msgs = [{"role": r, "content": c} for r, c in self.messages]
+        if regenerate:
+            while msgs and msgs[-1]["role"] == "assistant":
+                msgs.pop()
+            return msgs, None
+        if not msgs or msgs[-1]["role"] != "assistant":
+            raise ValueError("regenerate=false needs conversations that end with an assistant turn")
+        return msgs[:-1], msgs[-1]["content"]
+
+
+def _conversation(record: Any, where: str) -> Conversation:
+    if not isinstance(record, dict):
+        raise PromptFileError(f"{where}: expected a JSON object with 'messages' or 'conversations', got {type(record).__name__}")
+    if "messages" in record:
+        turns, role_key, content_key, roles = record["messages"], "role", "content", {r: r for r in ROLES}
+    elif "conversations" in record:
+        turns, role_key, content_key, roles = record["conversations"], "from", "value", SHAREGPT_ROLES
+    else:
+        raise PromptFileError(f"{where}: expected a field 'messages' (OpenAI) or 'conversations' (ShareGPT); found {sorted(record)}")
+    if not isinstance(turns, (list, tuple)) or not turns:
+        raise PromptFileError(f"{where}: field {'messages' if role_key == 'role' else 'conversations'!r} must be a non-empty list")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
+            raise PromptFileError(f"{where}: turn {i} must be an object with {role_key!r} and {content_key!r}")
+        role = roles.get(str(turn[role_key]).lower())
+        if role is None:
+            raise PromptFileError(f"{where}: turn {i} field {role_key!r} is {turn[role_key]!r}; expected one of {sorted(roles)}")
+        if not isinstance(turn[content_key], str):
+            raise PromptFileError(f"{where}: turn {i} field {content_key!r} must be a string")
+        out.append((role, turn[content_key]))
+    if not any(r == "user" for r, _ in out):
+        raise PromptFileError(f"{where}: no user turn")
+    return Conversation(tuple(out))
+
+
+def read_jsonl(path: Path) -> Iterator[Conversation]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptFileError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from e
+            yield _conversation(record, f"{path}:{n}")
+
+
+def read_records(records: Iterable[dict[str, Any]], where: str) -> Iterator[Conversation]:
+    for n, record in enumerate(records):
+        yield _conversation(record, f"{where} row {n}")
+
+
+def load_source(source: str, *, split: str = "train") -> Iterator[Conversation]:
+    """``bundled``, a .jsonl/.json/.parquet file, a directory saved by ``datasets``, or a hub name."""
+    if source == "bundled":
+        yield from bundled_conversations()
+        return
+    path = Path(source).expanduser()
+    if path.suffix in (".jsonl", ".json") and path.is_file():
+        yield from read_jsonl(path)
+    elif path.suffix == ".parquet" and path.is_file():
+        import pyarrow.parquet as pq
+
+        yield from read_records(pq.read_table(path).to_pylist(), str(path))
+    elif path.is_dir():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[split]
+        yield from read_records(ds, str(path))
+    elif path.suffix in (".jsonl", ".json", ".parquet") or source.startswith(("/", ".", "~")):
+        raise PromptFileError(f"{path}: missing file; data.source must be 'bundled', a .jsonl/.parquet file, or a dataset")
+    else:
+        import datasets
+
+        yield from read_records(datasets.load_dataset(source, split=split), source)
+
+
+def dedupe_and_split(
+    conversations: Iterable[Conversation], *, val_fraction: float, limit: Optional[int] = None
+) -> dict[str, list[Conversation]]:
+    """Drop exact duplicates (by content), then split by content hash (deterministic)."""
+    seen: set[str] = set()
+    out: dict[str, list[Conversation]] = {"train": [], "val": []}
+    for conv in conversations:
+        key = conv.seq_id
+        if key in seen:
+            continue
+        seen.add(key)
+        split = "val" if int(key[:8], 16) / 16**8 < val_fraction else "train"
+        out[split].append(conv)
+        if limit is not None and len(seen) >= limit:
+            break
+    return out
+
+
+# --- bundled offline default ----------------------------------------------------------------
+
+_DOC_TASKS = (
+    "Summarize the following documentation in three sentences:\n\n{text}",
+    "Explain, for a new Python programmer, what this module is for:\n\n{text}",
+    "List the key points of this text as bullet points:\n\n{text}",
+    "Write a short tutorial introduction based on this description:\n\n{text}",
+)
+_CODE_TASKS = (
+    "Explain what this Python function does, step by step:\n\n```python\n{text}\n```",
+    "Write a docstring for this Python function:\n\n```python\n{text}\n```",
+    "Suggest a unit test for this function:\n\n```python\n{text}\n```",
+    "Rewrite this function to be clearer, keeping its behaviour:\n\n```python\n{text}\n```",
+)
+_PACKAGE_TASKS = (
+    "What problem does the Python package '{name}' solve? Its description says:\n\n{text}",
+    "Write a short README quick-start for '{name}', based on this summary:\n\n{text}",
+)
+
+
+def _clip(text: str, max_chars: int) -> str:
+    text = text.strip()
+    return text if len(text) <= max_chars else text[:max_chars].rsplit(" ", 1)[0] + " ..."
+
+
+def _stdlib_snippets(max_files: int = 400) -> Iterator[tuple[str, str, str]]:
+    """(kind, name, text) from the stdlib's source: module docstrings and small functions."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))[:max_files]
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        doc = ast.get_docstring(tree)
+        if doc and len(doc) > 200:
+            yield "doc", path.stem, doc
+        source = path.read_text(encoding="utf-8").splitlines()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and node.end_lineno:
+                body = "\n".join(source[node.lineno - 1 : node.end_lineno])
+                if 150 < len(body) < 1500:
+                    yield "code", f"{path.stem}.{node.name}", body
+                    break
+
+
+def _package_descriptions() -> Iterator[tuple[str, str, str]]:
+    for dist in sorted(metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        name = dist.metadata["Name"]
+        text = dist.metadata.get("Summary") or ""
+        desc = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else dist.metadata.get("Description")
+        if desc and len(str(desc)) > 200:
+            text = f"{text}\n\n{desc}"
+        if name and len(text) > 120:
+            yield "package", name, text
+
+
+def bundled_conversations(*, seed: int = 0, max_chars: int = 1500) -> Iterator[Conversation]:
+    """A few hundred varied single-turn instructions from text every machine has: the Python
+    standard library's docstrings and source, and installed packages' descriptions."""
+    rng = random.Random(seed)
+    items = [*_stdlib_snippets(), *_package_descriptions()]
+    rng.shuffle(items)  # mix kinds, so a prefix of the list is as varied as the whole
+    for kind, name, text in items:
+        if kind == "package":
+            task = rng.choice(_PACKAGE_TASKS).format(name=name, text=_clip(text, max_chars))
+        elif kind == "code":
+            task = rng.choice(_CODE_TASKS).format(text=_clip(text, max_chars))
+        else:
+            task = rng.choice(_DOC_TASKS).format(text=_clip(text, max_chars))
+        yield Conversation((("user", task),))
+
+
+if __name__ == "__main__":  # quick look: python -m data_tools.prompts
+    convs = dedupe_and_split(bundled_conversations(), val_fraction=0.05)
+    print({k: len(v) for k, v in convs.items()}, file=sys.stderr)
+    print(convs["train"][0].messages[0][1][:500])

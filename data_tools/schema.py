@@ -1,0 +1,157 @@
+"""The hidden-state shard format, declared once. The extractor writes it, ``dspark.shards``
+reads it, ``data_tools.verify`` checks it.
+
+Layout of a dataset directory::
+
+    manifest.json                  dataset header + one entry per complete shard
+    train/shard-00000.parquet      one row per sequence (schema below)
+    train/shard-00000.json         sidecar written after the shard: rows, tokens, sha256, bytes
+    val/...
+
+A row holds one sequence of ``num_tokens`` = T token ids (prompt + answer, chat template
+applied) and the target states for its first T-1 positions: row t of ``hidden_states`` is the
+state after reading ``input_ids[:t+1]``; the last token has no successor to predict, so it
+needs no state. ``hidden_states`` is raw little-endian bytes of shape [T-1, n_layers, H] in
+the manifest's ``dtype`` (raw bytes decode ~5x faster than Parquet list columns and load
+zero-copy into torch). ``loss_mask`` is 1 where the token is part of the answer.
+
+Imports pyarrow and the stdlib only, so it runs in a vLLM-only environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+STORE_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+COMPRESSIONS = ("none", "zstd")
+
+SCHEMA = pa.schema(
+    [
+        pa.field("seq_id", pa.string(), nullable=False),  # stable id of the prompt (content hash)
+        pa.field("num_tokens", pa.int32(), nullable=False),  # T
+        pa.field("input_ids", pa.list_(pa.int32()), nullable=False),  # [T]
+        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),  # [T], 1 on answer tokens
+        pa.field("hidden_states", pa.large_binary(), nullable=False),  # [T-1, n_layers, H] raw bytes
+    ],
+    metadata={"dspark_schema_version": str(SCHEMA_VERSION)},
+)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+@dataclass
+class ShardInfo:
+    split: str
+    name: str
+    rows: int
+    tokens: int
+    bytes: int
+    sha256: str
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Prompts of this shard's slice left out, by reason."""
+
+    @property
+    def path(self) -> str:
+        return f"{self.split}/{self.name}.parquet"
+
+
+@dataclass
+class Manifest:
+    """What a dataset was made from. Resume refuses a directory whose header differs."""
+
+    target: str
+    target_path: str
+    revision: Optional[str]
+    architecture: str
+    tokenizer_sha256: str
+    chat_template_sha256: str
+    layer_ids: list[int]
+    """Captured ids, final state last (``layer_id_convention``)."""
+    num_hidden_layers: int
+    hidden_size: int
+    dtype: str
+    compression: str
+    prompt_set_sha256: str = ""
+    """Hash of the ordered prompt ids per split and the generation settings: a resume with
+    other prompts would assign different prompts to the same shard names."""
+    rows_per_shard: int = 0
+    layer_id_convention: str = "hf_hidden_states"
+    schema_version: int = SCHEMA_VERSION
+    shards: list[ShardInfo] = field(default_factory=list)
+    complete: bool = False
+
+    HEADER_FIELDS = (
+        "schema_version", "target", "architecture", "tokenizer_sha256", "chat_template_sha256",
+        "layer_ids", "layer_id_convention", "num_hidden_layers", "hidden_size", "dtype", "prompt_set_sha256", "rows_per_shard",
+    )
+
+    def header_differences(self, other: "Manifest") -> list[str]:
+        return [
+            f"{k}: directory has {getattr(other, k)!r}, this run has {getattr(self, k)!r}"
+            for k in self.HEADER_FIELDS
+            if getattr(self, k) != getattr(other, k)
+        ]
+
+    @property
+    def bytes_per_value(self) -> int:
+        return STORE_DTYPES[self.dtype]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def load(cls, directory: Path) -> "Manifest":
+        path = Path(directory) / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing file; not a dataset directory written by data_tools.extract")
+        data = json.loads(path.read_text())
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ValueError(
+                f"{path}: field 'schema_version' is {data.get('schema_version')!r}, this code reads {SCHEMA_VERSION}"
+            )
+        data["shards"] = [ShardInfo(**s) for s in data.get("shards", [])]
+        return cls(**data)
+
+    def save(self, directory: Path) -> None:
+        atomic_write_text(Path(directory) / MANIFEST, self.to_json())
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def text_sha256(text: Optional[str]) -> str:
+    return hashlib.sha256((text or "").encode()).hexdigest()
+
+
+def check_row(row: dict[str, Any], *, n_layers: int, hidden_size: int, bytes_per_value: int) -> Optional[str]:
+    """Return what is wrong with one decoded row, or None."""
+    t = row["num_tokens"]
+    if len(row["input_ids"]) != t or len(row["loss_mask"]) != t:
+        return f"input_ids/loss_mask length {len(row['input_ids'])}/{len(row['loss_mask'])} != num_tokens {t}"
+    expected = (t - 1) * n_layers * hidden_size * bytes_per_value
+    if len(row["hidden_states"]) != expected:
+        return f"hidden_states has {len(row['hidden_states'])} bytes, expected {expected} = ({t}-1)x{n_layers}x{hidden_size}x{bytes_per_value}"
+    return None
