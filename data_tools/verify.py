@@ -1,0 +1,122 @@
+"""Check a hidden-state dataset: every shard re-read, and a sample recomputed with transformers.
+
+    python -m data_tools.verify outputs/data/smollm2-135m [--recompute 4] [--max-rel-err 1e-4]
+
+Integrity: each planned shard is present, matches its sidecar's size and sha256, has the
+declared schema, every row has consistent lengths and byte counts, and no value is NaN/inf.
+Numerics: on ``--recompute`` sampled sequences, the target is rerun in transformers and the
+max relative error per captured layer (||stored - ref|| / ||ref|| per sequence) is printed;
+above ``--max-rel-err`` the command fails. Exit status 0 only when everything holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from data_tools.schema import SCHEMA, SPLITS, Manifest, ShardInfo, check_row, file_sha256
+from dspark.layers import reference_hidden_states
+from dspark.shards import decode_hidden_states
+
+
+def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[dict]]:
+    """Return (problems, sample pool of decoded rows' locations)."""
+    problems: list[str] = []
+    pool: list[dict] = []
+    recorded = {info.path: info for info in manifest.shards}
+    sidecars = {f"{p.parent.name}/{p.stem}.parquet": p for s in SPLITS for p in sorted((directory / s).glob("shard-*.json"))}
+    on_disk = {f"{p.parent.name}/{p.name}" for s in SPLITS for p in (directory / s).glob("shard-*.parquet")}
+    for path in sorted(set(recorded) | set(sidecars) | on_disk):
+        info = recorded.get(path) or (ShardInfo(**json.loads(sidecars[path].read_text())) if path in sidecars else None)
+        file = directory / path
+        if info is None:
+            problems.append(f"{file}: shard without a sidecar (unfinished write?); resume rebuilds it")
+            continue
+        if not file.is_file():
+            problems.append(f"{file}: missing shard ({info.rows} rows recorded); resume rebuilds it")
+            continue
+        size = file.stat().st_size
+        if size != info.bytes or file_sha256(file) != info.sha256:
+            problems.append(f"{file}: size/sha256 differ from its sidecar ({size} vs {info.bytes} bytes); truncated or altered, resume rebuilds it")
+            continue
+        try:
+            table = pq.read_table(file)
+        except Exception as e:  # noqa: BLE001 - any decode failure is a corrupt shard
+            problems.append(f"{file}: unreadable Parquet ({e})")
+            continue
+        if not table.schema.remove_metadata().equals(SCHEMA.remove_metadata()):
+            problems.append(f"{file}: schema {table.schema} differs from data_tools.schema.SCHEMA")
+            continue
+        if table.num_rows != info.rows:
+            problems.append(f"{file}: {table.num_rows} rows, sidecar says {info.rows}")
+        for i, row in enumerate(table.to_pylist()):
+            bad = check_row(row, n_layers=len(manifest.layer_ids), hidden_size=manifest.hidden_size,
+                            bytes_per_value=manifest.bytes_per_value)
+            if bad:
+                problems.append(f"{file}: row {i} ({row['seq_id']}): {bad}")
+                continue
+            hs = decode_hidden_states(row["hidden_states"], dtype=manifest.dtype, n_layers=len(manifest.layer_ids),
+                                      hidden=manifest.hidden_size)
+            if not torch.isfinite(hs).all():
+                problems.append(f"{file}: row {i} ({row['seq_id']}): NaN/inf in hidden_states")
+                continue
+            pool.append({"file": file, "row": i, "ids": row["input_ids"], "hs": hs})
+    if not manifest.complete:
+        problems.append(f"{directory / 'manifest.json'}: field 'complete' is false; some planned shards are missing")
+    return problems, pool
+
+
+def recompute_errors(manifest: Manifest, pool: list[dict], n: int, seed: int = 0) -> dict[int, float]:
+    """Max relative error per layer id over ``n`` sampled sequences, against transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(manifest.target_path, dtype=torch.float32)
+    model.eval()
+    worst = {i: 0.0 for i in manifest.layer_ids}
+    for item in random.Random(seed).sample(pool, min(n, len(pool))):
+        ids = torch.tensor(item["ids"][:-1])
+        ref = reference_hidden_states(model, ids, manifest.layer_ids)  # [T-1, L, H]
+        stored = item["hs"].float()
+        for j, layer in enumerate(manifest.layer_ids):
+            err = ((stored[:, j] - ref[:, j]).norm() / ref[:, j].norm().clamp_min(1e-12)).item()
+            worst[layer] = max(worst[layer], err)
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m data_tools.verify", description=__doc__.split("\n\n")[0])
+    ap.add_argument("directory", type=Path, help="dataset directory (holds manifest.json)")
+    ap.add_argument("--recompute", type=int, default=4, metavar="N", help="sequences to recompute with transformers (0: skip)")
+    ap.add_argument("--max-rel-err", type=float, default=None,
+                    help="fail above this relative error (default 1e-4 for float32 shards, 1e-2 for 16-bit)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the report here")
+    args = ap.parse_args(argv)
+
+    manifest = Manifest.load(args.directory)
+    problems, pool = check_shards(args.directory, manifest)
+    rows = len(pool)
+    print(f"{args.directory}: {len(manifest.shards)} shards in manifest, {rows} rows decoded, {len(problems)} problems")
+    for p in problems:
+        print(f"  PROBLEM {p}")
+    errors: dict[int, float] = {}
+    limit = args.max_rel_err if args.max_rel_err is not None else (1e-4 if manifest.dtype == "float32" else 1e-2)
+    if args.recompute and pool:
+        errors = recompute_errors(manifest, pool, args.recompute)
+        print(f"max relative error per layer over {min(args.recompute, rows)} sequences (limit {limit:g}):")
+        for layer, err in errors.items():
+            print(f"  layer {layer:>4}: {err:.3e}{'  TOO HIGH' if err > limit else ''}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "problems": problems, "max_rel_err": errors, "limit": limit}, indent=2))
+    ok = not problems and all(e <= limit for e in errors.values())
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Reader for the hidden-state shards that ``data_tools.extract`` writes (format in
+``data_tools.schema``).
+
+Parquet is the storage format; for training each shard is converted once into an uncompressed
+Arrow IPC file (``<dataset>/.arrow_cache/``) that is memory-mapped, so a random sequence is a
+few pointer lookups and its hidden states are a zero-copy torch view of the page cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from data_tools.schema import SCHEMA, Manifest, ShardInfo
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Sequence:
+    """One training sequence. Shape symbols: T tokens, L captured layers, H target hidden."""
+
+    seq_id: str
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool, True on answer tokens
+    hidden_states: torch.Tensor  # [T-1, L, H]; row t = state after input_ids[:t+1]; read-only view
+
+
+def decode_hidden_states(buf: memoryview | bytes | pa.Buffer, *, dtype: str, n_layers: int, hidden: int) -> torch.Tensor:
+    """Raw little-endian bytes -> [T-1, L, H] without copying (the result must not be written)."""
+    with warnings.catch_warnings():  # torch warns that the buffer is read-only; we never write it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buf, dtype=TORCH_DTYPES[dtype]) if len(buf) else torch.empty(0, dtype=TORCH_DTYPES[dtype])
+    return flat.view(-1, n_layers, hidden)
+
+
+class ShardDataset:
+    """Random access by sequence over one split of a dataset directory."""
+
+    def __init__(self, directory: str | Path, split: str = "train", *, require_complete: bool = True):
+        self.directory = Path(directory)
+        self.manifest = Manifest.load(self.directory)
+        if require_complete and not self.manifest.complete:
+            raise ValueError(f"{self.directory / 'manifest.json'}: field 'complete' is false; finish or resume extraction first")
+        self.split = split
+        self.shards = [s for s in self.manifest.shards if s.split == split and s.rows > 0]
+        self._batches: list[pa.RecordBatch] = []
+        self._starts: list[int] = []  # global index of each batch's first row
+        total = 0
+        for info in self.shards:
+            for batch in self._open(info):
+                self._batches.append(batch)
+                self._starts.append(total)
+                total += batch.num_rows
+        self._len = total
+        self.n_layers = len(self.manifest.layer_ids)
+        self.hidden_size = self.manifest.hidden_size
+
+    def _open(self, info: ShardInfo) -> list[pa.RecordBatch]:
+        cache = self.directory / ".arrow_cache" / info.split / f"{info.name}-{info.sha256[:12]}.arrow"
+        if not cache.is_file():
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            table = pq.read_table(self.directory / info.path, schema=SCHEMA)
+            tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+                writer.write_table(table, max_chunksize=16)
+            os.replace(tmp, cache)
+        reader = pa.ipc.open_file(pa.memory_map(str(cache), "r"))
+        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> Sequence:
+        if not 0 <= index < self._len:
+            raise IndexError(f"sequence {index} out of range for {self._len} in {self.directory}/{self.split}")
+        b = bisect.bisect_right(self._starts, index) - 1
+        batch, row = self._batches[b], index - self._starts[b]
+        hs = batch.column(4)
+        offsets = np.frombuffer(hs.buffers()[1], dtype=np.int64, count=len(hs) + 1, offset=hs.offset * 8)
+        data = hs.buffers()[2]
+        start, end = int(offsets[row]), int(offsets[row + 1])
+        ids = batch.column(2)[row].values.to_numpy(zero_copy_only=True)
+        mask = batch.column(3)[row].values.to_numpy(zero_copy_only=True)
+        return Sequence(
+            seq_id=batch.column(0)[row].as_py(),
+            input_ids=torch.from_numpy(ids.astype(np.int64)),
+            loss_mask=torch.from_numpy(mask.astype(bool)),
+            hidden_states=decode_hidden_states(
+                memoryview(data)[start:end], dtype=self.manifest.dtype, n_layers=self.n_layers, hidden=self.hidden_size
+            ),
+        )
+
+    def rank_indices(self, *, rank: int, world_size: int, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> list[int]:
+        """This data-parallel rank's sequence indices for an epoch: one permutation shared by all
+        ranks (seeded by seed and epoch), cut to a multiple of world_size, then strided."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        order = list(range(self._len))
+        if shuffle:
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        usable = (self._len // world_size) * world_size
+        return order[:usable][rank::world_size]
+
+    def iter_rank(self, *, rank: int, world_size: int, seed: int = 0, epoch: int = 0, start: int = 0) -> Iterator[Sequence]:
+        """Sequences for one rank and epoch, from position ``start`` (resume mid-epoch)."""
+        for i in self.rank_indices(rank=rank, world_size=world_size, seed=seed, epoch=epoch)[start:]:
+            yield self[i]
+
+
+def open_dataset(directory: str | Path, split: str = "train", *, expect_layer_ids: Optional[list[int]] = None,
+                 expect_hidden_size: Optional[int] = None) -> ShardDataset:
+    """Open a split and check it was captured for the layers/width the drafter expects."""
+    ds = ShardDataset(directory, split)
+    m = ds.manifest
+    if expect_layer_ids is not None and list(m.layer_ids) != list(expect_layer_ids):
+        raise ValueError(f"{ds.directory / 'manifest.json'}: field 'layer_ids' is {m.layer_ids}, the config expects {expect_layer_ids}")
+    if expect_hidden_size is not None and m.hidden_size != expect_hidden_size:
+        raise ValueError(f"{ds.directory / 'manifest.json'}: field 'hidden_size' is {m.hidden_size}, the config expects {expect_hidden_size}")
+    return ds
