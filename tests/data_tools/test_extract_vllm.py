@@ -1,0 +1,131 @@
+"""Extraction in real vLLM (CPU) on the embedded target: capture accuracy, resume after kill -9,
+rebuild of a damaged shard, refusal to mix datasets. Slow: each run starts vLLM (~40 s)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_tools.schema import Manifest
+from dspark.shards import ShardDataset
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Name three uses of a hash table.",
+    "What does the Python keyword 'yield' do?",
+    "Write one sentence about the sea.",
+    "Explain recursion to a child.",
+    "What is the capital of France?",
+    "Give an example of a list comprehension.",
+    "word " * 300,  # longer than the 192-token window: skipped and counted
+    "What is the capital of France?",  # duplicate: dropped
+]
+
+
+def _cmd(prompts: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "data_tools.extract", "+experiment=smollm2_cpu_demo", f"data.source={prompts}",
+            f"data.shards_dir={out}", "data.rows_per_shard=2", "data.max_new_tokens=12", "data.max_seq_len=192",
+            "data.val_fraction=0.3", "data.vllm.cpu_kvcache_gib=1", f"hydra.run.dir={out}_hydra", *extra]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def _verify(directory: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "data_tools.verify", str(directory), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def _rows(directory: Path) -> dict:
+    rows = {}
+    for split in ("train", "val"):
+        ds = ShardDataset(directory, split)
+        for i in range(len(ds)):
+            s = ds[i]
+            assert s.seq_id not in rows, f"{s.seq_id} twice"
+            rows[s.seq_id] = (split, s.input_ids.tolist(), s.loss_mask.tolist(), s.hidden_states.clone())
+    return rows
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": p}]}) for p in PROMPTS) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prompts, smollm2_dir) -> Path:
+    """One uninterrupted run."""
+    out = tmp_path_factory.mktemp("ref") / "ds"
+    _run(_cmd(prompts, out))
+    return out
+
+
+def test_uninterrupted_run(reference):
+    m = Manifest.load(reference)
+    assert m.complete and m.layer_ids == [1, 8, 15, 22, 29, 30] and m.hidden_size == 576
+    assert sum(s.rows for s in m.shards) == 6  # 8 prompts - 1 duplicate - 1 overlong
+    assert sum(sum(s.skipped.values()) for s in m.shards) == 1
+    assert {s.split for s in m.shards} == {"train", "val"}
+    rows = _rows(reference)
+    for split, ids, mask, hs in rows.values():
+        n_answer = sum(mask)
+        assert 1 <= n_answer <= 12 and mask[-n_answer:] == [1] * n_answer  # the target's own answer
+        assert hs.shape == (len(ids) - 1, 6, 576)
+    # per-request safetensors files are gone once packed
+    assert not list(reference.rglob("*.safetensors")) and not (reference / "_work").exists()
+
+
+def test_verify_recomputes_within_1e_4(reference):
+    out = _verify(reference, "--recompute", "3", "--json", str(reference.parent / "verify.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads((reference.parent / "verify.json").read_text())
+    assert not report["problems"] and report["rows"] == 6
+    assert len(report["max_rel_err"]) == 6 and max(report["max_rel_err"].values()) < 1e-4
+
+
+def test_kill_resume_and_rebuild_match_uninterrupted_run(tmp_path, prompts, reference):
+    out = tmp_path / "ds"
+    proc = subprocess.Popen(_cmd(prompts, out), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while not (out / "train" / "shard-00000.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "extraction ended before the first shard"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole job: driver, engine core and worker
+    proc.wait()
+    assert not Manifest.load(out).complete
+
+    _run(_cmd(prompts, out))
+    expected, got = _rows(reference), _rows(out)
+    assert got.keys() == expected.keys()
+    for seq_id, (split, ids, mask, hs) in expected.items():
+        assert got[seq_id][:3] == (split, ids, mask)
+        torch.testing.assert_close(got[seq_id][3], hs, rtol=1e-5, atol=1e-5)
+
+    # a truncated shard: verify names it, resume rebuilds it
+    shard = out / "train" / "shard-00001.parquet"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    bad = _verify(out, "--recompute", "0")
+    assert bad.returncode == 1 and f"{shard}: size/sha256 differ" in bad.stdout
+    _run(_cmd(prompts, out))
+    assert _verify(out, "--recompute", "0").returncode == 0
+    assert _rows(out).keys() == expected.keys()
+
+
+def test_resume_into_a_different_dataset_is_refused(tmp_path, prompts, reference):
+    out = subprocess.run(_cmd(prompts, reference, "target.layer_ids=[2,9]"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    assert "refusing to resume into a dataset made differently: layer_ids: directory has [1, 8, 15, 22, 29, 30], this run has [2, 9, 30]" in out.stderr

@@ -1,0 +1,85 @@
+"""The shard reader on shards written in the declared schema."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from data_tools.extract import finalize, write_shard
+from data_tools.schema import Manifest
+from dspark.shards import ShardDataset, open_dataset
+
+
+def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=8, val_rows=1):
+    """Random sequences written through the extractor's own writer and finaliser."""
+    gen = torch.Generator().manual_seed(0)
+    Manifest(target="toy", target_path="/x", revision=None, architecture="LlamaForCausalLM", tokenizer_sha256="t",
+             chat_template_sha256="c", layer_ids=list(range(n_layers - 1)) + [4], num_hidden_layers=4,
+             hidden_size=hidden, dtype=dtype, compression="zstd").save(directory)
+    store = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    written, units = {}, []
+    for split, counts in (("train", rows), ("val", (val_rows,))):
+        for k, n in enumerate(counts):
+            shard_rows = []
+            for r in range(n):
+                t = int(torch.randint(3, 12, (1,), generator=gen))
+                hs = torch.randn(t - 1, n_layers, hidden, generator=gen).to(store)
+                ids = torch.randint(0, 100, (t,), generator=gen).tolist()
+                row = {"seq_id": f"{split}{k}-{r}", "num_tokens": t, "input_ids": ids, "loss_mask": [0] * 2 + [1] * (t - 2),
+                       "hidden_states": hs.contiguous().view(torch.uint8).numpy().tobytes()}
+                shard_rows.append(row)
+                written[row["seq_id"]] = (ids, hs)
+            write_shard(shard_rows, directory, split, k, "zstd", Counter())
+            units.append((split, k))
+    finalize(directory, units)
+    return written
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_random_access_round_trips(tmp_path, dtype):
+    written = make_dataset(tmp_path, dtype=dtype)
+    ds = ShardDataset(tmp_path, "train")
+    assert len(ds) == 5 and len(ShardDataset(tmp_path, "val")) == 1
+    for i in reversed(range(len(ds))):
+        seq = ds[i]
+        ids, hs = written[seq.seq_id]
+        assert seq.input_ids.tolist() == ids and seq.input_ids.dtype == torch.int64
+        assert seq.loss_mask.dtype == torch.bool and int(seq.loss_mask.sum()) == len(ids) - 2
+        assert seq.hidden_states.dtype == hs.dtype and torch.equal(seq.hidden_states, hs)
+    with pytest.raises(IndexError, match="sequence 5 out of range for 5"):
+        ds[5]
+
+
+def test_states_are_zero_copy_views_of_the_mapped_file(tmp_path):
+    make_dataset(tmp_path)
+    ds = ShardDataset(tmp_path)
+    a, b = ds[0].hidden_states, ds[0].hidden_states
+    assert a.data_ptr() == b.data_ptr()  # same mapped bytes, no per-read copy
+    assert (tmp_path / ".arrow_cache" / "train").is_dir()
+
+
+def test_rank_iterators_partition_each_epoch(tmp_path):
+    make_dataset(tmp_path, rows=(4, 4, 3))
+    ds = ShardDataset(tmp_path)
+    parts = [ds.rank_indices(rank=r, world_size=2, seed=1, epoch=0) for r in range(2)]
+    assert len(parts[0]) == len(parts[1]) == 5 and not set(parts[0]) & set(parts[1])
+    assert parts != [ds.rank_indices(rank=r, world_size=2, seed=1, epoch=1) for r in range(2)]  # reshuffled per epoch
+    assert [s.seq_id for s in ds.iter_rank(rank=1, world_size=2, seed=1, start=3)] == [ds[i].seq_id for i in parts[1][3:]]
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        ds.rank_indices(rank=2, world_size=2)
+
+
+def test_open_dataset_checks_layers_and_width(tmp_path):
+    make_dataset(tmp_path)
+    with pytest.raises(ValueError, match=r"manifest.json: field 'layer_ids' is \[0, 1, 4\], the config expects \[1, 2, 4\]"):
+        open_dataset(tmp_path, expect_layer_ids=[1, 2, 4])
+    with pytest.raises(ValueError, match=r"field 'hidden_size' is 8, the config expects 576"):
+        open_dataset(tmp_path, expect_hidden_size=576)
+
+
+def test_incomplete_dataset_is_refused(tmp_path):
+    make_dataset(tmp_path)
+    (tmp_path / "train" / "shard-00001.parquet").unlink()
+    finalize(tmp_path, [("train", 0), ("train", 1)])
+    with pytest.raises(ValueError, match="field 'complete' is false"):
+        ShardDataset(tmp_path)
