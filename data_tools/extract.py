@@ -15,6 +15,7 @@ across ``data.rank``/``data.world_size`` (default: the Slurm array index and cou
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -129,11 +130,9 @@ def plan_requests(
 # --- the vLLM engine -------------------------------------------------------------------------
 
 
-def make_engine(target: TargetConfig, target_path: Path, capture_ids: list[int], data: DictConfig, work_dir: Path):
-    from vllm import LLM
-
+def engine_kwargs(target: TargetConfig, target_path: Path, capture_ids: list[int], data: DictConfig, work_dir: Path) -> dict[str, Any]:
+    """Arguments for ``vllm.LLM``/``EngineArgs``: the target plus hidden-state capture."""
     on_cpu = not torch.cuda.is_available()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(data.vllm.cpu_kvcache_gib))
     connector: dict[str, Any] = {
         "kv_connector": "CPUHiddenStatesConnector" if on_cpu else "ExampleHiddenStatesConnector",
         "kv_role": "kv_producer",
@@ -141,7 +140,9 @@ def make_engine(target: TargetConfig, target_path: Path, capture_ids: list[int],
     }
     if on_cpu:  # the stock connector copies through pinned CUDA memory
         connector["kv_connector_module_path"] = "data_tools.cpu_connector"
-    return LLM(
+    extra = OmegaConf.to_container(data.vllm.engine_kwargs, resolve=True)
+    assert isinstance(extra, dict)
+    return dict(
         model=str(target_path),
         dtype=target.dtype,
         tensor_parallel_size=target.tensor_parallel_size,
@@ -157,8 +158,27 @@ def make_engine(target: TargetConfig, target_path: Path, capture_ids: list[int],
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(capture_ids)}},
         },
         kv_transfer_config=connector,
-        **OmegaConf.to_container(data.vllm.engine_kwargs, resolve=True),  # type: ignore[arg-type]
+        **extra,
     )
+
+
+def make_engine(kwargs: dict[str, Any], data: DictConfig):
+    from vllm import LLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(data.vllm.cpu_kvcache_gib))
+    return LLM(**kwargs)
+
+
+def run_headless_workers(kwargs: dict[str, Any]) -> None:
+    """Nodes 1..n-1 of a multi-node (TP across nodes) engine: host this node's workers for the
+    engine that node 0 drives, until it shuts down. Same arguments as node 0."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    vllm_config = EngineArgs(**kwargs).create_engine_config(headless=True)
+    log.info("node %d/%d: headless vLLM workers for head %s", vllm_config.parallel_config.node_rank,
+             vllm_config.parallel_config.nnodes, vllm_config.parallel_config.master_addr)
+    MultiprocExecutor(vllm_config, monitor_workers=False).start_worker_monitor(inline=True)
 
 
 def capture_rows(llm: Any, requests: list[Request], data: DictConfig, *, n_layers: int, hidden: int) -> list[dict]:
@@ -306,13 +326,17 @@ def extract(cfg: DictConfig) -> Summary:
             todo.append((split, k))
     log.info("extract rank %d/%d: %d shards, %d already complete, %d to do -> %s", rank, world, len(mine),
              summary.shards_resumed, len(todo), out)
+    work = out / "_work" / f"rank{rank}"
+    kwargs = engine_kwargs(target, resolved.path, capture_ids, data, work)
+    if int(kwargs.get("node_rank", 0)) > 0:  # multi-node engine: node 0 drives, we host workers
+        run_headless_workers(kwargs)
+        return summary
     if todo:
-        work = out / "_work" / f"rank{rank}"
         shutil.rmtree(work, ignore_errors=True)  # request files of a killed run
         for split, _ in todo:
             for stale in (out / split).glob(".shard-*.tmp-*") if (out / split).is_dir() else []:
                 stale.unlink()
-        llm = make_engine(target, resolved.path, capture_ids, data, work)
+        llm = make_engine(kwargs, data)
         t0 = time.perf_counter()
         bar = tqdm(total=sum(len(splits[s][k * per:(k + 1) * per]) for s, k in todo), unit="seq", desc="extract", dynamic_ncols=True)
         for split, k in todo:
@@ -328,6 +352,8 @@ def extract(cfg: DictConfig) -> Summary:
             bar.update(len(requests) + sum(skipped.values()))
             bar.set_postfix(tok_s=f"{summary.tokens / summary.seconds:.0f}", shard=f"{split}/{k}")
         bar.close()
+        del llm  # shuts the engine down before later stages run in this process
+        gc.collect()
         shutil.rmtree(work, ignore_errors=True)
         if not any(work.parent.iterdir()):
             work.parent.rmdir()
