@@ -227,24 +227,45 @@ def capture_rows(llm: Any, requests: list[Request], data: DictConfig, *, n_layer
 # --- shards and resume -----------------------------------------------------------------------
 
 
+class ShardWriter:
+    """Write one shard in batches of rows (memory holds one batch, not the shard), under a
+    temporary name; ``finish`` fsyncs, renames it into place and then writes its sidecar."""
+
+    def __init__(self, directory: Path, split: str, index: int, compression: str):
+        self.dir = directory / split
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.name = shard_name(index)
+        self.split = split
+        self.final = self.dir / f"{self.name}.parquet"
+        self.tmp = self.dir / f".{self.name}.parquet.tmp-{os.getpid()}"
+        self.writer = pq.ParquetWriter(
+            self.tmp, SCHEMA, compression=None if compression == "none" else compression,
+            use_dictionary=False, write_statistics=["seq_id", "num_tokens"],
+        )
+        self.rows = self.tokens = 0
+
+    def write(self, rows: list[dict]) -> None:
+        if rows:
+            self.writer.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), row_group_size=16)
+            self.rows += len(rows)
+            self.tokens += sum(r["num_tokens"] for r in rows)
+
+    def finish(self, skipped: Counter) -> ShardInfo:
+        self.writer.close()
+        with open(self.tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(self.tmp, self.final)
+        info = ShardInfo(split=self.split, name=self.name, rows=self.rows, tokens=self.tokens,
+                         bytes=self.final.stat().st_size, sha256=file_sha256(self.final), skipped=dict(skipped))
+        atomic_write_text(self.dir / f"{self.name}.json", json.dumps(info.__dict__))
+        return info
+
+
 def write_shard(rows: list[dict], directory: Path, split: str, index: int, compression: str, skipped: Counter) -> ShardInfo:
-    """Write a shard atomically (temp name, fsync, rename), then its sidecar."""
-    out_dir = directory / split
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = shard_name(index)
-    final, tmp = out_dir / f"{name}.parquet", out_dir / f".{name}.parquet.tmp-{os.getpid()}"
-    table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    pq.write_table(
-        table, tmp, compression=None if compression == "none" else compression,
-        use_dictionary=False, write_statistics=["seq_id", "num_tokens"], row_group_size=16,
-    )
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    info = ShardInfo(split=split, name=name, rows=len(rows), tokens=sum(r["num_tokens"] for r in rows),
-                     bytes=final.stat().st_size, sha256=file_sha256(final), skipped=dict(skipped))
-    atomic_write_text(out_dir / f"{name}.json", json.dumps(info.__dict__))
-    return info
+    """Write a whole shard from rows in memory (tests, benchmarks)."""
+    writer = ShardWriter(directory, split, index, compression)
+    writer.write(rows)
+    return writer.finish(skipped)
 
 
 def complete_shard(directory: Path, split: str, index: int) -> Optional[ShardInfo]:
@@ -304,7 +325,7 @@ def extract(cfg: DictConfig) -> Summary:
 
     splits = dedupe_and_split(load_source(str(data.source), split=str(data.hf_split)),
                               val_fraction=float(data.val_fraction), limit=int(data.num_prompts))
-    prompt_set = text_sha256(",".join(f"{s}:{c.seq_id}" for s in SPLITS for c in splits[s]) + f"|{data.regenerate}|{data.max_new_tokens}|{data.max_seq_len}|{data.temperature}")
+    prompt_set = text_sha256(",".join(f"{s}:{c.seq_id}" for s in SPLITS for c in splits[s]) + f"|{data.regenerate}|{data.max_new_tokens}|{data.max_seq_len}|{data.temperature}|{data.seed}|{data.on_overlong}")
     manifest = build_manifest(target, resolved.path, tokenizer, tokenizer.chat_template, capture_ids, text_cfg, arch, data, prompt_set)
     with FileLock(str(out / ".manifest.lock")):
         if (out / "manifest.json").is_file():
@@ -333,24 +354,28 @@ def extract(cfg: DictConfig) -> Summary:
         return summary
     if todo:
         shutil.rmtree(work, ignore_errors=True)  # request files of a killed run
-        for split, _ in todo:
-            for stale in (out / split).glob(".shard-*.tmp-*") if (out / split).is_dir() else []:
+        for split, k in todo:  # partial files of this rank's shards from a killed run (not other ranks')
+            for stale in (out / split).glob(f".{shard_name(k)}.parquet.tmp-*"):
                 stale.unlink()
         llm = make_engine(kwargs, data)
         t0 = time.perf_counter()
         bar = tqdm(total=sum(len(splits[s][k * per:(k + 1) * per]) for s, k in todo), unit="seq", desc="extract", dynamic_ncols=True)
+        batch = int(data.batch_size)
         for split, k in todo:
             requests, skipped = plan_requests(splits[split][k * per:(k + 1) * per], tokenizer, data)
-            rows = capture_rows(llm, requests, data, n_layers=len(capture_ids), hidden=manifest.hidden_size) if requests else []
-            info = write_shard(rows, out, split, k, str(data.compression), skipped)
+            bar.update(sum(skipped.values()))
+            writer = ShardWriter(out, split, k, str(data.compression))
+            for b in range(0, len(requests), batch):
+                writer.write(capture_rows(llm, requests[b:b + batch], data, n_layers=len(capture_ids), hidden=manifest.hidden_size))
+                bar.update(len(requests[b:b + batch]))
+                bar.set_postfix(tok_s=f"{(summary.tokens + writer.tokens) / (time.perf_counter() - t0):.0f}", shard=f"{split}/{k}")
+            info = writer.finish(skipped)
             summary.rows += info.rows
             summary.tokens += info.tokens
             summary.bytes += info.bytes
             summary.skipped.update(skipped)
             summary.shards_written += 1
             summary.seconds = time.perf_counter() - t0
-            bar.update(len(requests) + sum(skipped.values()))
-            bar.set_postfix(tok_s=f"{summary.tokens / summary.seconds:.0f}", shard=f"{split}/{k}")
         bar.close()
         del llm  # shuts the engine down before later stages run in this process
         gc.collect()

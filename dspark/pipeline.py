@@ -17,9 +17,8 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Stages in pipeline order with the issue that delivers each one still missing.
+# Stages not built yet, with the issue that delivers each.
 PENDING_STAGES = [
-    ("extract", "hidden-state capture inside vLLM to Parquet shards (issue #3)"),
     ("train", "DeepSpeed training of the drafter (issue #4)"),
     ("export+eval", "vLLM export and AA-LCR-style acceptance eval (issue #5)"),
 ]
@@ -57,6 +56,12 @@ def prepare_target(cfg: DictConfig) -> TargetHeads:
 
 def run(cfg: DictConfig) -> PipelineResult:
     heads = prepare_target(cfg)
+    stages_run = ["target"]
+    if "extract" in cfg.stages:
+        from data_tools.extract import extract  # vLLM is imported only when the stage runs
+
+        extract(cfg)
+        stages_run.append("extract")
     drafter = to_object(cfg.drafter, DSparkConfig)
     log.info(
         "drafter: %d layers, block %d, Markov rank %d (%s), confidence head %s",
@@ -68,4 +73,4 @@ def run(cfg: DictConfig) -> PipelineResult:
     )
     for name, what in PENDING_STAGES:
         log.warning("stage %-11s not implemented yet: %s", name, what)
-    return PipelineResult(heads, drafter, ["target"], [n for n, _ in PENDING_STAGES])
+    return PipelineResult(heads, drafter, stages_run, [n for n, _ in PENDING_STAGES])

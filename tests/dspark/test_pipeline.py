@@ -1,12 +1,20 @@
-"""The main job on the embedded target: runs the stages that exist and reports the rest."""
+"""The main job (README's first command) on the embedded target."""
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
+
+from data_tools.schema import Manifest
 from dspark.pipeline import run
 
+REPO = Path(__file__).resolve().parents[2]
 
-def test_main_job_loads_target_and_reports_pending_stages(smollm2_dir, compose_config, caplog):
-    cfg = compose_config("+experiment=smollm2_cpu_demo")
+
+def test_target_stage_alone(smollm2_dir, compose_config, caplog):
+    cfg = compose_config("+experiment=smollm2_cpu_demo", "stages=[]")
     with caplog.at_level(logging.INFO):
         result = run(cfg)
     assert result.target.path == smollm2_dir
@@ -15,3 +23,17 @@ def test_main_job_loads_target_and_reports_pending_stages(smollm2_dir, compose_c
     assert "capture layers (transformers hidden_states ids): [1, 8, 15, 22, 29, 30]" in caplog.text
     for stage in result.stages_pending:
         assert f"stage {stage}" in caplog.text
+
+
+@pytest.mark.slow
+def test_main_job_extracts_a_dataset(tmp_path, smollm2_dir):
+    out = subprocess.run(
+        [sys.executable, "train.py", "+experiment=smollm2_cpu_demo", "data.num_prompts=3", "data.max_new_tokens=8",
+         f"data.shards_dir={tmp_path / 'ds'}", f"hydra.run.dir={tmp_path / 'run'}", "data.vllm.cpu_kvcache_gib=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = Manifest.load(tmp_path / "ds")
+    assert m.complete and sum(s.rows for s in m.shards) == 3
+    log = out.stdout + out.stderr  # Hydra logs to stdout, tqdm to stderr
+    assert "extract: 3 rows" in log and "stage train" in log
