@@ -103,6 +103,9 @@ class DSparkConfig:
     """Rank of the low-rank sequential Markov head; 0 turns it off (= DFlash)."""
     markov_head_type: str = "vanilla"
     """vanilla (served by vLLM), gated or rnn."""
+    mask_token_id: Optional[int] = None
+    """Token whose (frozen, shared) embedding fills the block's mask slots; None means the
+    tokenizer's unk token (else its eos)."""
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     """Feed the Markov embedding W1[x_{k-1}] into the confidence head."""

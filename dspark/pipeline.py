@@ -19,7 +19,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # Stages not built yet, with the issue that delivers each.
 PENDING_STAGES = [
-    ("train", "DeepSpeed training of the drafter (issue #4)"),
     ("export+eval", "vLLM export and AA-LCR-style acceptance eval (issue #5)"),
 ]
 
@@ -62,6 +61,11 @@ def run(cfg: DictConfig) -> PipelineResult:
 
         extract(cfg)
         stages_run.append("extract")
+    if "train" in cfg.stages:
+        from dspark.trainer import train  # DeepSpeed is imported only when the stage runs
+
+        train(cfg, heads)
+        stages_run.append("train")
     drafter = to_object(cfg.drafter, DSparkConfig)
     log.info(
         "drafter: %d layers, block %d, Markov rank %d (%s), confidence head %s",

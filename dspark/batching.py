@@ -1,0 +1,77 @@
+"""Sequences from the shard reader -> padded training batches, and the data position that
+checkpoints record so a resumed run neither skips nor repeats data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.shards import Sequence, ShardDataset
+
+
+@dataclass
+class Batch:
+    """Shape symbols: B sequences, T padded tokens, S = T-1, C = n_ctx_layers * Ht."""
+
+    seq_ids: list[str]
+    input_ids: torch.Tensor  # [B, T] int64, 0-padded
+    loss_mask: torch.Tensor  # [B, T] bool
+    lengths: torch.Tensor  # [B]
+    context_states: torch.Tensor  # [B, S, C]
+    final_states: torch.Tensor  # [B, S, Ht]
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> "Batch":
+        return Batch(self.seq_ids, self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device),
+                     self.context_states.to(device, dtype), self.final_states.to(device, dtype))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def collate(seqs: list[Sequence], *, context_index: list[int], final_index: int, max_len: int) -> Batch:
+    """Crop each sequence to ``max_len`` tokens and pad to the longest in the batch."""
+    lengths = [min(len(s.input_ids), max_len) for s in seqs]
+    t = max(lengths)
+    b, h = len(seqs), seqs[0].hidden_states.shape[-1]
+    ids = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    ctx = torch.zeros(b, t - 1, len(context_index), h, dtype=seqs[0].hidden_states.dtype)
+    fin = torch.zeros(b, t - 1, h, dtype=seqs[0].hidden_states.dtype)
+    for i, (s, n) in enumerate(zip(seqs, lengths)):
+        ids[i, :n] = s.input_ids[:n]
+        mask[i, :n] = s.loss_mask[:n]
+        ctx[i, : n - 1] = s.hidden_states[: n - 1, context_index]
+        fin[i, : n - 1] = s.hidden_states[: n - 1, final_index]
+    return Batch([s.seq_id for s in seqs], ids, mask, torch.tensor(lengths), ctx.flatten(2), fin)
+
+
+@dataclass
+class DataPosition:
+    epoch: int = 0
+    index: int = 0  # position in this rank's order for the epoch
+
+
+class RankBatches:
+    """Endless micro-batches for one data-parallel rank, resumable from a DataPosition."""
+
+    def __init__(self, ds: ShardDataset, *, rank: int, world_size: int, micro_batch: int, seed: int,
+                 context_index: list[int], final_index: int, max_len: int, position: DataPosition | None = None):
+        self.ds, self.rank, self.world, self.mb, self.seed = ds, rank, world_size, micro_batch, seed
+        self.collate_kw = dict(context_index=context_index, final_index=final_index, max_len=max_len)
+        self.pos = position or DataPosition()
+        if len(ds) // world_size < micro_batch:
+            raise ValueError(f"{ds.directory}/{ds.split}: {len(ds)} sequences cannot fill a micro batch of {micro_batch} on {world_size} ranks")
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> list[int]:
+        return self.ds.rank_indices(rank=self.rank, world_size=self.world, seed=self.seed, epoch=self.pos.epoch)
+
+    def next(self) -> Batch:
+        if self.pos.index + self.mb > len(self._order):
+            self.pos = DataPosition(self.pos.epoch + 1, 0)
+            self._order = self._epoch_order()
+        idx = self._order[self.pos.index: self.pos.index + self.mb]
+        self.pos = DataPosition(self.pos.epoch, self.pos.index + self.mb)
+        return collate([self.ds[i] for i in idx], **self.collate_kw)

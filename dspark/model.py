@@ -1,0 +1,308 @@
+"""The DSpark drafter: a non-causal block-diffusion backbone over target context, with a
+low-rank sequential Markov head and a confidence head (arXiv 2607.05147).
+
+Serving contract (vLLM 0.32 ``Qwen3DSparkModel``, mirrored here so training = serving):
+
+* context: the chosen target layers' states, concatenated per token, ``fc`` -> ``hidden_norm``;
+  in every layer that layer's ``k_proj``/``v_proj`` (+ ``k_norm``, RoPE at the context
+  position) turn it into extra keys/values. Queries come only from the block.
+* block for an anchor at position a (the last verified token):
+  ``sample_from_anchor=True``  inputs [x_a, m, ..., m] (gamma) at a..a+gamma-1; query i
+  predicts x_{a+i+1}.  ``False`` (DFlash): [x_a, m, ..., m] (1+gamma) at a..a+gamma; query i>=1
+  predicts x_{a+i}. Either way the gamma predictions target x_{a+1..a+gamma}.
+* a block sees context positions < a and all of its own tokens (non-causal), nothing else.
+* draft logits = lm_head(norm(h_k)) + W2(W1[x_{k-1}]) (Markov bias, teacher-forced in training;
+  x_{k-1} is the anchor for k=1); confidence = sigmoid(w . [h_k ; W1[x_{k-1}]] + b).
+
+Shape symbols: B batch, T tokens, S context positions (T-1), A anchors per sequence,
+Q block queries (gamma or 1+gamma), K = gamma predictions, H drafter hidden, C = n_ctx_layers *
+target hidden, V vocab, R Markov rank, N heads, D head dim.
+
+The model knows nothing of DeepSpeed, losses or logging.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.config import DSparkConfig
+
+
+@dataclass(frozen=True)
+class DrafterDims:
+    """DSparkConfig with every derived size filled in from the target."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    target_hidden_size: int
+    num_context_layers: int
+    mask_token_id: int
+
+
+def resolve_dims(cfg: DSparkConfig, *, target_config: dict, vocab_size: int, num_context_layers: int,
+                 mask_token_id: int) -> DrafterDims:
+    """Derive sizes left open in ``DSparkConfig`` from the target: width and head layout copy
+    the target's when the drafter is as wide as the target (the usual DFlash/DSpark choice)."""
+    t_hidden = int(target_config["hidden_size"])
+    hidden = cfg.hidden_size or t_hidden
+    if hidden == t_hidden and cfg.head_dim is None:
+        heads = int(target_config.get("num_attention_heads", cfg.num_attention_heads))
+        kv = int(target_config.get("num_key_value_heads", heads))
+        head_dim = int(target_config.get("head_dim") or hidden // heads)
+    else:
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        head_dim = cfg.head_dim or hidden // heads
+    if heads % kv:
+        raise ValueError(f"drafter heads {heads} must be a multiple of key/value heads {kv}")
+    return DrafterDims(hidden, cfg.intermediate_size or 3 * hidden, heads, kv, head_dim, vocab_size, t_hidden,
+                       num_context_layers, mask_token_id)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """NeoX-style rotary embedding. x: [B, N, L, D]; positions: [B, L]."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = positions.float()[:, None, :, None] * inv  # [B, 1, L, D/2]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dims: DrafterDims, cfg: DSparkConfig):
+        super().__init__()
+        self.n, self.nkv, self.d, self.theta = dims.num_heads, dims.num_kv_heads, dims.head_dim, cfg.rope_theta
+        self.q_proj = nn.Linear(dims.hidden_size, self.n * self.d, bias=False)
+        self.k_proj = nn.Linear(dims.hidden_size, self.nkv * self.d, bias=False)
+        self.v_proj = nn.Linear(dims.hidden_size, self.nkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.n * self.d, dims.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, l, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, l, self.nkv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(b, l, self.nkv, self.d).transpose(1, 2)
+        return rope(k, positions, self.theta), v
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, L, H] block tokens (all anchors' blocks, flattened)
+        positions: torch.Tensor,  # [B, L]
+        context: torch.Tensor,  # [B, S, H] normed context projection
+        context_positions: torch.Tensor,  # [B, S]
+        mask: torch.Tensor,  # [B, 1, L, S+L] bool, True = may attend
+    ) -> torch.Tensor:
+        b, l, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, l, self.n, self.d)).transpose(1, 2)
+        q = rope(q, positions, self.theta)
+        k_blk, v_blk = self._kv(x, positions)
+        k_ctx, v_ctx = self._kv(context, context_positions)
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        if self.nkv != self.n:
+            k = k.repeat_interleave(self.n // self.nkv, dim=1)
+            v = v.repeat_interleave(self.n // self.nkv, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, l, self.n * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dims: DrafterDims, cfg: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(dims, cfg)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(dims.hidden_size, dims.intermediate_size)
+
+    def forward(self, x, positions, context, context_positions, mask):  # shapes as Attention
+        x = x + self.self_attn(self.input_layernorm(x), positions, context, context_positions, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MarkovHead(nn.Module):
+    """Logit bias from the previous token: W2(e_k) with e_k = W1[x_{k-1}] (vanilla, what vLLM
+    serves), gated by the backbone state (gated), or carried along the block (rnn)."""
+
+    def __init__(self, vocab: int, rank: int, hidden: int, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        nn.init.normal_(self.markov_w1.weight, std=0.02)
+        nn.init.zeros_(self.markov_w2.weight)  # starts as the plain (DFlash) drafter
+        if kind == "gated":
+            self.gate = nn.Linear(hidden, rank)
+        elif kind == "rnn":
+            self.recur = nn.Linear(rank, rank, bias=False)
+            nn.init.zeros_(self.recur.weight)
+
+    def embed(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """prev_ids: [..., K] previous tokens; hidden: [..., K, H]. Returns e: [..., K, R]."""
+        e = self.markov_w1(prev_ids)
+        if self.kind == "gated":
+            e = e * torch.sigmoid(self.gate(hidden))
+        elif self.kind == "rnn":
+            steps, carry = [], torch.zeros_like(e[..., 0, :])
+            for k in range(e.shape[-2]):
+                carry = torch.tanh(e[..., k, :] + self.recur(carry))
+                steps.append(carry)
+            e = torch.stack(steps, dim=-2)
+        return e
+
+
+@dataclass
+class DraftOutput:
+    """Forward result at the K predicting positions of every anchor's block."""
+
+    hidden: torch.Tensor  # [B, A, K, H] after the final norm (what lm_head and the confidence head read)
+    markov_embed: Optional[torch.Tensor]  # [B, A, K, R], None when markov_rank == 0
+    confidence_logits: Optional[torch.Tensor]  # [B, A, K], None without a confidence head
+
+
+class DSparkDrafter(nn.Module):
+    """Trainable backbone + heads; the target's embedding, final norm and LM head are frozen
+    buffers-as-parameters (requires_grad=False) shared with the target."""
+
+    def __init__(self, cfg: DSparkConfig, dims: DrafterDims, *, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
+                 target_norm: torch.Tensor, target_norm_eps: float):
+        super().__init__()
+        self.cfg, self.dims = cfg, dims
+        if dims.hidden_size != embed_tokens.shape[1]:
+            raise ValueError(f"drafter hidden {dims.hidden_size} must equal the target embedding width {embed_tokens.shape[1]} (shared embedding/LM head)")
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_tokens.clone(), freeze=True)
+        self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+        self.lm_head.weight = nn.Parameter(lm_head.clone(), requires_grad=False)
+        self.target_norm = RMSNorm(dims.target_hidden_size, target_norm_eps)
+        self.target_norm.weight = nn.Parameter(target_norm.clone(), requires_grad=False)
+        self.fc = nn.Linear(dims.num_context_layers * dims.target_hidden_size, dims.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(dims, cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
+        self.markov_head = (MarkovHead(dims.vocab_size, cfg.markov_rank, dims.hidden_size, cfg.markov_head_type)
+                            if cfg.markov_rank > 0 else None)
+        conf_in = dims.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov and self.markov_head else 0)
+        self.confidence_head = nn.ModuleDict({"proj": nn.Linear(conf_in, 1)}) if cfg.enable_confidence_head else None
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if p.requires_grad and p.dim() == 2 and "markov_head" not in name:
+                nn.init.normal_(p, std=0.02)
+        if self.confidence_head is not None:
+            nn.init.zeros_(self.confidence_head["proj"].weight)
+            nn.init.zeros_(self.confidence_head["proj"].bias)
+
+    @property
+    def queries_per_block(self) -> int:
+        return self.cfg.block_size if self.cfg.sample_from_anchor else self.cfg.block_size + 1
+
+    def block_mask(self, anchor_positions: torch.Tensor, num_context: int) -> torch.Tensor:
+        """[B, 1, A*Q, S + A*Q] bool: block j sees context < its anchor and its own block."""
+        b, a = anchor_positions.shape
+        q = self.queries_per_block
+        ctx_pos = torch.arange(num_context, device=anchor_positions.device)
+        sees_ctx = ctx_pos[None, None, :] < anchor_positions[:, :, None]  # [B, A, S]
+        sees_ctx = sees_ctx[:, :, None, :].expand(b, a, q, num_context).reshape(b, a * q, num_context)
+        blk = torch.arange(a, device=anchor_positions.device).repeat_interleave(q)
+        sees_blk = (blk[:, None] == blk[None, :]).expand(b, a * q, a * q)
+        return torch.cat([sees_ctx, sees_blk], dim=-1)[:, None]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        context_states: torch.Tensor,  # [B, S, C] target states of the context layers, S = T-1
+        anchor_positions: torch.Tensor,  # [B, A] anchors in [1, T-2]; padded anchors are any valid index (masked in the loss)
+    ) -> DraftOutput:
+        b, a = anchor_positions.shape
+        q, k_pred = self.queries_per_block, self.cfg.block_size
+        ctx = self.hidden_norm(self.fc(context_states))  # [B, S, H]
+        ctx_pos = torch.arange(ctx.shape[1], device=ctx.device).expand(b, -1)
+        offsets = torch.arange(q, device=ctx.device)
+        positions = (anchor_positions[:, :, None] + offsets).reshape(b, a * q)  # [B, A*Q]
+        block_ids = torch.full((b, a, q), self.dims.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        block_ids[:, :, 0] = input_ids.gather(1, anchor_positions)
+        x = self.embed_tokens(block_ids.reshape(b, a * q)).to(ctx.dtype)
+        mask = self.block_mask(anchor_positions, ctx.shape[1])
+        for layer in self.layers:
+            x = layer(x, positions, ctx, ctx_pos, mask)
+        hidden = self.norm(x).view(b, a, q, -1)[:, :, q - k_pred:]  # [B, A, K, H]
+        # previous token of each prediction (teacher-forced): x_{a}, x_{a+1}, ..., x_{a+K-1}
+        prev_pos = (anchor_positions[:, :, None] + torch.arange(k_pred, device=ctx.device)).clamp(max=input_ids.shape[1] - 1)
+        prev_ids = input_ids.gather(1, prev_pos.reshape(b, a * k_pred)).view(b, a, k_pred)
+        markov = self.markov_head.embed(prev_ids, hidden) if self.markov_head is not None else None
+        conf = None
+        if self.confidence_head is not None:
+            feats = torch.cat([hidden, markov], dim=-1) if (markov is not None and self.cfg.confidence_head_with_markov) else hidden
+            conf = self.confidence_head["proj"](feats.float()).squeeze(-1)
+        return DraftOutput(hidden=hidden, markov_embed=markov, confidence_logits=conf)
+
+    def draft_logits(self, hidden: torch.Tensor, markov_embed: Optional[torch.Tensor]) -> torch.Tensor:
+        """[..., H] (+ [..., R]) -> [..., V]: LM head plus the Markov bias."""
+        logits = self.lm_head(hidden).float()
+        if markov_embed is not None:
+            logits = logits + self.markov_head.markov_w2(markov_embed).float()
+        return logits
+
+    def target_logits(self, final_states: torch.Tensor) -> torch.Tensor:
+        """[..., Ht] target final pre-norm states -> [..., V] target logits (frozen norm + head)."""
+        return self.lm_head(self.target_norm(final_states).to(self.lm_head.weight.dtype)).float()
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random anchors where the anchor and its first label are answer tokens.
+
+    loss_mask: [B, T] bool; lengths: [B]. Returns (anchor_positions [B, A], valid [B, A]); rows
+    with fewer candidates than A are padded with their first candidate (or 1) and valid=False.
+    """
+    b, t = loss_mask.shape
+    anchors = torch.ones(b, num_anchors, dtype=torch.long)
+    valid = torch.zeros(b, num_anchors, dtype=torch.bool)
+    for i in range(b):
+        n = int(lengths[i])
+        m = loss_mask[i, :n]
+        cand = torch.nonzero(m[1:n - 1] & m[2:n], as_tuple=False).flatten() + 1  # a in [1, n-2]
+        if len(cand) == 0:
+            continue
+        pick = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
+        anchors[i, : len(pick)] = pick
+        anchors[i, len(pick):] = pick[0]
+        valid[i, : len(pick)] = True
+    return anchors, valid
+

@@ -1,0 +1,348 @@
+"""Stage 2: train the DSpark drafter on hidden-state shards with DeepSpeed.
+
+Single process (``python train.py ...``), ``torchrun``/``deepspeed`` launchers and Slurm all go
+through :func:`train`. DeepSpeed owns data parallelism, ZeRO, precision, gradient accumulation
+and clipping; this module owns the cadence: step, log, validate, checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dspark.batching import Batch, DataPosition, RankBatches, collate
+from dspark.config import DSparkConfig, TargetConfig, to_object
+from dspark.loss import LossConfig, LossOutput, dspark_loss
+from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
+from dspark.shards import ShardDataset, open_dataset
+from dspark.target import TargetHeads
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RankZeroFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return int(os.environ.get("RANK", "0")) == 0
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join (or, for a plain ``python train.py``, create) the process group DeepSpeed uses."""
+    import deepspeed
+
+    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, default)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def deepspeed_config(cfg: DictConfig) -> dict[str, Any]:
+    """The dict for ``deepspeed.initialize``: ZeRO preset + batch, clipping and precision."""
+    ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
+    assert isinstance(ds, dict)
+    t = cfg.train
+    ds.update({
+        "train_micro_batch_size_per_gpu": int(t.micro_batch_size),
+        "gradient_accumulation_steps": int(t.grad_accum_steps),
+        "gradient_clipping": float(t.grad_clip),
+        "bf16": {"enabled": t.dtype == "bfloat16"},
+        "fp16": {"enabled": t.dtype == "float16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    })
+    return ds
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup then cosine decay to ``min_ratio`` of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    data: DataPosition = field(default_factory=DataPosition)
+    anchor_rng: Optional[torch.Tensor] = None
+    history: list[dict] = field(default_factory=list)
+
+
+def check_dataset(ds: ShardDataset, target: TargetConfig, heads: TargetHeads) -> None:
+    """Refuse shards made for another target before the first step."""
+    from data_tools.schema import file_sha256
+
+    m, where = ds.manifest, ds.directory / "manifest.json"
+    expected = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
+    open_dataset(ds.directory, ds.split, expect_layer_ids=expected, expect_hidden_size=heads.hidden_size)
+    tok = heads.path / "tokenizer.json"
+    if tok.is_file() and m.tokenizer_sha256 != file_sha256(tok):
+        raise ValueError(f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes to {file_sha256(tok)[:12]}...")
+
+
+def build_drafter(cfg: DictConfig, heads: TargetHeads) -> tuple[DSparkDrafter, list[int], int]:
+    """The model plus, for the shard layout, the context-layer indices and the final-state index."""
+    target = to_object(cfg.target, TargetConfig)
+    dcfg = to_object(cfg.drafter, DSparkConfig)
+    captured = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
+    ctx_ids = dcfg.target_layer_ids or target.layer_ids
+    missing = [i for i in ctx_ids if i not in target.layer_ids]
+    if missing:
+        raise ValueError(f"drafter.target_layer_ids {ctx_ids} must be a subset of target.layer_ids {target.layer_ids}")
+    tok = heads.tokenizer
+    mask_id = dcfg.mask_token_id if dcfg.mask_token_id is not None else (tok.unk_token_id if tok.unk_token_id is not None else tok.eos_token_id)
+    dims = resolve_dims(dcfg, target_config=heads.config, vocab_size=heads.vocab_size, num_context_layers=len(ctx_ids), mask_token_id=int(mask_id))
+    model = DSparkDrafter(dcfg, dims, embed_tokens=heads.embed_tokens, lm_head=heads.lm_head,
+                          target_norm=heads.final_norm, target_norm_eps=heads.rms_norm_eps)
+    return model, [captured.index(i) for i in ctx_ids], len(captured) - 1
+
+
+def loss_config(cfg: DictConfig) -> LossConfig:
+    t = cfg.train
+    return LossConfig(float(t.ce_weight), float(t.tv_weight), float(t.confidence_weight), float(t.position_decay))
+
+
+class DrafterWithLoss(torch.nn.Module):
+    """What DeepSpeed wraps: drafter forward and loss in one ``forward``, so every parameter
+    use (LM head and Markov head inside the loss included) happens inside the engine's forward,
+    where ZeRO-3 gathers partitioned weights."""
+
+    def __init__(self, drafter: DSparkDrafter, lcfg: LossConfig):
+        super().__init__()
+        self.drafter, self.lcfg = drafter, lcfg
+
+    def forward(self, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor) -> LossOutput:
+        out = self.drafter(batch.input_ids, batch.context_states, anchors)
+        return dspark_loss(self.drafter, out, input_ids=batch.input_ids, final_states=batch.final_states, anchor_positions=anchors,
+                           valid_anchors=valid, loss_mask=batch.loss_mask, lengths=batch.lengths, cfg=self.lcfg)
+
+
+def peak_memory_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def expected_calibration_error(p: torch.Tensor, y: torch.Tensor, bins: int = 10) -> float:
+    """ECE of predicted acceptance p against realised acceptance y (both in [0, 1])."""
+    if len(p) == 0:
+        return float("nan")
+    edges = torch.linspace(0, 1, bins + 1)
+    ece = 0.0
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (p >= lo) & ((p < hi) if hi < 1 else (p <= hi))
+        if sel.any():
+            ece += float(sel.float().mean()) * abs(float(p[sel].mean()) - float(y[sel].mean()))
+    return ece
+
+
+def provenance(cfg: DictConfig) -> dict[str, Any]:
+    """What a checkpoint was made by: resolved config, git SHA, versions, argv."""
+    import deepspeed
+    import transformers
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        sha = ""
+    return {"config": OmegaConf.to_container(cfg, resolve=True), "git_sha": sha, "argv": sys.argv,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "deepspeed": deepspeed.__version__, "transformers": transformers.__version__}}
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, heads: TargetHeads):
+        import deepspeed
+
+        self.cfg, self.t = cfg, cfg.train
+        self.rank, self.world = init_distributed()
+        torch.manual_seed(int(cfg.seed))
+        random.seed(int(cfg.seed))
+        target = to_object(cfg.target, TargetConfig)
+        shards = Path(cfg.data.shards_dir).expanduser()
+        self.train_ds = ShardDataset(shards, "train")
+        check_dataset(self.train_ds, target, heads)
+        self.val_ds = ShardDataset(shards, "val") if any(s.split == "val" and s.rows for s in self.train_ds.manifest.shards) else None
+        model, self.ctx_index, self.final_index = build_drafter(cfg, heads)
+        self.dtype = DTYPES[self.t.dtype]
+        self.lcfg = loss_config(cfg)
+        self.ckpt_dir = Path(self.t.checkpoint_dir).expanduser()
+        model = DrafterWithLoss(model, self.lcfg)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=float(self.t.lr), weight_decay=float(self.t.weight_decay), betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(
+            s, warmup=int(self.t.warmup_steps), total=int(self.t.max_steps), min_ratio=float(self.t.min_lr_ratio)))
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=sched,
+                                                    model_parameters=params, config=deepspeed_config(cfg))
+        self.state = TrainState()
+        self.anchor_gen = torch.Generator().manual_seed(int(cfg.seed) * 7919 + self.rank)
+        self._maybe_resume()
+        self.batches = RankBatches(self.train_ds, rank=self.rank, world_size=self.world, micro_batch=int(self.t.micro_batch_size),
+                                   seed=int(cfg.seed), context_index=self.ctx_index, final_index=self.final_index,
+                                   max_len=int(self.t.max_seq_len), position=self.state.data)
+        self.wandb = self._init_wandb() if self.rank == 0 else None
+        log.info("drafter: %.2fM trainable parameters, %d train / %d val sequences, %d rank(s), ZeRO %d, %s",
+                 self.model.num_trainable_parameters() / 1e6, len(self.train_ds), len(self.val_ds or []), self.world,
+                 cfg.deepspeed.zero_optimization.stage, self.t.dtype)
+
+    @property
+    def model(self) -> DSparkDrafter:
+        return self.engine.module.drafter
+
+    # --- one optimizer step -------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {"data_s": 0.0, "tokens": 0.0}
+        for _ in range(int(self.t.grad_accum_steps)):
+            td = time.perf_counter()
+            batch = self.batches.next()
+            anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, int(self.t.anchors_per_seq), self.anchor_gen)
+            batch = batch.to(self.engine.device, self.dtype)
+            metrics["data_s"] += time.perf_counter() - td
+            out = self.engine(batch, anchors.to(self.engine.device), valid.to(self.engine.device))
+            if not torch.isfinite(out.loss):
+                raise FloatingPointError(f"non-finite loss {out.loss.item()} at step {self.state.step + 1}, sequences {batch.seq_ids}")
+            self.engine.backward(out.loss)
+            norm = self._grad_norm_before_step()
+            self.engine.step()
+            metrics["tokens"] += batch.num_tokens
+        norm = self.engine.get_global_grad_norm() if norm is None else norm
+        metrics.update(self._scalars("train", out), lr=self.engine.get_lr()[0], grad_norm=float(norm) if norm is not None else float("nan"))
+        metrics["step_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _grad_norm_before_step(self) -> Optional[float]:
+        """DeepSpeed reports the global grad norm from its ZeRO/mixed-precision optimizers only;
+        with ZeRO 0 in fp32 the gradients are whole on every rank, so measure them here."""
+        if self.engine.zero_optimization() or self.t.dtype != "float32" or not self.engine.is_gradient_accumulation_boundary():
+            return None
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    def _scalars(self, prefix: str, out: LossOutput) -> dict[str, float]:
+        d = {"loss": float(out.loss), "ce": float(out.ce), "tv": float(out.tv), "confidence_bce": float(out.confidence_bce), "tau": out.tau}
+        for k in range(len(out.accept_per_position)):
+            d[f"accept_pos_{k + 1}"] = float(out.accept_per_position[k])
+            d[f"accept_uncond_pos_{k + 1}"] = float(out.accept_unconditional[k])
+        return d
+
+    # --- the loop -----------------------------------------------------------------------------
+    def train(self) -> TrainState:
+        max_steps, t_start = int(self.t.max_steps), time.perf_counter()
+        while self.state.step < max_steps:
+            m = self.train_step()
+            self.state.step += 1
+            self.state.data = self.batches.pos
+            self.state.history.append({"step": self.state.step, "loss": m["loss"]})
+            if self.state.step % int(self.t.log_every) == 0 or self.state.step == max_steps:
+                self._log_train(m, time.perf_counter() - t_start)
+            if self.val_ds is not None and (self.state.step % int(self.t.eval_every) == 0 or self.state.step == max_steps):
+                self._log({f"eval/{k}": v for k, v in self.evaluate().items()})
+            if self.state.step % int(self.t.save_every) == 0 or self.state.step == max_steps:
+                self.save()
+        if self.wandb is not None:
+            self.wandb.finish()
+        return self.state
+
+    def _log_train(self, m: dict[str, float], elapsed: float) -> None:
+        tok_s = m["tokens"] / m["step_s"]
+        log.info("step %d/%d | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s | data %.1f%% | mem %.2f GB",
+                 self.state.step, int(self.t.max_steps), m["loss"], m["ce"], m["tv"], m["confidence_bce"], m["tau"], m["lr"],
+                 m["grad_norm"], tok_s * self.world, 100 * m["data_s"] / m["step_s"], peak_memory_gb())
+        scalars = {k: v for k, v in m.items() if k not in ("tokens", "data_s", "step_s")}
+        scalars.update(tokens_per_s=tok_s * self.world, data_wait_frac=m["data_s"] / m["step_s"], peak_mem_gb=peak_memory_gb(), elapsed_s=elapsed)
+        self._log({f"train/{k}": v for k, v in scalars.items()})
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=self.state.step)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation over every val sequence with fixed anchors: loss terms, per-position
+        acceptance, tau estimate and confidence calibration (ECE)."""
+        assert self.val_ds is not None
+        self.engine.eval()
+        gen = torch.Generator().manual_seed(12345)
+        sums: dict[str, float] = {}
+        conf_p, conf_y, n = [], [], 0
+        for i in range(0, len(self.val_ds), int(self.t.micro_batch_size)):
+            seqs = [self.val_ds[j] for j in range(i, min(i + int(self.t.micro_batch_size), len(self.val_ds)))]
+            batch = collate(seqs, context_index=self.ctx_index, final_index=self.final_index, max_len=int(self.t.max_seq_len))
+            anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, int(self.t.anchors_per_seq), gen)
+            out = self.engine(batch.to(self.engine.device, self.dtype), anchors.to(self.engine.device), valid.to(self.engine.device))
+            for k, v in self._scalars("eval", out).items():
+                sums[k] = sums.get(k, 0.0) + v * out.num_positions
+            n += out.num_positions
+            conf_p.append(out.confidence.cpu())
+            conf_y.append(out.confidence_target.cpu())
+        self.engine.train()
+        res = {k: v / max(n, 1) for k, v in sums.items()}
+        res["tau"] = 1.0 + sum(v for k, v in res.items() if k.startswith("accept_uncond_pos_"))
+        res["confidence_ece"] = expected_calibration_error(torch.cat(conf_p), torch.cat(conf_y))
+        log.info("eval step %d | loss %.4f | tau %.3f | acceptance %s | confidence ECE %.3f", self.state.step, res["loss"], res["tau"],
+                 " ".join(f"{res[f'accept_uncond_pos_{k}']:.2f}" for k in range(1, int(self.cfg.drafter.block_size) + 1)), res["confidence_ece"])
+        return res
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def save(self) -> Path:
+        tag = f"step{self.state.step:08d}"
+        client = {"step": self.state.step, "data": asdict(self.state.data), "anchor_rng": self.anchor_gen.get_state(),
+                  "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "history": self.state.history,
+                  "drafter": asdict(self.model.cfg), "dims": asdict(self.model.dims)}
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
+        if self.rank == 0:
+            (self.ckpt_dir / tag / "run.json").write_text(json.dumps(provenance(self.cfg), indent=2, default=str))
+        log.info("saved checkpoint %s", self.ckpt_dir / tag)
+        return self.ckpt_dir / tag
+
+    def _maybe_resume(self) -> None:
+        mode = str(self.t.resume)
+        if mode == "never":
+            return
+        path, tag = (self.ckpt_dir, None) if mode == "auto" else (Path(mode).parent, Path(mode).name)
+        if mode == "auto" and not (self.ckpt_dir / "latest").is_file():
+            return
+        loaded, client = self.engine.load_checkpoint(str(path), tag=tag)
+        if loaded is None:
+            raise FileNotFoundError(f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from")
+        self.state = TrainState(step=client["step"], data=DataPosition(**client["data"]), history=client["history"])
+        self.anchor_gen.set_state(client["anchor_rng"])
+        torch.set_rng_state(client["torch_rng"])
+        random.setstate(client["python_rng"])
+        log.info("resumed from %s at step %d (epoch %d, position %d)", loaded, self.state.step, self.state.data.epoch, self.state.data.index)
+
+    def _init_wandb(self):  # noqa: ANN202
+        lg = self.cfg.logging
+        if not lg.wandb:
+            return None
+        import wandb
+
+        mode = str(lg.mode)
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        out = Path(self.cfg.paths.output_dir)  # wandb adds its own wandb/ below
+        out.mkdir(parents=True, exist_ok=True)
+        return wandb.init(project=lg.project, entity=lg.entity, mode=mode, dir=str(out), tags=list(self.cfg.tags),
+                          config=OmegaConf.to_container(self.cfg, resolve=True), name=f"{self.cfg.target.name}-{int(time.time())}")
+
+
+def train(cfg: DictConfig, heads: TargetHeads) -> TrainState:
+    trainer = Trainer(cfg, heads)
+    return trainer.train()
