@@ -125,6 +125,7 @@ class Manifest:
         return cls(**data)
 
     def save(self, directory: Path) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(directory) / MANIFEST, self.to_json())
 
 

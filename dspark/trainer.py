@@ -35,20 +35,27 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class RankZeroFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return int(os.environ.get("RANK", "0")) == 0
-
-
 def init_distributed() -> tuple[int, int]:
-    """Join (or, for a plain ``python train.py``, create) the process group DeepSpeed uses."""
-    import deepspeed
+    """Join the launcher's process group (torchrun/deepspeed/srun set RANK etc.), or create a
+    one-process group for a plain ``python train.py`` on a free port, which is not exported:
+    child processes must not inherit a port this process holds."""
+    import socket
 
-    for key, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, default)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import deepspeed
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            deepspeed.init_distributed(dist_backend=backend)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; harmless for children
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{port}",
+                                       rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
 
 
 def deepspeed_config(cfg: DictConfig) -> dict[str, Any]:
@@ -206,12 +213,16 @@ class Trainer:
         return self.engine.module.drafter
 
     # --- one optimizer step -------------------------------------------------------------------
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> tuple[dict[str, float], list[str]]:
+        """One optimizer step over grad_accum_steps micro batches; returns scalars and the ids
+        of the sequences it consumed."""
         t0 = time.perf_counter()
         metrics: dict[str, float] = {"data_s": 0.0, "tokens": 0.0}
+        seq_ids: list[str] = []
         for _ in range(int(self.t.grad_accum_steps)):
             td = time.perf_counter()
             batch = self.batches.next()
+            seq_ids += batch.seq_ids
             anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, int(self.t.anchors_per_seq), self.anchor_gen)
             batch = batch.to(self.engine.device, self.dtype)
             metrics["data_s"] += time.perf_counter() - td
@@ -225,7 +236,7 @@ class Trainer:
         norm = self.engine.get_global_grad_norm() if norm is None else norm
         metrics.update(self._scalars("train", out), lr=self.engine.get_lr()[0], grad_norm=float(norm) if norm is not None else float("nan"))
         metrics["step_s"] = time.perf_counter() - t0
-        return metrics
+        return metrics, seq_ids
 
     def _grad_norm_before_step(self) -> Optional[float]:
         """DeepSpeed reports the global grad norm from its ZeRO/mixed-precision optimizers only;
@@ -236,27 +247,28 @@ class Trainer:
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
     def _scalars(self, prefix: str, out: LossOutput) -> dict[str, float]:
-        d = {"loss": float(out.loss), "ce": float(out.ce), "tv": float(out.tv), "confidence_bce": float(out.confidence_bce), "tau": out.tau}
+        d = {"loss": out.loss.item(), "ce": float(out.ce), "tv": float(out.tv), "confidence_bce": float(out.confidence_bce), "tau": out.tau}
         for k in range(len(out.accept_per_position)):
             d[f"accept_pos_{k + 1}"] = float(out.accept_per_position[k])
             d[f"accept_uncond_pos_{k + 1}"] = float(out.accept_unconditional[k])
         return d
 
     # --- the loop -----------------------------------------------------------------------------
-    def train(self) -> TrainState:
+    def train(self, *, until: Optional[int] = None) -> TrainState:
+        """Train to ``train.max_steps`` (or stop early at step ``until``, as a preempted job would)."""
         max_steps, t_start = int(self.t.max_steps), time.perf_counter()
-        while self.state.step < max_steps:
-            m = self.train_step()
+        while self.state.step < min(max_steps, until or max_steps):
+            m, seq_ids = self.train_step()
             self.state.step += 1
             self.state.data = self.batches.pos
-            self.state.history.append({"step": self.state.step, "loss": m["loss"]})
+            self.state.history.append({"step": self.state.step, "loss": m["loss"], "seq_ids": seq_ids})
             if self.state.step % int(self.t.log_every) == 0 or self.state.step == max_steps:
                 self._log_train(m, time.perf_counter() - t_start)
             if self.val_ds is not None and (self.state.step % int(self.t.eval_every) == 0 or self.state.step == max_steps):
                 self._log({f"eval/{k}": v for k, v in self.evaluate().items()})
             if self.state.step % int(self.t.save_every) == 0 or self.state.step == max_steps:
                 self.save()
-        if self.wandb is not None:
+        if self.wandb is not None and self.state.step >= max_steps:
             self.wandb.finish()
         return self.state
 
