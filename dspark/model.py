@@ -225,6 +225,10 @@ class DSparkDrafter(nn.Module):
         if self.confidence_head is not None:
             nn.init.zeros_(self.confidence_head["proj"].weight)
             nn.init.zeros_(self.confidence_head["proj"].bias)
+        # The drafter reads out through the target's LM head: start its final norm where the
+        # target's is, so initial logits have the target's scale (sharp heads learn much faster).
+        with torch.no_grad():
+            self.norm.weight.copy_(self.target_norm.weight.to(self.norm.weight.dtype))
 
     @property
     def queries_per_block(self) -> int:

@@ -250,6 +250,7 @@ class Trainer:
         d = {"loss": out.loss.item(), "ce": float(out.ce), "tv": float(out.tv), "confidence_bce": float(out.confidence_bce), "tau": out.tau}
         for k in range(len(out.accept_per_position)):
             d[f"accept_pos_{k + 1}"] = float(out.accept_per_position[k])
+            d[f"accept_prob_pos_{k + 1}"] = float(out.accept_prob_per_position[k])
             d[f"accept_uncond_pos_{k + 1}"] = float(out.accept_unconditional[k])
         return d
 
@@ -286,16 +287,17 @@ class Trainer:
             self.wandb.log(metrics, step=self.state.step)
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Validation over every val sequence with fixed anchors: loss terms, per-position
-        acceptance, tau estimate and confidence calibration (ECE)."""
-        assert self.val_ds is not None
+    def evaluate(self, ds: Optional[ShardDataset] = None) -> dict[str, float]:
+        """Every sequence of ``ds`` (default: validation) with fixed anchors: loss terms,
+        per-position acceptance, tau estimate and confidence calibration (ECE)."""
+        ds = ds or self.val_ds
+        assert ds is not None
         self.engine.eval()
         gen = torch.Generator().manual_seed(12345)
         sums: dict[str, float] = {}
         conf_p, conf_y, n = [], [], 0
-        for i in range(0, len(self.val_ds), int(self.t.micro_batch_size)):
-            seqs = [self.val_ds[j] for j in range(i, min(i + int(self.t.micro_batch_size), len(self.val_ds)))]
+        for i in range(0, len(ds), int(self.t.micro_batch_size)):
+            seqs = [ds[j] for j in range(i, min(i + int(self.t.micro_batch_size), len(ds)))]
             batch = collate(seqs, context_index=self.ctx_index, final_index=self.final_index, max_len=int(self.t.max_seq_len))
             anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, int(self.t.anchors_per_seq), gen)
             out = self.engine(batch.to(self.engine.device, self.dtype), anchors.to(self.engine.device), valid.to(self.engine.device))

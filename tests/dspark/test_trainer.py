@@ -30,6 +30,7 @@ def build_target_and_shards(root: Path, smollm2_dir: Path, *, n_train=12, n_val=
     target = root / "target"
     model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+    model.model.norm.weight.data.fill_(8.0)  # peaked next-token distributions, like a trained LM's
     model.save_pretrained(str(target))
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (smollm2_dir / f).exists():
@@ -93,19 +94,17 @@ def test_frozen_pieces_stay_frozen(compose_config, tiny, tmp_path):
 @pytest.mark.slow
 def test_tiny_run_overfits_to_near_full_acceptance(compose_config, tiny, tmp_path):
     tr = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=150", "train.log_every=50", "logging.wandb=true",
-                      "logging.mode=offline", "train.eval_every=150")
+                      "logging.mode=offline", "train.eval_every=150", "train.lr=5e-3", "train.min_lr_ratio=0.3",
+                      "train.anchors_per_seq=16")
     tr.train()
-    final = tr.evaluate.__self__  # noqa: B018 - the trainer itself
-    res = tr.train_step()[0]  # one more step to read train-set acceptance after training
-    assert res["accept_pos_1"] > 0.95 and res["tau"] > 4.0, res
-    assert res["loss"] < tr.state.history[0]["loss"] / 3
-    # W&B (offline) got the stable metric names
-    summary = next((tmp_path / "wandb").glob("offline-run-*/files/wandb-summary.json"))
-    keys = json.loads(summary.read_text())
+    res = tr.evaluate(tr.train_ds)  # acceptance on the sequences it was fitted to
+    assert res["accept_uncond_pos_1"] > 0.9 and res["accept_prob_pos_1"] > 0.85 and res["tau"] > 4.3, res  # tau <= 1 + gamma = 5
+    assert res["loss"] < tr.state.history[0]["loss"] / 2
+    # W&B (offline, no key) recorded the stable metric names in its run file
+    record = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
     for k in ("train/loss", "train/ce", "train/tv", "train/confidence_bce", "train/lr", "train/grad_norm", "train/tokens_per_s",
-              "train/peak_mem_gb", "train/accept_pos_1", "eval/tau", "eval/confidence_ece"):
-        assert k in keys, k
-    assert final is tr
+              "train/peak_mem_gb", "train/accept_pos_1", "eval/tau", "eval/confidence_ece", "drafter"):
+        assert k.encode() in record, k
 
 
 def test_resume_continues_the_same_loss_curve(compose_config, tiny, tmp_path):
