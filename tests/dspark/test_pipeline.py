@@ -26,14 +26,17 @@ def test_target_stage_alone(smollm2_dir, compose_config, caplog):
 
 
 @pytest.mark.slow
-def test_main_job_extracts_a_dataset(tmp_path, smollm2_dir):
+def test_main_job_extracts_then_trains(tmp_path, smollm2_dir):
     out = subprocess.run(
-        [sys.executable, "train.py", "+experiment=smollm2_cpu_demo", "data.num_prompts=3", "data.max_new_tokens=8",
-         f"data.shards_dir={tmp_path / 'ds'}", f"hydra.run.dir={tmp_path / 'run'}", "data.vllm.cpu_kvcache_gib=1"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [sys.executable, "train.py", "+experiment=smollm2_cpu_demo", "data.num_prompts=4", "data.max_new_tokens=8",
+         "data.val_fraction=0", f"data.shards_dir={tmp_path / 'ds'}", f"hydra.run.dir={tmp_path / 'run'}",
+         "data.vllm.cpu_kvcache_gib=1", "drafter=tiny", "train.max_steps=2", "train.micro_batch_size=2",
+         f"paths.output_dir={tmp_path}", "logging.wandb=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    m = Manifest.load(tmp_path / "ds")
-    assert m.complete and sum(s.rows for s in m.shards) == 3
     log = out.stdout + out.stderr  # Hydra logs to stdout, tqdm to stderr
-    assert "extract: 3 rows" in log and "stage train" in log
+    assert out.returncode == 0, log[-3000:]
+    m = Manifest.load(tmp_path / "ds")
+    assert m.complete and sum(s.rows for s in m.shards) == 4
+    assert "extract: 4 rows" in log and "step 2/2" in log and "stage export+eval" in log
+    assert (tmp_path / "checkpoints" / "smollm2-135m" / "step00000002" / "run.json").is_file()
