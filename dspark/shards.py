@@ -118,13 +118,17 @@ class ShardDataset:
             yield self[i]
 
 
-def open_dataset(directory: str | Path, split: str = "train", *, expect_layer_ids: Optional[list[int]] = None,
-                 expect_hidden_size: Optional[int] = None) -> ShardDataset:
-    """Open a split and check it was captured for the layers/width the drafter expects."""
-    ds = ShardDataset(directory, split)
-    m = ds.manifest
+def check_dataset(ds: ShardDataset, *, expect_layer_ids: Optional[list[int]] = None,
+                  expect_hidden_size: Optional[int] = None) -> ShardDataset:
+    """Check a dataset was captured for the layers/width the drafter expects."""
+    m, where = ds.manifest, ds.directory / "manifest.json"
     if expect_layer_ids is not None and list(m.layer_ids) != list(expect_layer_ids):
-        raise ValueError(f"{ds.directory / 'manifest.json'}: field 'layer_ids' is {m.layer_ids}, the config expects {expect_layer_ids}")
+        raise ValueError(f"{where}: field 'layer_ids' is {m.layer_ids}, the config expects {expect_layer_ids}")
     if expect_hidden_size is not None and m.hidden_size != expect_hidden_size:
-        raise ValueError(f"{ds.directory / 'manifest.json'}: field 'hidden_size' is {m.hidden_size}, the config expects {expect_hidden_size}")
+        raise ValueError(f"{where}: field 'hidden_size' is {m.hidden_size}, the config expects {expect_hidden_size}")
     return ds
+
+
+def open_dataset(directory: str | Path, split: str = "train", **expect: Optional[list[int] | int]) -> ShardDataset:
+    """Open a split and check it (``expect_layer_ids``, ``expect_hidden_size``)."""
+    return check_dataset(ShardDataset(directory, split), **expect)  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ from dspark.batching import Batch, DataPosition, RankBatches, collate
 from dspark.config import DSparkConfig, TargetConfig, to_object
 from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
-from dspark.shards import ShardDataset, open_dataset
+from dspark.shards import ShardDataset, check_dataset
 from dspark.target import TargetHeads
 
 log = logging.getLogger(__name__)
@@ -91,13 +91,13 @@ class TrainState:
     history: list[dict] = field(default_factory=list)
 
 
-def check_dataset(ds: ShardDataset, target: TargetConfig, heads: TargetHeads) -> None:
+def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: TargetHeads) -> None:
     """Refuse shards made for another target before the first step."""
     from data_tools.schema import file_sha256
 
     m, where = ds.manifest, ds.directory / "manifest.json"
     expected = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
-    open_dataset(ds.directory, ds.split, expect_layer_ids=expected, expect_hidden_size=heads.hidden_size)
+    check_dataset(ds, expect_layer_ids=expected, expect_hidden_size=heads.hidden_size)
     tok = heads.path / "tokenizer.json"
     if tok.is_file() and m.tokenizer_sha256 != file_sha256(tok):
         raise ValueError(f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes to {file_sha256(tok)[:12]}...")
@@ -184,7 +184,7 @@ class Trainer:
         target = to_object(cfg.target, TargetConfig)
         shards = Path(cfg.data.shards_dir).expanduser()
         self.train_ds = ShardDataset(shards, "train")
-        check_dataset(self.train_ds, target, heads)
+        check_shards_match_target(self.train_ds, target, heads)
         self.val_ds = ShardDataset(shards, "val") if any(s.split == "val" and s.rows for s in self.train_ds.manifest.shards) else None
         model, self.ctx_index, self.final_index = build_drafter(cfg, heads)
         self.dtype = DTYPES[self.t.dtype]
