@@ -17,7 +17,6 @@ recomputed in backward (activation checkpointing), so thousands of positions nev
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -139,6 +138,3 @@ def dspark_loss(
                       accept_per_position=acc, accept_prob_per_position=acc_prob, accept_unconditional=uncond,
                       confidence=conf_p, confidence_target=conf_t, num_positions=int(len(idx)))
 
-
-def position_weights(k: int, decay: float) -> list[float]:
-    return [math.exp(-i / decay) for i in range(k)]

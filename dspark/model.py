@@ -23,7 +23,6 @@ The model knows nothing of DeepSpeed, losses or logging.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 

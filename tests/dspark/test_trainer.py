@@ -1,7 +1,6 @@
 """The DeepSpeed trainer on a tiny target whose shards are written from transformers in the
 declared schema (the real path reads what data_tools.extract writes)."""
 
-import json
 import os
 import shutil
 import signal
