@@ -187,9 +187,14 @@ def _stdlib_snippets(max_files: int = 400) -> Iterator[tuple[str, str, str]]:
                     break
 
 
+OWN_DISTRIBUTION = "dspark-train"
+
+
 def _package_descriptions() -> Iterator[tuple[str, str, str]]:
     for dist in sorted(metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
         name = dist.metadata["Name"]
+        if name == OWN_DISTRIBUTION:  # our README changes with every commit; the prompt set must not
+            continue
         text = dist.metadata.get("Summary") or ""
         desc = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else dist.metadata.get("Description")
         if desc and len(str(desc)) > 200:
@@ -200,7 +205,9 @@ def _package_descriptions() -> Iterator[tuple[str, str, str]]:
 
 def bundled_conversations(*, seed: int = 0, max_chars: int = 1500) -> Iterator[Conversation]:
     """A few hundred varied single-turn instructions from text every machine has: the Python
-    standard library's docstrings and source, and installed packages' descriptions."""
+    standard library's docstrings and source, and installed packages' descriptions. The set
+    changes only when the environment's packages do (the manifest's prompt-set hash then
+    refuses to resume into a dataset built from the old set)."""
     rng = random.Random(seed)
     items = [*_stdlib_snippets(), *_package_descriptions()]
     rng.shuffle(items)  # mix kinds, so a prefix of the list is as varied as the whole

@@ -31,7 +31,12 @@ class Batch:
 
 
 def collate(seqs: list[Sequence], *, context_index: list[int], final_index: int, max_len: int) -> Batch:
-    """Crop each sequence to ``max_len`` tokens and pad to the longest in the batch."""
+    """Keep the last ``max_len`` tokens of each sequence and pad to the longest in the batch.
+
+    The answer (the loss region) is at the end of a sequence, so a long prompt loses its
+    beginning rather than the answer losing its tokens. RoPE makes attention depend only on
+    relative positions, so a window that starts at position 0 trains the same function.
+    """
     lengths = [min(len(s.input_ids), max_len) for s in seqs]
     t = max(lengths)
     b, h = len(seqs), seqs[0].hidden_states.shape[-1]
@@ -40,10 +45,11 @@ def collate(seqs: list[Sequence], *, context_index: list[int], final_index: int,
     ctx = torch.zeros(b, t - 1, len(context_index), h, dtype=seqs[0].hidden_states.dtype)
     fin = torch.zeros(b, t - 1, h, dtype=seqs[0].hidden_states.dtype)
     for i, (s, n) in enumerate(zip(seqs, lengths)):
-        ids[i, :n] = s.input_ids[:n]
-        mask[i, :n] = s.loss_mask[:n]
-        ctx[i, : n - 1] = s.hidden_states[: n - 1, context_index]
-        fin[i, : n - 1] = s.hidden_states[: n - 1, final_index]
+        start = len(s.input_ids) - n  # states row t belongs to token t, so both crop alike
+        ids[i, :n] = s.input_ids[start:]
+        mask[i, :n] = s.loss_mask[start:]
+        ctx[i, : n - 1] = s.hidden_states[start:, context_index]
+        fin[i, : n - 1] = s.hidden_states[start:, final_index]
     return Batch([s.seq_id for s in seqs], ids, mask, torch.tensor(lengths), ctx.flatten(2), fin)
 
 
