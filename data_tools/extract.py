@@ -39,13 +39,12 @@ from data_tools.schema import (
     COMPRESSIONS, SCHEMA, SPLITS, STORE_DTYPES, Manifest, ShardInfo, atomic_write_text, file_sha256,
     shard_name, text_sha256,
 )
-from dspark.config import TargetConfig, to_object
+from dspark.config import TORCH_DTYPES, TargetConfig, to_object
 from dspark.layers import CONVENTION, vllm_aux_layer_ids
 from dspark.target import read_config, resolve_target
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MIN_ANSWER_TOKENS = 8
 OVERLONG = ("skip", "truncate")
 

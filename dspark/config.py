@@ -11,11 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 TARGET_SOURCES = ("embedded_smollm2", "hf_dir")
 DTYPES = ("float32", "bfloat16", "float16")
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
+"""Config dtype names (target, train, shard storage) -> torch dtypes."""
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 

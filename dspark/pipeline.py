@@ -7,15 +7,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
-from dspark.config import DSparkConfig, TargetConfig, to_object
+from dspark.config import TORCH_DTYPES, DSparkConfig, TargetConfig, to_object
 from dspark.target import TargetHeads, load_target_heads, resolve_target
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Stages not built yet, with the issue that delivers each.
 PENDING_STAGES = [
@@ -36,7 +33,7 @@ def prepare_target(cfg: DictConfig) -> TargetHeads:
     spec = to_object(cfg.target, TargetConfig)
     t0 = time.perf_counter()
     resolved = resolve_target(spec, cache_dir=Path(cfg.paths.cache_dir).expanduser())
-    heads = load_target_heads(resolved.path, dtype=DTYPES[cfg.train.dtype], spec=spec)
+    heads = load_target_heads(resolved.path, dtype=TORCH_DTYPES[cfg.train.dtype], spec=spec)
     log.info(
         "target %s: %s at %s (%s, %.1fs) | hidden %d, vocab %d, %s head, chat template %s",
         spec.name,

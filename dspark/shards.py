@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 import torch
 
 from data_tools.schema import SCHEMA, Manifest, ShardInfo
+from dspark.config import TORCH_DTYPES
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass

@@ -25,14 +25,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dspark.batching import Batch, DataPosition, RankBatches, collate
-from dspark.config import DSparkConfig, TargetConfig, to_object
+from dspark.config import TORCH_DTYPES, DSparkConfig, TargetConfig, to_object
 from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
 from dspark.shards import ShardDataset, check_dataset
 from dspark.target import TargetHeads
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def init_distributed() -> tuple[int, int]:
@@ -99,8 +98,9 @@ def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: Tar
     expected = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
     check_dataset(ds, expect_layer_ids=expected, expect_hidden_size=heads.hidden_size)
     tok = heads.path / "tokenizer.json"
-    if tok.is_file() and m.tokenizer_sha256 != file_sha256(tok):
-        raise ValueError(f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes to {file_sha256(tok)[:12]}...")
+    tok_sha = file_sha256(tok) if tok.is_file() else None
+    if tok_sha is not None and m.tokenizer_sha256 != tok_sha:
+        raise ValueError(f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes to {tok_sha[:12]}...")
 
 
 def build_drafter(cfg: DictConfig, heads: TargetHeads) -> tuple[DSparkDrafter, list[int], int]:
@@ -187,7 +187,7 @@ class Trainer:
         check_shards_match_target(self.train_ds, target, heads)
         self.val_ds = ShardDataset(shards, "val") if any(s.split == "val" and s.rows for s in self.train_ds.manifest.shards) else None
         model, self.ctx_index, self.final_index = build_drafter(cfg, heads)
-        self.dtype = DTYPES[self.t.dtype]
+        self.dtype = TORCH_DTYPES[self.t.dtype]
         self.lcfg = loss_config(cfg)
         self.ckpt_dir = Path(self.t.checkpoint_dir).expanduser()
         model = DrafterWithLoss(model, self.lcfg)
