@@ -1,0 +1,163 @@
+"""Check an export with vLLM's own code, not with a copy of its rules.
+
+1. vLLM's ``SpeculativeConfig`` parses the directory against the target's ``ModelConfig``
+   (method detection, the EAGLE/DFlash config wrapping, vocab checks).
+2. vLLM's ``get_eagle3_aux_layers_from_config`` says which target layers serving will capture;
+   they must be the layers the drafter was trained on (:mod:`dspark.layers`). This is the
+   off-by-one check.
+3. The layout vLLM will run (``sample_from_anchor`` as its speculator reads it) must be the
+   trained one.
+4. vLLM's model class is built on CPU and its ``load_weights`` reads our safetensors: every
+   drafter parameter it owns must be written (parameters start as NaN), and the fused tensors
+   it builds (``qkv_proj``, ``gate_up_proj``) must equal ours.
+
+Importing this module imports vLLM; ``dspark.export`` does not.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dspark.export import ARCHITECTURES, ExportError, read_export
+
+SHARED_IN_VLLM = ("model.embed_tokens.", "lm_head.", "model.mask_embedding", "draft_id_to_target_id")
+
+
+@dataclass
+class ValidationReport:
+    export_dir: Path
+    target_dir: Path
+    method: str
+    architecture: str
+    vllm_aux_layer_ids: list[int]
+    trained_layer_ids: list[int]
+    sample_from_anchor: bool
+    num_speculative_tokens: int
+    params_checked: int
+    checks: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        head = (f"validated {self.export_dir} against vLLM (target {self.target_dir}): method {self.method}, "
+                f"{self.architecture}, {self.params_checked} parameters loaded by vLLM's loader")
+        return "\n".join([head] + [f"  ok: {c}" for c in self.checks])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vllm_model(vllm_config: Any, cls: type) -> torch.nn.Module:
+    """Build vLLM's draft model class in this process (TP=1 group on gloo)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    with set_current_vllm_config(vllm_config):
+        if not model_parallel_is_initialized():
+            init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                         local_rank=0, backend="gloo")
+            initialize_model_parallel(1, 1)
+        with torch.device("cpu"):
+            return cls(vllm_config=vllm_config, prefix="")
+
+
+def _expected_fused(ours: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    p = f"layers.{layer}."
+    a, m = p + "self_attn.", p + "mlp."
+    return {
+        f"model.{a}qkv_proj.weight": torch.cat([ours[a + "q_proj.weight"], ours[a + "k_proj.weight"], ours[a + "v_proj.weight"]]),
+        f"model.{m}gate_up_proj.weight": torch.cat([ours[m + "gate_proj.weight"], ours[m + "up_proj.weight"]]),
+    }
+
+
+def validate(export_dir: Path, *, target_dir: Optional[Path] = None, num_speculative_tokens: Optional[int] = None) -> ValidationReport:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    exp = read_export(export_dir)  # our own reading: files, fields, shapes
+    target_dir = Path(target_dir or exp.provenance["target"]["path"]).expanduser()
+    if not (target_dir / "config.json").is_file():
+        raise ExportError(f"{target_dir}: target directory (from export.json 'target.path') has no config.json; pass --target-dir")
+    method = exp.layout  # the vLLM method name equals the layout name
+    n_spec = num_speculative_tokens or exp.drafter.block_size
+    rep = ValidationReport(exp.path, target_dir, method, ARCHITECTURES[method], [], exp.context_layer_ids,
+                           exp.drafter.sample_from_anchor, n_spec, 0)
+
+    dtype = exp.config.get("torch_dtype", "float32")
+    mc = ModelConfig(model=str(target_dir), dtype=dtype, max_model_len=min(2048, int(exp.config["max_position_embeddings"])),
+                     enforce_eager=True)
+    pc = ParallelConfig()
+    try:
+        sc = SpeculativeConfig(method=method, model=str(exp.path), num_speculative_tokens=n_spec,
+                               target_model_config=mc, target_parallel_config=pc)
+    except Exception as e:  # noqa: BLE001 - pydantic/vLLM raise many types; the message is what matters
+        raise ExportError(f"{exp.path}: vLLM's SpeculativeConfig rejects the export: {e}") from e
+    rep.checks.append(f"vLLM SpeculativeConfig accepts it as method {sc.method!r}")
+    if sc.method != method:
+        raise ExportError(f"{exp.path}: vLLM resolves method {sc.method!r}, expected {method!r}")
+
+    aux = list(get_eagle3_aux_layers_from_config(sc) or [])
+    rep.vllm_aux_layer_ids = aux
+    if aux != exp.context_layer_ids:
+        raise ExportError(f"{exp.path / 'config.json'}: vLLM will capture target layers {aux}, but the drafter was "
+                          f"trained on {exp.context_layer_ids} (off by {aux[0] - exp.context_layer_ids[0] if aux else '?'})")
+    rep.checks.append(f"vLLM captures target layers {aux} = the trained context layers")
+
+    hf = sc.draft_model_config.hf_config
+    if method == "dspark":
+        served = bool(getattr(hf, "sample_from_anchor", True))  # what DSparkSpeculator reads
+    else:
+        served = bool((getattr(hf, "dflash_config", None) or {}).get("sample_from_anchor", False))
+    if served != exp.drafter.sample_from_anchor:
+        raise ExportError(f"{exp.path / 'config.json'}: vLLM would serve sample_from_anchor={served}, the drafter was "
+                          f"trained with {exp.drafter.sample_from_anchor}")
+    rep.checks.append(f"vLLM serves the trained block layout (sample_from_anchor={served})")
+    if method == "dspark" and n_spec > exp.drafter.block_size:
+        raise ExportError(f"num_speculative_tokens {n_spec} exceeds the trained block_size {exp.drafter.block_size}")
+
+    vc = VllmConfig(model_config=mc, parallel_config=pc)
+    # VllmConfig refuses dspark on CPU (its runner needs Triton); the model class does not.
+    vc.speculative_config = sc
+    cls, _ = ModelRegistry.resolve_model_cls(hf.architectures, sc.draft_model_config)
+    model = _vllm_model(vc, cls)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.fill_(float("nan"))
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+
+    served_weights = load_file(str(exp.path / "model.safetensors"))
+    try:
+        with set_current_vllm_config(vc):
+            model.load_weights(iter(served_weights.items()))
+    except Exception as e:  # noqa: BLE001
+        raise ExportError(f"{exp.path / 'model.safetensors'}: vLLM's {cls.__name__}.load_weights fails: {e}") from e
+    params = dict(model.named_parameters())
+    unwritten = [n for n, p in params.items() if p.is_floating_point() and not n.startswith(SHARED_IN_VLLM)
+                 and torch.isnan(p).any()]
+    if unwritten:
+        raise ExportError(f"{exp.path / 'model.safetensors'}: vLLM's {cls.__name__} has parameters the export does not "
+                          f"provide: {unwritten[:8]}{' ...' if len(unwritten) > 8 else ''}")
+    rep.params_checked = sum(1 for n in params if not n.startswith(SHARED_IN_VLLM))
+    rep.checks.append(f"vLLM's loader writes all {rep.params_checked} drafter parameters of {cls.__name__}")
+    ours = {k: v.float() for k, v in served_weights.items()}
+    for layer in range(exp.drafter.num_layers):
+        for name, want in _expected_fused(ours, layer).items():
+            got = params[name].detach().float()
+            if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+                raise ExportError(f"{exp.path}: vLLM's {name} differs from the exported q/k/v or gate/up tensors")
+    fc_in = params["model.fc.weight"].shape[1]
+    rep.checks.append(f"fused qkv/gate_up tensors equal the exported ones; fc reads {fc_in} = "
+                      f"{len(aux)} layers x {exp.dims.target_hidden_size}")
+    return rep
