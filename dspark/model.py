@@ -115,11 +115,17 @@ class Attention(nn.Module):
         context_positions: torch.Tensor,  # [B, S]
         mask: torch.Tensor,  # [B, 1, L, S+L] bool, True = may attend
     ) -> torch.Tensor:
+        k_ctx, v_ctx = self._kv(context, context_positions)
+        return self.attend(x, positions, k_ctx, v_ctx, mask)
+
+    def attend(self, x: torch.Tensor, positions: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+               mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Block queries over [context K/V ; block K/V]. k_ctx/v_ctx: [B, Nkv, S, D] (RoPE applied);
+        mask None = every query sees all of it (one block whose context is exactly k_ctx)."""
         b, l, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, l, self.n, self.d)).transpose(1, 2)
         q = rope(q, positions, self.theta)
         k_blk, v_blk = self._kv(x, positions)
-        k_ctx, v_ctx = self._kv(context, context_positions)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         if self.nkv != self.n:
             k = k.repeat_interleave(self.n // self.nkv, dim=1)
@@ -149,6 +155,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, positions, context, context_positions, mask):  # shapes as Attention
         x = x + self.self_attn(self.input_layernorm(x), positions, context, context_positions, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, positions, k_ctx, v_ctx):  # one block over cached context K/V
+        x = x + self.self_attn.attend(self.input_layernorm(x), positions, k_ctx, v_ctx, None)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -272,6 +282,25 @@ class DSparkDrafter(nn.Module):
             feats = torch.cat([hidden, markov], dim=-1) if (markov is not None and self.cfg.confidence_head_with_markov) else hidden
             conf = self.confidence_head["proj"](feats.float()).squeeze(-1)
         return DraftOutput(hidden=hidden, markov_embed=markov, confidence_logits=conf)
+
+    @torch.no_grad()
+    def context_kv(self, context_states: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context K/V for inference, as vLLM precomputes them: [B, S, C] target states at
+        ``positions`` [B, S] -> [(k, v)] with k, v [B, Nkv, S, D]. Appending along S is exact (each
+        position's K/V depends on that position only), so a decoder extends it step by step."""
+        ctx = self.hidden_norm(self.fc(context_states))
+        return [layer.self_attn._kv(ctx, positions) for layer in self.layers]
+
+    @torch.no_grad()
+    def forward_block(self, block_ids: torch.Tensor, positions: torch.Tensor,
+                      context: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One block per row over cached context K/V: block_ids, positions [B, Q] -> normed hidden
+        [B, K, H] at the K predicting queries (the layout of :meth:`forward`; a block may be shorter
+        than ``block_size``, as vLLM runs it when num_speculative_tokens < block_size)."""
+        x = self.embed_tokens(block_ids).to(context[0][0].dtype)
+        for layer, (k, v) in zip(self.layers, context):
+            x = layer.forward_cached(x, positions, k, v)
+        return self.norm(x)[:, 0 if self.cfg.sample_from_anchor else 1:]
 
     def draft_logits(self, hidden: torch.Tensor, markov_embed: Optional[torch.Tensor]) -> torch.Tensor:
         """[..., H] (+ [..., R]) -> [..., V]: LM head plus the Markov bias."""

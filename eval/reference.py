@@ -1,0 +1,253 @@
+"""Reference speculative decoding in PyTorch: the target in transformers with a KV cache, the
+drafter reading the target's states at its context layers, exactly as vLLM runs it.
+
+One step, for the last token x_a (sampled by the target, its states not computed yet):
+
+1. the drafter proposes d_1..d_g from context states < a (one parallel block, then the Markov
+   head left to right; a confidence threshold may end the block early);
+2. the target verifies [x_a, d_1..d_g] in one forward (KV cache), which also yields the states
+   of those positions;
+3. greedy: keep the longest prefix that equals the target's argmax; sampling: standard rejection
+   sampling (accept d_k with min(1, p/q), else sample from norm(max(p - q, 0))), so the output
+   distribution is the target's; then one bonus/correction token from the target;
+4. the target cache is cut back to the kept tokens and their states extend the drafter context.
+
+Counting matches vLLM's counters (:mod:`eval.results`): one draft per verification step, every
+proposed token counted even past ``max_new_tokens`` or EOS (the output is cut afterwards).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from eval.results import AcceptanceCounts, Calibration
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    gamma: int = 7
+    temperature: float = 0.0  # 0 = greedy
+    max_new_tokens: int = 128
+    confidence_threshold: Optional[float] = None  # end a block at the first draft whose confidence is below
+    seed: int = 0
+
+
+class TargetRunner:
+    """The target with a KV cache. ``forward`` returns float32 logits and the concatenated states
+    of the context layers (``dspark.layers`` convention) for the tokens it is given."""
+
+    def __init__(self, model: torch.nn.Module, context_layer_ids: Sequence[int]):
+        self.model = model.eval()
+        self.layer_ids = [int(i) for i in context_layer_ids]
+        self.num_layers = int(model.config.get_text_config().num_hidden_layers)
+        bad = [i for i in self.layer_ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise ValueError(f"context layer ids {bad} outside [0, {self.num_layers}] for this target")
+        self._pre_norm: Optional[torch.Tensor] = None
+        if self.num_layers in self.layer_ids:  # the final state before the norm: not in hidden_states
+            model.get_decoder().norm.register_forward_pre_hook(lambda _m, a: setattr(self, "_pre_norm", a[0]))
+        self.cache = None
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+
+    @property
+    def length(self) -> int:
+        return int(self.cache.get_seq_length()) if self.cache is not None else 0
+
+    @torch.no_grad()
+    def forward(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        inp = torch.tensor([list(ids)], dtype=torch.long)
+        out = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        self.cache = out.past_key_values
+        states = [self._pre_norm[0] if i == self.num_layers else out.hidden_states[i][0] for i in self.layer_ids]
+        return out.logits[0].float(), torch.cat(states, dim=-1).float()
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+
+
+class DraftRunner:
+    """Our drafter over a growing context K/V cache (what vLLM's drafter KV cache holds)."""
+
+    def __init__(self, drafter: torch.nn.Module):
+        self.drafter = drafter.eval()
+        self.cfg = drafter.cfg
+        self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+        self.length = 0
+
+    def reset(self) -> None:
+        self.kv, self.length = None, 0
+
+    def extend(self, states: torch.Tensor) -> None:
+        """Append target states [n, C] for the next n positions."""
+        pos = torch.arange(self.length, self.length + states.shape[0])[None]
+        new = self.drafter.context_kv(states[None].to(self.drafter.fc.weight.dtype), pos)
+        self.kv = new if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                               for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.length += states.shape[0]
+
+    @torch.no_grad()
+    def propose(self, anchor: int, gamma: int, temperature: float, gen: torch.Generator,
+                confidence_threshold: Optional[float] = None) -> tuple[list[int], Optional[torch.Tensor], list[float]]:
+        """Drafts for the positions after the anchor (at position ``self.length``). Returns the
+        tokens, their proposal distributions [g, V] (sampling only) and confidences (if a head)."""
+        d, a = self.drafter, self.length
+        q = gamma if self.cfg.sample_from_anchor else gamma + 1
+        block = torch.full((1, q), d.dims.mask_token_id, dtype=torch.long)
+        block[0, 0] = anchor
+        hidden = d.forward_block(block, torch.arange(a, a + q)[None], self.kv)[0]  # [gamma, H]
+        base = d.lm_head(hidden).float()
+        tokens: list[int] = []
+        probs, confs = [], []
+        prev = [anchor]
+        for k in range(gamma):
+            markov = None
+            if d.markov_head is not None:
+                markov = d.markov_head.embed(torch.tensor(prev), hidden[: k + 1])[-1]
+            logits = base[k] + (d.markov_head.markov_w2(markov).float() if markov is not None else 0)
+            if d.confidence_head is not None:
+                feats = torch.cat([hidden[k], markov]) if (markov is not None and d.cfg.confidence_head_with_markov) else hidden[k]
+                conf = float(torch.sigmoid(d.confidence_head["proj"](feats.float())))
+                if confidence_threshold is not None and k > 0 and conf < confidence_threshold:
+                    break
+                confs.append(conf)
+            if temperature > 0:
+                p = torch.softmax(logits / temperature, dim=-1)
+                tok = int(torch.multinomial(p, 1, generator=gen))
+                probs.append(p)
+            else:
+                tok = int(torch.argmax(logits))
+            tokens.append(tok)
+            prev.append(tok)
+        return tokens, (torch.stack(probs) if probs else None), confs
+
+
+def _sample(p: torch.Tensor, gen: torch.Generator) -> int:
+    return int(torch.multinomial(p, 1, generator=gen))
+
+
+def verify(drafts: list[int], q: Optional[torch.Tensor], target_logits: torch.Tensor, temperature: float,
+           gen: torch.Generator) -> tuple[int, int]:
+    """(number accepted, next token) for drafts against target logits [g+1, V] at the positions
+    that predict d_1..d_g and the bonus. Greedy: exact match; sampling: rejection sampling."""
+    if temperature <= 0:
+        best = torch.argmax(target_logits, dim=-1).tolist()
+        n = 0
+        while n < len(drafts) and drafts[n] == best[n]:
+            n += 1
+        return n, best[n]
+    p = torch.softmax(target_logits / temperature, dim=-1)
+    for k, tok in enumerate(drafts):
+        if torch.rand((), generator=gen) < torch.clamp(p[k, tok] / q[k, tok], max=1.0):
+            continue
+        residual = torch.clamp(p[k] - q[k], min=0)
+        total = residual.sum()
+        return k, _sample(residual / total if total > 0 else p[k], gen)
+    return len(drafts), _sample(p[len(drafts)], gen)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    counts: AcceptanceCounts
+    confidence: list[tuple[float, bool]] = field(default_factory=list)  # (predicted, accepted) per decided draft
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+def _first_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    return _sample(torch.softmax(logits / temperature, dim=-1), gen)
+
+
+def _finish(tokens: list[int], max_new: int, eos: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(tokens[:max_new]):
+        if t in eos:
+            return tokens[: i + 1], True
+    return tokens[:max_new], len(tokens) >= max_new
+
+
+def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: Sequence[int], cfg: DecodeConfig,
+                         eos: set[int], gen: torch.Generator) -> Generation:
+    res = Generation([], AcceptanceCounts(cfg.gamma))
+    target.reset()
+    draft.reset()
+    t0 = time.perf_counter()
+    logits, states = target.forward(prompt)
+    out = [_first_token(logits[-1], cfg.temperature, gen)]
+    draft.extend(states)
+    res.prefill_s = time.perf_counter() - t0
+    t_dec = time.perf_counter()
+    while True:
+        out, done = _finish(out, cfg.max_new_tokens, eos)
+        if done:
+            break
+        anchor = out[-1]
+        t1 = time.perf_counter()
+        drafts, q, confs = draft.propose(anchor, cfg.gamma, cfg.temperature, gen, cfg.confidence_threshold)
+        t2 = time.perf_counter()
+        logits, states = target.forward([anchor, *drafts])
+        n, nxt = verify(drafts, q, logits, cfg.temperature, gen)
+        t3 = time.perf_counter()
+        res.draft_s += t2 - t1
+        res.verify_s += t3 - t2
+        res.counts.add_step(len(drafts), n)
+        res.confidence += [(c, k < n) for k, c in enumerate(confs[: n + 1])]
+        target.crop(target.length - len(drafts) + n)  # keep the anchor and the accepted drafts
+        draft.extend(states[: n + 1])
+        out += drafts[:n] + [nxt]
+    res.decode_s = time.perf_counter() - t_dec
+    res.tokens = out
+    return res
+
+
+def plain_generate(target: TargetRunner, prompt: Sequence[int], cfg: DecodeConfig, eos: set[int],
+                   gen: torch.Generator) -> Generation:
+    """The same target decoding one token per forward: the baseline for tokens/s and the
+    losslessness check."""
+    res = Generation([], AcceptanceCounts(cfg.gamma))
+    target.reset()
+    t0 = time.perf_counter()
+    logits, _ = target.forward(prompt)
+    out = [_first_token(logits[-1], cfg.temperature, gen)]
+    res.prefill_s = time.perf_counter() - t0
+    t_dec = time.perf_counter()
+    while True:
+        out, done = _finish(out, cfg.max_new_tokens, eos)
+        if done:
+            break
+        logits, _ = target.forward([out[-1]])
+        out.append(_first_token(logits[-1], cfg.temperature, gen))
+    res.decode_s = time.perf_counter() - t_dec
+    res.tokens = out
+    return res
+
+
+def calibration(records: list[tuple[float, bool]], num_bins: int = 10) -> Optional[Calibration]:
+    """Expected calibration error over equal-width confidence bins, and the reliability curve."""
+    if not records:
+        return None
+    edges = [i / num_bins for i in range(num_bins + 1)]
+    conf_sum, acc_sum, count = [0.0] * num_bins, [0.0] * num_bins, [0] * num_bins
+    for c, ok in records:
+        b = min(int(c * num_bins), num_bins - 1)
+        conf_sum[b] += c
+        acc_sum[b] += float(ok)
+        count[b] += 1
+    total = len(records)
+    ece = sum(abs(conf_sum[b] - acc_sum[b]) for b in range(num_bins)) / total
+    return Calibration(ece, edges, [conf_sum[b] / count[b] if count[b] else None for b in range(num_bins)],
+                       [acc_sum[b] / count[b] if count[b] else None for b in range(num_bins)], count)

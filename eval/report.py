@@ -1,0 +1,418 @@
+"""Turn an ``EvalResults`` into what people read: ``results.json``, ``report.md`` and PNG plots,
+and optionally the same figures on a W&B run.
+
+The speedup model is DESIGN.md's: with measured tau = E[tokens per step] and measured draft cost
+ratio r, the predicted speedup is E / (1 + r). The i.i.d. per-token acceptance p that gives the
+same E under E(p) = (1 - p^(gamma+1)) / (1 - p) is reported beside it, so drafters can be
+compared on one number that does not depend on gamma.
+
+Usage: ``python -m eval.report RESULTS_JSON --out DIR`` re-renders a report from a results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from matplotlib.figure import Figure
+
+from eval.results import AcceptanceCounts, Calibration, DrafterResult, EvalConditions, EvalResults
+
+if TYPE_CHECKING:
+    from wandb.sdk.wandb_run import Run
+
+_BISECTION_STEPS = 60  # halves [0, 1) down to 2^-60, below float resolution near p = 1
+_NA = "n/a"
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    """Where ``write_report`` put its files; ``plots`` maps a plot name to its PNG."""
+
+    json: Path
+    markdown: Path
+    plots: dict[str, Path]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One quality gate shown as "target vs measured" (e.g. ours beats the ngram baseline)."""
+
+    name: str
+    measured: float
+    target: float
+    passed: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class SpeedupRow:
+    """DESIGN.md's speedup model evaluated at one drafter's measured tau and r."""
+
+    tau: float  # E: measured mean tokens per verification step
+    p: float  # i.i.d. per-token acceptance that gives E
+    r: float  # draft cost / target verify cost per step
+    predicted: float  # E / (1 + r)
+
+
+# --- speedup model ---------------------------------------------------------------------------
+
+
+def expected_tokens(p: float, gamma: int) -> float:
+    """E[tokens per step] when each of gamma draft tokens is accepted i.i.d. with probability p
+    (the bonus token included); the limit gamma + 1 at p = 1."""
+    if p >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - p ** (gamma + 1)) / (1.0 - p)
+
+
+def fit_p(tau: float, gamma: int) -> float:
+    """The p with ``expected_tokens(p, gamma) == tau``, by bisection (E is increasing in p).
+
+    tau outside (1, gamma + 1) is clamped to p = 0 or 1: sampling noise can put a measured tau
+    on or past the ends, and the model has no p there."""
+    if math.isnan(tau):
+        return math.nan
+    if tau <= 1.0:
+        return 0.0
+    if tau >= gamma + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(_BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, gamma) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def speedup_row(tau: float, gamma: int, r: float) -> SpeedupRow:
+    """Predicted speedup from measured acceptance and measured cost ratio (both, not assumed)."""
+    return SpeedupRow(tau=tau, p=fit_p(tau, gamma), r=r, predicted=tau / (1.0 + r))
+
+
+def speedup_table(results: EvalResults) -> list[dict[str, Any]]:
+    """One row per drafter that has a cost ratio or a wall-clock speedup, so the model's
+    prediction and the measurement sit side by side; the prediction is None without r."""
+    rows = []
+    gamma = results.conditions.gamma
+    for d in results.drafters:
+        measured = d.measured_speedup
+        if d.draft_cost_ratio is None and measured is None:
+            continue
+        if d.draft_cost_ratio is None:
+            model: dict[str, Any] = {"tau": d.tau, "p": fit_p(d.tau, gamma), "r": None, "predicted": None}
+        else:
+            model = asdict(speedup_row(d.tau, gamma, d.draft_cost_ratio))
+        rows.append({"drafter": d.name, **model, "measured": measured})
+    return rows
+
+
+# --- quality checks --------------------------------------------------------------------------
+
+
+def ratio_check(name: str, numerator_name: str, numerator: float, denominator_name: str,
+                denominator: float, min_ratio: float) -> Check:
+    """Pass when numerator / denominator >= min_ratio (e.g. tau of ours over tau of ngram).
+
+    A zero or NaN denominator gives a NaN ratio, which fails: no evidence is not a pass."""
+    ratio = numerator / denominator if denominator else math.nan
+    detail = (f"{numerator_name} {numerator:.3f} / {denominator_name} {denominator:.3f} "
+              f"= {ratio:.3f} (need >= {min_ratio:g})")
+    return Check(name=name, measured=ratio, target=min_ratio, passed=ratio >= min_ratio, detail=detail)
+
+
+# --- JSON ------------------------------------------------------------------------------------
+
+
+def _nan_to_none(obj: Any) -> Any:
+    """Strict JSON has no NaN/inf; an empty bin's tau is NaN, so it becomes null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_nan_to_none(v) for v in obj]
+    return obj
+
+
+def results_payload(results: EvalResults, checks: list[Check] | None = None) -> dict[str, Any]:
+    """What ``results.json`` holds: the records, the speedup table, and the checks if any."""
+    payload = {**results.to_dict(), "speedup": speedup_table(results)}
+    if checks is not None:
+        payload["checks"] = [asdict(c) for c in checks]
+    return _nan_to_none(payload)
+
+
+def _summary_from_counts(summary: dict[str, Any]) -> dict[str, Any]:
+    """Recompute tau and the acceptance rates from the raw counters, which restores the NaNs
+    that JSON stored as null; extra keys (``num_prompts``) are kept."""
+    counts = AcceptanceCounts(summary["gamma"], summary["num_drafts"], summary["num_draft_tokens"],
+                              summary["num_accepted"], list(summary["accepted_per_pos"]))
+    return {**summary, **counts.summary()}
+
+
+def _drafter_from_dict(d: dict[str, Any]) -> DrafterResult:
+    cal = d.get("calibration")
+    calibration = None
+    if cal is not None:
+        ece = math.nan if cal["ece"] is None else cal["ece"]
+        calibration = Calibration(**{**cal, "ece": ece})
+    return DrafterResult(
+        name=d["name"], runner=d["runner"], method=d["method"],
+        overall=_summary_from_counts(d["overall"]),
+        per_bin={b: _summary_from_counts(s) for b, s in d["per_bin"].items()},
+        calibration=calibration, draft_cost_ratio=d.get("draft_cost_ratio"),
+        tokens_per_s=d.get("tokens_per_s"), baseline_tokens_per_s=d.get("baseline_tokens_per_s"),
+        notes=d.get("notes", ""),
+    )
+
+
+def load_results(path: Path) -> EvalResults:
+    """Rebuild the records from a ``results.json`` (derived keys such as tau are recomputed)."""
+    data = json.loads(Path(path).read_text())
+    return EvalResults(conditions=EvalConditions(**data["conditions"]),
+                       drafters=[_drafter_from_dict(d) for d in data["drafters"]])
+
+
+def load_checks(path: Path) -> list[Check] | None:
+    """The checks stored in a ``results.json``, or None when it has none."""
+    data = json.loads(Path(path).read_text())
+    if "checks" not in data:
+        return None
+    return [Check(**{**c, "measured": math.nan if c["measured"] is None else c["measured"]})
+            for c in data["checks"]]
+
+
+def _bin_tau(d: DrafterResult, b: str) -> float:
+    """NaN for a bin the drafter has no counts for, so tables and bars show a gap."""
+    return float(d.per_bin[b]["tau"]) if b in d.per_bin else math.nan
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return _NA if x is None or math.isnan(x) else f"{x:.{digits}f}"
+
+
+# --- plots -----------------------------------------------------------------------------------
+# Figure() without pyplot renders through Agg and leaves the process's global backend alone.
+
+
+def _conditions_line(c: EvalConditions) -> str:
+    return f"{c.target}, gamma={c.gamma}, temperature={c.temperature:g}"
+
+
+def plot_acceptance_per_position(results: EvalResults, path: Path) -> None:
+    """Unconditional acceptance against draft position, one line per drafter."""
+    gamma = results.conditions.gamma
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    positions = list(range(1, gamma + 1))
+    for d in results.drafters:
+        ax.plot(positions, d.overall["accept_per_pos"], marker="o", label=d.name)
+    ax.set(xlabel="draft position k", ylabel="P(first k draft tokens accepted)", ylim=(0, 1.02),
+           xticks=positions, title=f"Acceptance per position\n{_conditions_line(results.conditions)}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_tau_per_bin(results: EvalResults, path: Path) -> None:
+    """Grouped bars: one group per context bin, one bar per drafter, so drafters compare
+    within a context length."""
+    c = results.conditions
+    bins = [str(b) for b in c.context_bins]
+    width = 0.8 / max(len(results.drafters), 1)
+    fig = Figure(figsize=(max(6, 1.5 * len(bins)), 4))
+    ax = fig.add_subplot()
+    for i, d in enumerate(results.drafters):
+        xs = [j + (i - (len(results.drafters) - 1) / 2) * width for j in range(len(bins))]
+        taus = [_bin_tau(d, b) for b in bins]
+        ax.bar(xs, taus, width=width, label=d.name)
+    ax.set_xticks(range(len(bins)), [f"{b}\n(n={c.prompts_per_bin.get(b, 0)})" for b in bins])
+    ax.set(xlabel="context bin (tokens)", ylabel="tau (tokens per step)", ylim=(0, c.gamma + 1),
+           title=f"Acceptance length per context bin\n{_conditions_line(c)}")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_calibration(results: EvalResults, path: Path) -> bool:
+    """Reliability curve of each confidence head; returns False (no file) when no drafter has one."""
+    calibrated = [(d.name, d.calibration) for d in results.drafters if d.calibration is not None]
+    if not calibrated:
+        return False
+    fig = Figure(figsize=(5, 5))
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfect calibration")
+    for name, cal in calibrated:
+        pts = [(x, y) for x, y in zip(cal.bin_confidence, cal.bin_accuracy) if x is not None and y is not None]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{name} (ECE {cal.ece:.3f})")
+    ax.set(xlabel="mean predicted confidence", ylabel="observed acceptance", xlim=(0, 1), ylim=(0, 1),
+           title=f"Confidence calibration\n{_conditions_line(results.conditions)}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def write_plots(results: EvalResults, out_dir: Path) -> dict[str, Path]:
+    """All PNGs, keyed by name; calibration only when some drafter has a confidence head."""
+    plots = {"acceptance_per_position": out_dir / "acceptance_per_position.png",
+             "tau_per_bin": out_dir / "tau_per_bin.png"}
+    plot_acceptance_per_position(results, plots["acceptance_per_position"])
+    plot_tau_per_bin(results, plots["tau_per_bin"])
+    calibration = out_dir / "calibration.png"
+    if plot_calibration(results, calibration):
+        plots["calibration"] = calibration
+    return plots
+
+
+# --- Markdown --------------------------------------------------------------------------------
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _conditions_section(c: EvalConditions) -> list[str]:
+    bins = ", ".join(f"{b} ({c.prompts_per_bin.get(str(b), 0)} prompts)" for b in c.context_bins)
+    rows = [["target", f"{c.target} (`{c.target_path}`)"], ["gamma", str(c.gamma)],
+            ["temperature", f"{c.temperature:g}"], ["max_new_tokens", str(c.max_new_tokens)],
+            ["prompt source", c.prompt_source], ["context bins", bins],
+            ["checkpoint", f"`{c.checkpoint}`" if c.checkpoint else _NA],
+            ["export dir", f"`{c.export_dir}`" if c.export_dir else _NA],
+            ["dtype", c.dtype], ["device", c.device]]
+    rows += [[k, str(v)] for k, v in c.extra.items()]
+    return ["## Conditions", ""] + _table(["condition", "value"], rows)
+
+
+def _tau_section(results: EvalResults) -> list[str]:
+    bins = [str(b) for b in results.conditions.context_bins]
+    rows = [[d.name, d.runner, _fmt(d.tau)] + [_fmt(_bin_tau(d, b)) for b in bins] for d in results.drafters]
+    return (["## Acceptance length tau", "", "tau = 1 + accepted / drafts (tokens per verification step).", ""]
+            + _table(["drafter", "runner", "overall"] + [f"ctx {b}" for b in bins], rows))
+
+
+def _position_section(results: EvalResults) -> list[str]:
+    positions = [f"pos {k}" for k in range(1, results.conditions.gamma + 1)]
+    uncond = [[d.name] + [_fmt(a) for a in d.overall["accept_per_pos"]] for d in results.drafters]
+    cond = [[d.name] + [_fmt(a) for a in d.overall["accept_cond_per_pos"]] for d in results.drafters]
+    return (["## Acceptance per draft position", "",
+             "Unconditional: P(first k draft tokens all accepted).", ""] + _table(["drafter"] + positions, uncond)
+            + ["", "Conditional: P(position k accepted | positions < k accepted).", ""]
+            + _table(["drafter"] + positions, cond))
+
+
+def _speedup_section(rows: list[dict[str, Any]]) -> list[str]:
+    model = ("Predicted = E / (1 + r) with E = measured tau and r = measured draft/target cost per step; "
+             "p is the i.i.d. per-token acceptance giving E = (1 - p^(gamma+1)) / (1 - p).")
+    head = ["## Speedup", "", model, ""]
+    if not rows:
+        return head + ["No drafter has a measured cost ratio or wall-clock speedup."]
+    table = [[r["drafter"], _fmt(r["tau"]), _fmt(r["p"]), _fmt(r["r"]), _fmt(r["predicted"], 2),
+              _fmt(r["measured"], 2)] for r in rows]
+    return head + _table(["drafter", "tau (E)", "p", "r", "predicted speedup", "measured speedup"], table)
+
+
+def _calibration_section(results: EvalResults) -> list[str]:
+    rows = [[d.name, _fmt(d.calibration.ece), str(sum(d.calibration.bin_count))]
+            for d in results.drafters if d.calibration is not None]
+    if not rows:
+        return []
+    return (["## Confidence calibration", ""]
+            + _table(["drafter", "ECE", "verified positions"], rows))
+
+
+def _checks_section(checks: list[Check]) -> list[str]:
+    rows = [[c.name, _fmt(c.target), _fmt(c.measured), "pass" if c.passed else "**FAIL**", c.detail]
+            for c in checks]
+    return ["## Quality checks", ""] + _table(["check", "target", "measured", "result", "detail"], rows)
+
+
+def render_markdown(results: EvalResults, plots: dict[str, Path], *,
+                    checks: list[Check] | None = None) -> str:
+    """The report: conditions first, since no number means anything without them."""
+    sections = [["# DSpark acceptance report"], _conditions_section(results.conditions),
+                _tau_section(results), _position_section(results),
+                _speedup_section(speedup_table(results)), _calibration_section(results)]
+    if checks is not None:
+        sections.append(_checks_section(checks))
+    sections.append(["## Plots"] + [f"\n![{name}]({p.name})" for name, p in plots.items()])
+    return "\n\n".join("\n".join(s) for s in sections if s) + "\n"
+
+
+# --- W&B -------------------------------------------------------------------------------------
+
+
+def _wandb_scalars(results: EvalResults, speedups: list[dict[str, Any]]) -> dict[str, float]:
+    """Stable metric names (eval/<drafter>/...); NaNs are left out so summaries stay numeric."""
+    out: dict[str, float] = {}
+    for d in results.drafters:
+        key = f"eval/{d.name}"
+        out[f"{key}/tau"] = d.tau
+        for b in results.conditions.context_bins:
+            out[f"{key}/tau_bin_{b}"] = _bin_tau(d, str(b))
+        for k, a in enumerate(d.overall["accept_per_pos"], start=1):
+            out[f"{key}/accept_pos_{k}"] = a
+        if d.calibration is not None:
+            out[f"{key}/ece"] = d.calibration.ece
+    for row in speedups:
+        for col in ("predicted", "measured"):
+            if row[col] is not None:
+                out[f"eval/{row['drafter']}/{col}_speedup"] = row[col]
+    return {k: float(v) for k, v in out.items() if not math.isnan(v)}
+
+
+def log_to_wandb(run: Run, results: EvalResults, plots: dict[str, Path]) -> None:
+    """Scalars, plots and tables in one ``log`` call, so they share a step."""
+    import wandb  # slow to import; only needed when a run is given
+
+    speedups = speedup_table(results)
+    bins = [str(b) for b in results.conditions.context_bins]
+    bin_table = wandb.Table(columns=["drafter", "overall"] + bins,
+                            data=[[d.name, d.tau] + [_bin_tau(d, b) for b in bins] for d in results.drafters])
+    columns = ["drafter", "tau", "p", "r", "predicted", "measured"]
+    speedup = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in speedups])
+    run.log({**_wandb_scalars(results, speedups),
+             **{f"eval/plots/{name}": wandb.Image(str(p)) for name, p in plots.items()},
+             "eval/tau_per_bin_table": bin_table, "eval/speedup_table": speedup})
+
+
+# --- entry points ----------------------------------------------------------------------------
+
+
+def write_report(results: EvalResults, out_dir: Path, *, checks: list[Check] | None = None,
+                 wandb_run: Run | None = None) -> ReportPaths:
+    """Write results.json, report.md and the PNGs into ``out_dir``; log them to ``wandb_run``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(results, out_dir)
+    json_path = out_dir / "results.json"
+    json_path.write_text(json.dumps(results_payload(results, checks), indent=2, allow_nan=False) + "\n")
+    md_path = out_dir / "report.md"
+    md_path.write_text(render_markdown(results, plots, checks=checks))
+    if wandb_run is not None:
+        log_to_wandb(wandb_run, results, plots)
+    return ReportPaths(json=json_path, markdown=md_path, plots=plots)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Re-render a DSpark eval report from results.json.")
+    parser.add_argument("results_json", type=Path)
+    parser.add_argument("--out", type=Path, required=True, help="directory for the report")
+    args = parser.parse_args(argv)
+    paths = write_report(load_results(args.results_json), args.out, checks=load_checks(args.results_json))
+    print(paths.markdown)
+
+
+if __name__ == "__main__":
+    main()

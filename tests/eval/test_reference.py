@@ -1,0 +1,147 @@
+"""The reference speculative-decoding loop: lossless in greedy and in sampling mode, counted
+the way vLLM counts, and the cached-context drafter equal to the training forward."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dspark.config import DSparkConfig
+from dspark.model import DSparkDrafter, resolve_dims
+from eval.reference import DecodeConfig, DraftRunner, TargetRunner, calibration, plain_generate, speculative_generate, verify
+from eval.results import AcceptanceCounts
+
+LAYERS = [1, 2]  # 2 = the final pre-norm state of the 2-layer target
+
+
+def tiny_pair(vocab: int, *, sample_from_anchor: bool = True, markov_rank: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)).eval()
+    cfg = DSparkConfig(num_layers=1, block_size=4, intermediate_size=64, markov_rank=markov_rank,
+                       sample_from_anchor=sample_from_anchor, enable_confidence_head=True)
+    dims = resolve_dims(cfg, target_config=target.config.to_dict(), vocab_size=vocab, num_context_layers=len(LAYERS),
+                        mask_token_id=0)
+    drafter = DSparkDrafter(cfg, dims, embed_tokens=target.model.embed_tokens.weight.detach(),
+                            lm_head=target.lm_head.weight.detach(), target_norm=target.model.norm.weight.detach(),
+                            target_norm_eps=1e-6)
+    with torch.no_grad():  # a drafter that is neither useless nor perfect
+        drafter.markov_head.markov_w2.weight.normal_(0, 0.5) if drafter.markov_head is not None else None
+        drafter.confidence_head["proj"].weight.normal_(0, 0.3)
+    return target, drafter.eval()
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_cached_block_equals_training_forward(sample_from_anchor):
+    target, drafter = tiny_pair(50, sample_from_anchor=sample_from_anchor)
+    ids = torch.randint(1, 50, (1, 12))
+    runner = TargetRunner(target, LAYERS)
+    runner.reset()
+    _, states = runner.forward(ids[0].tolist())  # [12, 2*32]
+    a = 7
+    with torch.no_grad():
+        ref = drafter(ids, states[None, :11], torch.tensor([[a]])).hidden[0, 0]  # [K, H]
+    dr = DraftRunner(drafter)
+    dr.extend(states[:a])
+    q = drafter.queries_per_block
+    block = torch.full((1, q), 0)
+    block[0, 0] = ids[0, a]
+    got = drafter.forward_block(block, torch.arange(a, a + q)[None], dr.kv)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sample_from_anchor,gamma,threshold", [(True, 4, None), (False, 3, None), (True, 4, 0.5)])
+def test_greedy_speculative_output_equals_plain_greedy(sample_from_anchor, gamma, threshold):
+    target, drafter = tiny_pair(8, sample_from_anchor=sample_from_anchor)
+    cfg = DecodeConfig(gamma=gamma, max_new_tokens=32, confidence_threshold=threshold)
+    t, d = TargetRunner(target, LAYERS), DraftRunner(drafter)
+    accepted = rejected = 0
+    for i in range(4):
+        prompt = torch.randint(0, 8, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist()
+        spec = speculative_generate(t, d, prompt, cfg, eos=set(), gen=torch.Generator().manual_seed(0))
+        plain = plain_generate(t, prompt, cfg, eos=set(), gen=torch.Generator().manual_seed(0))
+        assert spec.tokens == plain.tokens
+        assert len(spec.tokens) == 32
+        c = spec.counts
+        assert c.num_draft_tokens >= c.num_accepted
+        accepted += c.num_accepted
+        rejected += c.num_drafts - c.accepted_per_pos[-1]
+    assert accepted > 0 and rejected > 0  # both paths were exercised
+
+
+def test_eos_stops_both_the_same_way():
+    target, drafter = tiny_pair(8)
+    cfg = DecodeConfig(gamma=4, max_new_tokens=40)
+    t, d = TargetRunner(target, LAYERS), DraftRunner(drafter)
+    prompt = [1, 2, 3, 4, 5]
+    plain = plain_generate(t, prompt, cfg, eos=set(), gen=torch.Generator())
+    eos = plain.tokens[5]
+    stop = plain.tokens.index(eos)
+    spec = speculative_generate(t, d, prompt, cfg, eos={eos}, gen=torch.Generator())
+    assert spec.tokens == plain.tokens[: stop + 1]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """A draft distribution far from the target's; one step, tiny vocab: the emitted token must
+    follow p, not q (accepting every draft would give q)."""
+    gen = torch.Generator().manual_seed(0)
+    p_logits = torch.tensor([[2.0, 0.5, 0.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    q = torch.softmax(torch.tensor([-1.0, 2.0, 1.0, 0.5, -2.0]), -1)
+    p = torch.softmax(p_logits[0], -1)
+    n, hist = 8000, torch.zeros(5)
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=gen))
+        acc, nxt = verify([d], q[None], p_logits, 1.0, gen)
+        hist[d if acc == 1 else nxt] += 1
+    emp = hist / n
+    assert 0.5 * (emp - p).abs().sum() < 0.02, (emp, p)  # sampling noise ~0.01 at n=8000
+    assert 0.5 * (q - p).abs().sum() > 0.4  # the test would catch "always accept"
+
+
+def test_speculative_sampling_matches_exact_target_marginals():
+    """End to end on a 6-token vocabulary: the marginal of generated tokens 2 and 3 over many
+    sampled runs equals the exact target marginal (computed by enumeration)."""
+    target, drafter = tiny_pair(6, seed=1)
+    prompt, temp = [1, 2, 3], 1.0
+    with torch.no_grad():
+        def probs(ids):
+            return torch.softmax(target(torch.tensor([ids])).logits[0, -1].float() / temp, -1)
+        p0 = probs(prompt)
+        p1 = {a: probs(prompt + [a]) for a in range(6)}
+        m1 = sum(p0[a] * p1[a] for a in range(6))
+        m2 = sum(p0[a] * p1[a][b] * probs(prompt + [a, b]) for a in range(6) for b in range(6))
+    cfg = DecodeConfig(gamma=3, temperature=temp, max_new_tokens=3)
+    t, d = TargetRunner(target, LAYERS), DraftRunner(drafter)
+    gen = torch.Generator().manual_seed(0)
+    n = 2000
+    h1, h2, counts = torch.zeros(6), torch.zeros(6), AcceptanceCounts(3)
+    for _ in range(n):
+        g = speculative_generate(t, d, prompt, cfg, eos=set(), gen=gen)
+        h1[g.tokens[1]] += 1
+        h2[g.tokens[2]] += 1
+        counts.merge(g.counts)
+    assert counts.num_accepted > 0.2 * counts.num_draft_tokens  # drafts were really used
+    assert 0.5 * (h1 / n - m1).abs().sum() < 0.05  # sampling noise ~0.025 at n=2000
+    assert 0.5 * (h2 / n - m2).abs().sum() < 0.05
+
+
+def test_counts_follow_vllm_definitions():
+    c = AcceptanceCounts(3)
+    for proposed, acc in [(3, 3), (3, 1), (3, 0), (3, 2)]:
+        c.add_step(proposed, acc)
+    assert c.tau == pytest.approx(1 + 6 / 4)
+    assert c.accept_per_pos == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert c.accept_cond_per_pos == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    later = AcceptanceCounts(3)
+    later.merge(c)
+    later.add_step(3, 3)
+    assert later.minus(c).tau == pytest.approx(4.0)
+
+
+def test_calibration_ece():
+    recs = [(0.9, True)] * 9 + [(0.9, False)] + [(0.25, False)] * 3 + [(0.25, True)]
+    cal = calibration(recs, num_bins=10)
+    assert cal.bin_count[9] == 10 and cal.bin_count[2] == 4
+    assert cal.bin_accuracy[9] == pytest.approx(0.9) and cal.bin_accuracy[2] == pytest.approx(0.25)
+    assert cal.ece == pytest.approx(0.0)
+    skewed = calibration([(0.95, False)] * 4)
+    assert skewed.ece == pytest.approx(0.95)

@@ -1,0 +1,250 @@
+"""The report against hand-computed numbers: the speedup model, the Markdown tables, the JSON
+round trip, the PNGs, the CLI and an offline W&B run. Counts come from ``add_step`` so every
+figure below is derived, not typed in."""
+
+import json
+import math
+import socket
+
+import pytest
+
+from eval.report import (
+    Check,
+    expected_tokens,
+    fit_p,
+    load_checks,
+    load_results,
+    main,
+    ratio_check,
+    speedup_row,
+    write_report,
+)
+from eval.results import AcceptanceCounts, Calibration, DrafterResult, EvalConditions, EvalResults
+
+GAMMA = 3
+BINS = [1024, 4096]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# accepted tokens per verification step, per drafter and context bin (4096 empty for ngram)
+STEPS = {"dspark": {"1024": [3, 3, 2, 1, 0], "4096": [3, 2, 2, 0]},
+         "dspark-markov-off": {"1024": [2, 1, 0, 1], "4096": [1, 0, 0]},
+         "ngram": {"1024": [1, 0, 0, 0], "4096": []}}
+
+
+def counts(accepted: list[int]) -> AcceptanceCounts:
+    c = AcceptanceCounts(GAMMA)
+    for a in accepted:
+        c.add_step(GAMMA, a)
+    return c
+
+
+def overall(name: str) -> AcceptanceCounts:
+    total = AcceptanceCounts(GAMMA)
+    for steps in STEPS[name].values():
+        total.merge(counts(steps))
+    return total
+
+
+def drafter(name: str, **kw) -> DrafterResult:
+    per_bin = {b: {**counts(s).summary(), "num_prompts": 2} for b, s in STEPS[name].items()}
+    return DrafterResult(name=name, runner="reference", method=name, overall=overall(name).summary(),
+                         per_bin=per_bin, **kw)
+
+
+@pytest.fixture
+def results() -> EvalResults:
+    cond = EvalConditions(target="smollm2-135m", target_path="/models/smollm2", gamma=GAMMA, temperature=0.0,
+                          max_new_tokens=64, prompt_source="offline", context_bins=BINS,
+                          prompts_per_bin={"1024": 2, "4096": 2}, checkpoint="/ckpt/step_100")
+    cal = Calibration(ece=0.05, bin_edges=[0.0, 0.5, 1.0], bin_confidence=[0.3, 0.8], bin_accuracy=[0.25, 0.85],
+                      bin_count=[4, 6])
+    cal_gap = Calibration(ece=0.2, bin_edges=[0.0, 0.5, 1.0], bin_confidence=[None, 0.7], bin_accuracy=[None, 0.5],
+                          bin_count=[0, 5])
+    return EvalResults(cond, [
+        drafter("dspark", calibration=cal, draft_cost_ratio=0.25, tokens_per_s=180.0, baseline_tokens_per_s=100.0),
+        drafter("dspark-markov-off", calibration=cal_gap, draft_cost_ratio=0.2),
+        drafter("ngram", tokens_per_s=120.0, baseline_tokens_per_s=100.0),
+    ])
+
+
+def table_rows(md: str, heading: str, nth: int = 0) -> dict[str, list[str]]:
+    """The nth Markdown table under ``## heading``, keyed by its first cell (header row excluded)."""
+    section = md.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    tables, current = [], []
+    for line in section.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append([c.strip() for c in line.strip("|").split("|")])
+        elif current:
+            tables.append(current)
+            current = []
+    header, _, *rows = tables[nth]
+    return {"__header__": header, **{r[0]: r for r in rows}}
+
+
+def test_expected_tokens_and_fit_p_match_hand_values():
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)  # 1 + .5 + .25 + .125
+    assert expected_tokens(0.8, 4) == pytest.approx(3.3616)  # (1 - .8^5) / .2
+    assert expected_tokens(1.0, 3) == 4.0
+    assert fit_p(1.875, 3) == pytest.approx(0.5, abs=1e-12)
+    assert fit_p(3.3616, 4) == pytest.approx(0.8, abs=1e-12)
+    assert fit_p(1.0, 3) == 0.0 and fit_p(0.7, 3) == 0.0  # clamped at the ends
+    assert fit_p(4.0, 3) == 1.0 and fit_p(4.2, 3) == 1.0
+    assert math.isnan(fit_p(math.nan, 3))
+
+
+def test_speedup_row_by_hand():
+    row = speedup_row(1.875, 3, 0.25)
+    assert row.p == pytest.approx(0.5) and row.tau == 1.875 and row.r == 0.25
+    assert row.predicted == pytest.approx(1.5)  # 1.875 / 1.25
+
+
+def test_ratio_check():
+    ok = ratio_check("ours over ngram", "dspark tau", 2.4, "ngram tau", 1.6, 1.3)
+    assert ok.measured == pytest.approx(1.5) and ok.target == 1.3 and ok.passed
+    assert "dspark tau 2.400 / ngram tau 1.600 = 1.500" in ok.detail
+    assert not ratio_check("x", "a", 1.0, "b", 1.0, 1.3).passed
+    no_data = ratio_check("x", "a", 2.0, "b", 0.0, 1.0)
+    assert math.isnan(no_data.measured) and not no_data.passed
+
+
+def test_markdown_tables_carry_the_measured_numbers(results, tmp_path):
+    checks = [ratio_check("ours over ngram", "dspark", results.drafters[0].tau, "ngram", results.drafters[2].tau, 1.3),
+              ratio_check("markov helps", "dspark", results.drafters[0].tau, "off", results.drafters[1].tau, 5.0)]
+    md = write_report(results, tmp_path, checks=checks).markdown.read_text()
+
+    conditions = table_rows(md, "Conditions")
+    assert conditions["gamma"][1] == "3" and conditions["temperature"][1] == "0"
+    assert conditions["context bins"][1] == "1024 (2 prompts), 4096 (2 prompts)"
+    assert conditions["checkpoint"][1] == "`/ckpt/step_100`" and conditions["export dir"][1] == "n/a"
+
+    tau = table_rows(md, "Acceptance length tau")
+    assert tau["__header__"] == ["drafter", "runner", "overall", "ctx 1024", "ctx 4096"]
+    for name, bins in STEPS.items():
+        assert tau[name][2] == f"{overall(name).tau:.3f}"
+        for i, b in enumerate(bins):
+            expected = counts(bins[b]).tau
+            assert tau[name][3 + i] == ("n/a" if math.isnan(expected) else f"{expected:.3f}")
+    assert tau["dspark"][3] == "2.800"  # 1 + (3+3+2+1+0)/5, by hand
+
+    uncond = table_rows(md, "Acceptance per draft position", 0)
+    cond = table_rows(md, "Acceptance per draft position", 1)
+    assert uncond["__header__"] == ["drafter", "pos 1", "pos 2", "pos 3"]
+    assert uncond["dspark"][1:] == [f"{a:.3f}" for a in overall("dspark").accept_per_pos]
+    assert uncond["dspark"][1:] == ["0.778", "0.667", "0.333"]  # 7/9, 6/9, 3/9 of 9 drafts
+    assert cond["dspark"][1:] == ["0.778", "0.857", "0.500"]  # 7/9, 6/7, 3/6
+
+    speed = table_rows(md, "Speedup")
+    dspark_tau = overall("dspark").tau
+    assert speed["dspark"][1:] == [f"{dspark_tau:.3f}", f"{fit_p(dspark_tau, GAMMA):.3f}", "0.250",
+                                   f"{dspark_tau / 1.25:.2f}", "1.80"]
+    assert speed["ngram"][3:] == ["n/a", "n/a", "1.20"]  # no r: measured only
+
+    cal = table_rows(md, "Confidence calibration")
+    assert cal["dspark"][1:] == ["0.050", "10"] and "ngram" not in cal
+
+    gates = table_rows(md, "Quality checks")
+    assert gates["ours over ngram"][3] == "pass" and gates["markov helps"][3] == "**FAIL**"
+    assert gates["ours over ngram"][2] == f"{checks[0].measured:.3f}"
+    for name in ("acceptance_per_position", "tau_per_bin", "calibration"):
+        assert f"![{name}]({name}.png)" in md
+
+
+def test_plots_are_pngs_with_the_expected_names(results, tmp_path):
+    paths = write_report(results, tmp_path)
+    assert set(paths.plots) == {"acceptance_per_position", "tau_per_bin", "calibration"}
+    for name, p in paths.plots.items():
+        assert p == tmp_path / f"{name}.png"
+        data = p.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 1000
+
+
+def test_no_calibration_plot_without_a_confidence_head(results, tmp_path):
+    for d in results.drafters:
+        d.calibration = None
+    paths = write_report(results, tmp_path)
+    assert "calibration" not in paths.plots and not (tmp_path / "calibration.png").exists()
+    md = paths.markdown.read_text()
+    assert "## Confidence calibration" not in md and "calibration.png" not in md
+
+
+def test_json_is_strict_writes_nan_as_null_and_round_trips(results, tmp_path):
+    checks = [Check("gate", measured=math.nan, target=1.0, passed=False, detail="no data")]
+    paths = write_report(results, tmp_path, checks=checks)
+
+    def no_constants(name: str):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    data = json.loads(paths.json.read_text(), parse_constant=no_constants)
+    ngram = data["drafters"][2]
+    assert ngram["per_bin"]["4096"]["tau"] is None and ngram["per_bin"]["4096"]["accept_per_pos"] == [None] * GAMMA
+    assert data["checks"] == [{"name": "gate", "measured": None, "target": 1.0, "passed": False, "detail": "no data"}]
+    speed = {row["drafter"]: row for row in data["speedup"]}
+    assert set(speed) == {"dspark", "dspark-markov-off", "ngram"}
+    assert speed["dspark"]["predicted"] == pytest.approx(overall("dspark").tau / 1.25)
+    assert speed["dspark"]["measured"] == pytest.approx(1.8) and speed["ngram"]["r"] is None
+
+    loaded = load_results(paths.json)
+    assert loaded.conditions == results.conditions
+    for got, want in zip(loaded.drafters, results.drafters):
+        assert got.name == want.name and got.tau == want.tau and got.calibration == want.calibration
+        for b in want.per_bin:
+            assert got.per_bin[b]["num_prompts"] == 2
+            assert got.per_bin[b]["tau"] == want.per_bin[b]["tau"] or math.isnan(want.per_bin[b]["tau"])
+    assert math.isnan(loaded.drafters[2].per_bin["4096"]["tau"])  # null came back as NaN
+    (gate,) = load_checks(paths.json)
+    assert math.isnan(gate.measured) and gate.detail == "no data"
+
+
+def test_cli_rerenders_the_same_report(results, tmp_path):
+    first = write_report(results, tmp_path / "a", checks=[ratio_check("g", "a", 2.0, "b", 1.0, 1.5)])
+    main([str(first.json), "--out", str(tmp_path / "b")])
+    assert (tmp_path / "b" / "report.md").read_text() == first.markdown.read_text()
+    assert (tmp_path / "b" / "results.json").read_text() == first.json.read_text()
+    assert {p.name for p in (tmp_path / "b").glob("*.png")} == {p.name for p in first.plots.values()}
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Fail any in-process connection that leaves the machine (the wandb service talks over
+    loopback or a Unix socket, which stays allowed)."""
+    real_connect = socket.socket.connect
+
+    def guarded(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in ("127.0.0.1", "localhost", "::1"):
+            raise AssertionError(f"network access to {address}")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # even a stray sync would stay local
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
+def test_wandb_offline_run_gets_scalars_plots_and_tables(results, tmp_path, no_network):
+    import wandb
+
+    run = wandb.init(mode="offline", dir=tmp_path, project="dspark-test")
+    try:
+        write_report(results, tmp_path / "report", wandb_run=run)
+        summary = dict(run.summary)  # wandb 0.31 empties run.summary once the run is finished
+    finally:
+        run.finish()
+    assert run.offline
+    assert summary["eval/dspark/tau"] == pytest.approx(overall("dspark").tau)
+    assert summary["eval/dspark/tau_bin_1024"] == pytest.approx(2.8)
+    assert summary["eval/dspark/accept_pos_1"] == pytest.approx(7 / 9)
+    assert summary["eval/dspark/ece"] == pytest.approx(0.05)
+    assert summary["eval/dspark/predicted_speedup"] == pytest.approx(overall("dspark").tau / 1.25)
+    assert summary["eval/dspark/measured_speedup"] == pytest.approx(1.8)
+    assert summary["eval/ngram/measured_speedup"] == pytest.approx(1.2)
+    assert "eval/ngram/tau_bin_4096" not in summary  # NaN (no drafts) is not logged
+    assert summary["_step"] == 0  # everything went in one log call
+    # the offline run file holds the same names, media and tables; teardown stops the wandb
+    # service, which is what guarantees the file is flushed (finish alone can return before)
+    wandb.teardown()
+    record = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    for key in ("eval/dspark-markov-off/tau", "eval/plots/acceptance_per_position", "eval/plots/calibration",
+                "eval/speedup_table", "eval/tau_per_bin_table"):
+        assert key.encode() in record, key
+    media = [p.suffix for p in (tmp_path / "wandb").glob("offline-run-*/files/media/**/*") if p.is_file()]
+    assert media.count(".png") == 3 and media.count(".json") == 2  # the plots and the two tables
