@@ -14,21 +14,19 @@ from dspark.target import TargetHeads, load_target_heads, resolve_target
 
 log = logging.getLogger(__name__)
 
-# Stages not built yet, with the issue that delivers each.
-PENDING_STAGES = [
-    ("export+eval", "vLLM export and AA-LCR-style acceptance eval (issue #5)"),
-]
-
 
 @dataclass
 class PipelineResult:
     target: TargetHeads
     drafter: DSparkConfig
     stages_run: list[str]
-    stages_pending: list[str]
 
 
 def prepare_target(cfg: DictConfig) -> TargetHeads:
+    return prepare_target_dir(cfg)[0]
+
+
+def prepare_target_dir(cfg: DictConfig) -> tuple[TargetHeads, Path]:
     """Resolve the target spec to a directory and load its frozen heads."""
     spec = to_object(cfg.target, TargetConfig)
     t0 = time.perf_counter()
@@ -47,11 +45,11 @@ def prepare_target(cfg: DictConfig) -> TargetHeads:
         "present" if heads.chat_template else "MISSING",
     )
     log.info("capture layers (transformers hidden_states ids): %s", spec.capture_layer_ids(int(heads.config["num_hidden_layers"])))
-    return heads
+    return heads, resolved.path
 
 
 def run(cfg: DictConfig) -> PipelineResult:
-    heads = prepare_target(cfg)
+    heads, target_dir = prepare_target_dir(cfg)
     stages_run = ["target"]
     if "extract" in cfg.stages:
         from data_tools.extract import extract  # vLLM is imported only when the stage runs
@@ -63,6 +61,11 @@ def run(cfg: DictConfig) -> PipelineResult:
 
         train(cfg, heads)
         stages_run.append("train")
+    if "eval" in cfg.stages:
+        from eval.run import run_eval  # export + reference loop + vLLM serving + report
+
+        run_eval(cfg, heads, target_dir)
+        stages_run.append("eval")
     drafter = to_object(cfg.drafter, DSparkConfig)
     log.info(
         "drafter: %d layers, block %d, Markov rank %d (%s), confidence head %s",
@@ -72,6 +75,4 @@ def run(cfg: DictConfig) -> PipelineResult:
         drafter.markov_head_type,
         "on" if drafter.enable_confidence_head else "off",
     )
-    for name, what in PENDING_STAGES:
-        log.warning("stage %-11s not implemented yet: %s", name, what)
-    return PipelineResult(heads, drafter, stages_run, [n for n, _ in PENDING_STAGES])
+    return PipelineResult(heads, drafter, stages_run)

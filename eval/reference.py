@@ -67,13 +67,18 @@ class TargetRunner:
     @torch.no_grad()
     def forward(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         inp = torch.tensor([list(ids)], dtype=torch.long)
-        out = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True, output_hidden_states=True)
+        want_states = bool(self.layer_ids)  # plain decoding asks for none: a fair baseline
+        out = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True, output_hidden_states=want_states)
         self.cache = out.past_key_values
+        if not want_states:
+            return out.logits[0].float(), torch.empty(inp.shape[1], 0)
         states = [self._pre_norm[0] if i == self.num_layers else out.hidden_states[i][0] for i in self.layer_ids]
         return out.logits[0].float(), torch.cat(states, dim=-1).float()
 
-    def crop(self, length: int) -> None:
-        self.cache.crop(length)
+    def drop_last(self, n: int) -> None:
+        """Forget the last n cached positions (rejected drafts)."""
+        if n > 0:
+            self.cache.crop(-n)
 
 
 class DraftRunner:
@@ -206,7 +211,7 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: Seque
         res.verify_s += t3 - t2
         res.counts.add_step(len(drafts), n)
         res.confidence += [(c, k < n) for k, c in enumerate(confs[: n + 1])]
-        target.crop(target.length - len(drafts) + n)  # keep the anchor and the accepted drafts
+        target.drop_last(len(drafts) - n)  # keep the anchor and the accepted drafts
         draft.extend(states[: n + 1])
         out += drafts[:n] + [nxt]
     res.decode_s = time.perf_counter() - t_dec

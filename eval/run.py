@@ -1,0 +1,224 @@
+"""Stage 3: export the checkpoint for vLLM, then measure acceptance on AA-LCR-style prompts with
+the reference loop and with vLLM itself, and write the report.
+
+    python -m eval.run +experiment=smollm2_cpu_demo                    # this run's checkpoint
+    python -m eval.run +experiment=... eval.checkpoint=PATH eval.ablation_checkpoint=PATH
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dspark.export import ExportError, ExportSummary, export, load_training_checkpoint, read_export, load_drafter
+from eval.results import AcceptanceCounts, DrafterResult, EvalConditions, EvalResults
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalOutcome:
+    results: EvalResults
+    report_dir: Path
+    exports: dict[str, Path] = field(default_factory=dict)
+    report: Any = None
+
+
+def _per_bin(prompt_bins: list[int], counts: list[AcceptanceCounts], gamma: int) -> tuple[dict, dict]:
+    total, per = AcceptanceCounts(gamma), {}
+    for b in sorted(set(prompt_bins)):
+        c = AcceptanceCounts(gamma)
+        for pb, pc in zip(prompt_bins, counts):
+            if pb == b:
+                c.merge(pc)
+        per[str(b)] = {**c.summary(), "num_prompts": prompt_bins.count(b)}
+        total.merge(c)
+    return total.summary(), per
+
+
+def reference_eval(name: str, export_dir: Path, heads: Any, target_model: torch.nn.Module, prompts: list, cfg: DictConfig,
+                   plain_tps: Optional[float]) -> DrafterResult:
+    """Our drafter, read back from its export, in the PyTorch reference loop."""
+    from tqdm import tqdm
+
+    from eval.reference import DecodeConfig, DraftRunner, TargetRunner, calibration, speculative_generate
+
+    exp = read_export(export_dir)
+    drafter = load_drafter(exp, heads)
+    dcfg = DecodeConfig(gamma=int(cfg.eval.gamma), temperature=float(cfg.eval.temperature),
+                        max_new_tokens=int(cfg.eval.max_new_tokens), confidence_threshold=cfg.eval.confidence_threshold,
+                        seed=int(cfg.eval.seed))
+    if dcfg.gamma > exp.drafter.block_size:
+        raise ValueError(f"eval.gamma={dcfg.gamma} exceeds the drafter's block_size {exp.drafter.block_size}")
+    tr, dr = TargetRunner(target_model, exp.context_layer_ids), DraftRunner(drafter)
+    eos = _eos_ids(heads)
+    gen = torch.Generator().manual_seed(dcfg.seed)
+    counts, conf, tokens, dec_s, draft_s, verify_s = [], [], 0, 0.0, 0.0, 0.0
+    for p in tqdm(prompts, desc=f"reference {name}", unit="prompt"):
+        g = speculative_generate(tr, dr, p.prompt_token_ids, dcfg, eos, gen)
+        counts.append(g.counts)
+        conf += g.confidence
+        tokens += len(g.tokens) - 1  # the first token comes from prefill
+        dec_s, draft_s, verify_s = dec_s + g.decode_s, draft_s + g.draft_s, verify_s + g.verify_s
+    overall, per_bin = _per_bin([p.bin for p in prompts], counts, dcfg.gamma)
+    steps = max(overall["num_drafts"], 1)
+    return DrafterResult(name, "reference", "dspark" if exp.drafter.sample_from_anchor else "dflash-layout", overall, per_bin,
+                         calibration(conf), draft_cost_ratio=(draft_s / steps) / (verify_s / steps) if verify_s else None,
+                         tokens_per_s=tokens / dec_s if dec_s else None, baseline_tokens_per_s=plain_tps,
+                         notes=f"export {export_dir}; decode phase only (prefill excluded)")
+
+
+def _eos_ids(heads: Any) -> set[int]:
+    eos = heads.tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+
+def plain_tokens_per_s(heads: Any, target_model: torch.nn.Module, prompts: list, cfg: DictConfig) -> float:
+    from tqdm import tqdm
+
+    from eval.reference import DecodeConfig, TargetRunner, plain_generate
+
+    tr = TargetRunner(target_model, [])
+    dcfg = DecodeConfig(temperature=float(cfg.eval.temperature), max_new_tokens=int(cfg.eval.max_new_tokens))
+    tokens, secs = 0, 0.0
+    for p in tqdm(prompts, desc="plain decoding", unit="prompt"):
+        g = plain_generate(tr, p.prompt_token_ids, dcfg, _eos_ids(heads), torch.Generator().manual_seed(0))
+        tokens, secs = tokens + len(g.tokens) - 1, secs + g.decode_s
+    return tokens / secs if secs else float("nan")
+
+
+def vllm_eval(name: str, method: str, draft: Optional[Path], target_dir: Path, prompts_file: Path, cfg: DictConfig,
+              out_dir: Path, max_model_len: int) -> DrafterResult:
+    from eval.serve import run_in_subprocess
+
+    gamma = int(cfg.eval.gamma)
+    run = run_in_subprocess(target_dir, method, prompts_file, out_dir / f"vllm_{name}.json", draft=draft, gamma=gamma,
+                            max_new_tokens=int(cfg.eval.max_new_tokens), temperature=float(cfg.eval.temperature),
+                            max_model_len=max_model_len, dtype=str(cfg.target.dtype), timeout=int(cfg.eval.vllm_timeout_s))
+    total, per = AcceptanceCounts(gamma), {}
+    for b, d in run.per_bin.items():
+        c = AcceptanceCounts(gamma, d["num_drafts"], d["num_draft_tokens"], d["num_accepted"], d["accepted_per_pos"])
+        per[b] = {**c.summary(), "num_prompts": d["num_prompts"]}
+        total.merge(c)
+    return DrafterResult(name, "vllm", method, total.summary(), per,
+                         notes=f"vLLM {method}{' ' + str(draft) if draft else ''}; engine start {run.engine_start_s:.0f}s")
+
+
+def export_all(cfg: DictConfig, ckpt_path: Path, target_dir: Path, prefix: str) -> dict[str, ExportSummary]:
+    """The dspark export always; the dflash export too when the drafter has that layout."""
+    from dspark.export_validate import validate
+
+    ckpt = load_training_checkpoint(ckpt_path)
+    layouts = ["dspark"] + (["dflash"] if not ckpt.drafter.sample_from_anchor and ckpt.drafter.markov_rank == 0 else [])
+    out = {}
+    for layout in layouts:
+        d = Path(cfg.eval.export_dir).expanduser() / f"{prefix}-{layout}"
+        s = export(ckpt_path, d, layout=layout, dtype=cfg.eval.export_dtype, target_dir=target_dir)
+        log.info("%s", s.render())
+        log.info("%s", validate(d, target_dir=target_dir, num_speculative_tokens=int(cfg.eval.gamma)).render())
+        out[layout] = s
+    return out
+
+
+def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
+    from transformers import AutoModelForCausalLM
+
+    from eval.prompts import build_eval_set, eval_set_sha256, save_eval_set
+    from eval.report import write_report
+
+    e = cfg.eval
+    out_dir = Path(e.out_dir).expanduser()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = Path(e.checkpoint or Path(cfg.train.checkpoint_dir)).expanduser()
+    t0 = time.perf_counter()
+    exports = {"ours": export_all(cfg, ckpt, target_dir, "dspark")}
+    if e.ablation_checkpoint:
+        exports["ablation"] = export_all(cfg, Path(e.ablation_checkpoint).expanduser(), target_dir, "ablation")
+    window = int(heads.config.get("max_position_embeddings") or 0)
+    prompts = build_eval_set(heads.tokenizer, context_bins=list(e.context_bins), prompts_per_bin=int(e.prompts_per_bin),
+                             max_new_tokens=int(e.max_new_tokens), window=window, source=str(e.source),
+                             aa_lcr_csv=e.aa_lcr_csv, aa_lcr_texts=e.aa_lcr_texts, seed=int(e.seed))
+    prompts_file = out_dir / "eval_set.jsonl"
+    save_eval_set(prompts, prompts_file)
+    log.info("eval set: %d prompts in bins %s -> %s (sha256 %s)", len(prompts), list(e.context_bins), prompts_file,
+             eval_set_sha256(prompts)[:12])
+    drafters: list[DrafterResult] = []
+    if e.reference:
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+        plain = plain_tokens_per_s(heads, model, prompts, cfg) if e.measure_plain else None
+        drafters.append(reference_eval("dspark", exports["ours"]["dspark"].out_dir, heads, model, prompts, cfg, plain))
+        if "ablation" in exports:
+            drafters.append(reference_eval("markov-off", exports["ablation"]["dspark"].out_dir, heads, model, prompts, cfg, plain))
+        del model
+    max_len = int(e.vllm_max_model_len or max(e.context_bins) + int(e.max_new_tokens) + int(e.gamma) + 1)
+    for method in e.baselines:
+        drafters.append(vllm_eval(str(method), str(method), None, target_dir, prompts_file, cfg, out_dir, max_len))
+    if str(e.serve_export) != "never":
+        on_gpu = torch.cuda.is_available()
+        for who, ex in exports.items():
+            if on_gpu:
+                drafters.append(vllm_eval(f"vllm-dspark-{who}", "dspark", ex["dspark"].out_dir, target_dir, prompts_file, cfg, out_dir, max_len))
+            elif "dflash" in ex:
+                drafters.append(vllm_eval(f"vllm-dflash-{who}", "dflash", ex["dflash"].out_dir, target_dir, prompts_file, cfg, out_dir, max_len))
+            else:
+                log.info("vLLM on CPU serves only the dflash layout; the %s export is measured by the reference loop "
+                         "(serve it on a GPU: python -m eval.serve --method dspark --draft %s)", who, ex["dspark"].out_dir)
+    conditions = EvalConditions(
+        target=str(cfg.target.name), target_path=str(target_dir), gamma=int(e.gamma), temperature=float(e.temperature),
+        max_new_tokens=int(e.max_new_tokens), prompt_source=str(e.source), context_bins=[int(b) for b in e.context_bins],
+        prompts_per_bin={str(b): sum(p.bin == b for p in prompts) for b in e.context_bins}, checkpoint=str(ckpt),
+        export_dir=str(exports["ours"]["dspark"].out_dir), dtype="float32",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        extra={"eval_set_sha256": eval_set_sha256(prompts), "eval_seconds": round(time.perf_counter() - t0, 1),
+               "confidence_threshold": e.confidence_threshold})
+    results = EvalResults(conditions, drafters)
+    run = _wandb(cfg, out_dir)
+    report = write_report(results, out_dir, wandb_run=run)
+    if run is not None:
+        run.finish()
+    log.info("eval report: %s (plots %s)", report.markdown, ", ".join(str(p) for p in report.plots.values()))
+    return EvalOutcome(results, out_dir, {k: v["dspark"].out_dir for k, v in exports.items()}, report)
+
+
+def _wandb(cfg: DictConfig, out_dir: Path):  # noqa: ANN202
+    import os
+
+    lg = cfg.logging
+    if not lg.wandb:
+        return None
+    import wandb
+
+    mode = str(lg.mode)
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return wandb.init(project=lg.project, entity=lg.entity, mode=mode, dir=str(out_dir), job_type="eval",
+                      tags=list(cfg.tags), config=OmegaConf.to_container(cfg, resolve=True),
+                      name=f"{cfg.target.name}-eval-{int(time.time())}")
+
+
+def main() -> None:
+    import hydra
+
+    import dspark.config  # noqa: F401
+
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+    def _main(cfg: DictConfig) -> None:
+        from dspark.pipeline import prepare_target_dir
+
+        heads, target_dir = prepare_target_dir(cfg)
+        try:
+            run_eval(cfg, heads, target_dir)
+        except ExportError as err:
+            raise SystemExit(f"error: {err}") from None
+
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Acceptance as vLLM counts it: serve the target with a speculative method (``ngram``, ``dflash``
+with our fill-in export, ``dspark`` with our export on GPUs) and read its spec-decode counters.
+
+One engine per method, one process per engine (vLLM spawns workers, so this module is also the
+process entry point). A warm-up request runs first and the counters are read before and after
+each context bin, so warm-up is excluded and every bin gets its own figures.
+
+    python -m eval.serve --target DIR --method dspark --draft EXPORT_DIR --prompts eval_set.jsonl \
+        --gamma 7 --max-new-tokens 128 --out vllm_dspark.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from eval.results import AcceptanceCounts
+
+log = logging.getLogger(__name__)
+
+METHODS = ("ngram", "dflash", "dspark")
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclass
+class ServeRun:
+    """What one engine produced: counters per bin (warm-up excluded) and the generated tokens."""
+
+    method: str
+    draft: Optional[str]
+    gamma: int
+    per_bin: dict[str, dict[str, Any]]  # str(bin) -> AcceptanceCounts fields
+    outputs: dict[str, list[int]]  # prompt_id -> generated token ids
+    engine_start_s: float
+    generate_s: float
+
+
+def read_counters(llm: Any, gamma: int) -> AcceptanceCounts:
+    """The cumulative spec-decode counters of an engine (``LLM.get_metrics``)."""
+    counts = AcceptanceCounts(gamma)
+    for m in llm.get_metrics():
+        if m.name in COUNTERS:
+            setattr(counts, COUNTERS[m.name], getattr(counts, COUNTERS[m.name]) + int(m.value))
+        elif m.name == PER_POS:
+            values = list(m.values)[:gamma]
+            counts.accepted_per_pos = [a + int(b) for a, b in zip(counts.accepted_per_pos, values + [0] * (gamma - len(values)))]
+    return counts
+
+
+def speculative_config(method: str, draft: Optional[Path], gamma: int) -> dict[str, Any]:
+    if method not in METHODS:
+        raise ValueError(f"method {method!r}: expected one of {METHODS}")
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": gamma, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if draft is None:
+        raise ValueError(f"method {method!r} needs --draft (an export directory from dspark.export)")
+    return {"method": method, "model": str(draft), "num_speculative_tokens": gamma}
+
+
+def serve(target: Path, method: str, prompts_file: Path, *, draft: Optional[Path], gamma: int, max_new_tokens: int,
+          temperature: float, max_model_len: int, dtype: str = "float32", seed: int = 0,
+          engine_kwargs: Optional[dict[str, Any]] = None) -> ServeRun:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eval.prompts import load_eval_set
+
+    prompts = load_eval_set(prompts_file)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    t0 = time.perf_counter()
+    llm = LLM(model=str(target), dtype=dtype, max_model_len=max_model_len, enforce_eager=True, seed=seed,
+              disable_log_stats=False, speculative_config=speculative_config(method, draft, gamma), **(engine_kwargs or {}))
+    start_s = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=False)
+    warm = prompts[0].prompt_token_ids[-64:]
+    llm.generate([TokensPrompt(prompt_token_ids=warm)], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    per_bin, outputs = {}, {}
+    t1 = time.perf_counter()
+    for b in sorted({p.bin for p in prompts}):
+        group = [p for p in prompts if p.bin == b]
+        before = read_counters(llm, gamma)
+        results = llm.generate([TokensPrompt(prompt_token_ids=list(p.prompt_token_ids)) for p in group], params, use_tqdm=True)
+        delta = read_counters(llm, gamma).minus(before)
+        per_bin[str(b)] = {**asdict(delta), "num_prompts": len(group)}
+        for p, r in zip(group, results):
+            outputs[p.prompt_id] = list(r.outputs[0].token_ids)
+        log.info("%s bin %d: %d prompts, tau %.3f", method, b, len(group), delta.tau)
+    return ServeRun(method, str(draft) if draft else None, gamma, per_bin, outputs, start_s, time.perf_counter() - t1)
+
+
+def run_in_subprocess(target: Path, method: str, prompts_file: Path, out: Path, *, draft: Optional[Path], gamma: int,
+                      max_new_tokens: int, temperature: float, max_model_len: int, dtype: str = "float32",
+                      timeout: int = 3600) -> ServeRun:
+    """Run :func:`serve` in a fresh process (vLLM wants its own main module) and read its JSON."""
+    cmd = [sys.executable, "-m", "eval.serve", "--target", str(target), "--method", method, "--prompts", str(prompts_file),
+           "--gamma", str(gamma), "--max-new-tokens", str(max_new_tokens), "--temperature", str(temperature),
+           "--max-model-len", str(max_model_len), "--dtype", dtype, "--out", str(out)]
+    if draft is not None:
+        cmd += ["--draft", str(draft)]
+    log.info("vLLM %s: %s", method, " ".join(cmd))
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM {method} run failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    return load_run(out)
+
+
+def load_run(path: Path) -> ServeRun:
+    return ServeRun(**json.loads(Path(path).read_text()))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", type=Path, required=True, help="target model directory")
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--draft", type=Path, default=None, help="export directory (dflash/dspark)")
+    p.add_argument("--prompts", type=Path, required=True, help="eval set JSONL (eval.prompts.save_eval_set)")
+    p.add_argument("--gamma", type=int, default=7, help="num_speculative_tokens")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    extra = {"tensor_parallel_size": a.tensor_parallel_size} if a.tensor_parallel_size > 1 else {}
+    run = serve(a.target, a.method, a.prompts, draft=a.draft, gamma=a.gamma, max_new_tokens=a.max_new_tokens,
+                temperature=a.temperature, max_model_len=a.max_model_len, dtype=a.dtype, engine_kwargs=extra)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = a.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(run)))
+    tmp.rename(a.out)
+    total = AcceptanceCounts(a.gamma)
+    for b in run.per_bin.values():
+        total.merge(AcceptanceCounts(a.gamma, b["num_drafts"], b["num_draft_tokens"], b["num_accepted"], b["accepted_per_pos"]))
+    print(f"{a.method}: tau {total.tau:.3f} over {total.num_drafts} drafts; per position {[round(x, 3) for x in total.accept_per_pos]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
