@@ -33,6 +33,9 @@ class LossConfig:
     confidence_weight: float = 1.0
     position_decay: float = 4.0
     chunk_rows: int = 1024
+    # Recompute each chunk's logits in backward. ZeRO-3 turns it off: its parameters are
+    # re-partitioned between forward and recompute, which torch's checkpoint rejects.
+    recompute_chunks: bool = True
 
 
 @dataclass
@@ -98,7 +101,7 @@ def dspark_loss(
     for s in range(0, len(idx), cfg.chunk_rows):
         sl = slice(s, s + cfg.chunk_rows)
         args = (model, hidden[sl], markov[sl] if markov is not None else None, tfinal[sl], lab[sl])
-        ce_c, tv_c, m_c = checkpoint(_chunk_terms, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_terms(*args)
+        ce_c, tv_c, m_c = checkpoint(_chunk_terms, *args, use_reentrant=False) if (cfg.recompute_chunks and torch.is_grad_enabled()) else _chunk_terms(*args)
         ce_parts.append(ce_c)
         tv_parts.append(tv_c)
         match_parts.append(m_c)

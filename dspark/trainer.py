@@ -122,7 +122,9 @@ def build_drafter(cfg: DictConfig, heads: TargetHeads) -> tuple[DSparkDrafter, l
 
 def loss_config(cfg: DictConfig) -> LossConfig:
     t = cfg.train
-    return LossConfig(float(t.ce_weight), float(t.tv_weight), float(t.confidence_weight), float(t.position_decay))
+    zero3 = int(cfg.deepspeed.zero_optimization.stage) == 3
+    return LossConfig(float(t.ce_weight), float(t.tv_weight), float(t.confidence_weight), float(t.position_decay),
+                      recompute_chunks=not zero3)
 
 
 class DrafterWithLoss(torch.nn.Module):

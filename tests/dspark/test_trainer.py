@@ -1,6 +1,7 @@
 """The DeepSpeed trainer on a tiny target whose shards are written from transformers in the
 declared schema (the real path reads what data_tools.extract writes)."""
 
+import json
 import os
 import shutil
 import signal
@@ -181,3 +182,64 @@ def test_bad_override_gets_hydras_error_not_a_traceback():
     out = subprocess.run([sys.executable, "train.py", "drafter.markov_rank=abc"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "Traceback" not in out.stderr and "markov_rank" in out.stderr
+
+
+# --- checkpoints -> vLLM export (dspark.export) -------------------------------------------------
+
+def test_export_from_zero0_and_zero3_checkpoints_gives_the_trained_weights(compose_config, tiny, tmp_path):
+    from dspark.export import export, read_export
+    from dspark.export_validate import validate
+
+    target, _ = tiny
+    z0 = make_trainer(compose_config, tiny, tmp_path / "z0", "train.max_steps=3", "train.save_every=3", "deepspeed=zero0")
+    z0.train()
+    z3 = make_trainer(compose_config, tiny, tmp_path / "z3", "train.max_steps=3", "train.save_every=3", "deepspeed=zero3")
+    z3.train()
+    s0 = export(tmp_path / "z0" / "ckpt", tmp_path / "e0")
+    s3 = export(tmp_path / "z3" / "ckpt", tmp_path / "e3")
+    assert (s0.zero_stage, s3.zero_stage, s3.step) == (0, 3, 3)
+    assert s3.vllm_target_layer_ids == [i - 1 for i in LAYERS] and s3.sample_from_anchor is True
+    e0, e3 = read_export(tmp_path / "e0"), read_export(tmp_path / "e3")
+    trained = {k: v for k, v in z0.model.state_dict().items() if k in e0.weights}
+    assert set(trained) == set(e0.weights) and len(trained) > 10
+    for k, v in trained.items():
+        assert torch.equal(e0.weights[k], v.float()), k
+        torch.testing.assert_close(e3.weights[k], e0.weights[k], rtol=1e-3, atol=1e-4)  # merged ZeRO-3 shards; weights ~0.02
+    cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["sample_from_anchor"] is True and cfg["markov_rank"] == 16
+    rep = validate(tmp_path / "e3", target_dir=target, num_speculative_tokens=4)
+    assert rep.vllm_aux_layer_ids == LAYERS and rep.params_checked > 10
+
+
+def test_export_refuses_bad_checkpoints_and_exports(compose_config, tiny, tmp_path):
+    from dspark.export import ExportError, export, read_export
+
+    target, _ = tiny
+    make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(ExportError, match="sample_from_anchor=true"):
+        export(ckpt, tmp_path / "x", layout="dflash")
+    export(ckpt, tmp_path / "ok")
+    cfg_file = tmp_path / "ok" / "config.json"
+    good = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps({k: v for k, v in good.items() if k != "sample_from_anchor"}))
+    with pytest.raises(ExportError, match="sample_from_anchor' missing"):
+        read_export(tmp_path / "ok")
+    cfg_file.write_text(json.dumps({**good, "target_layer_ids": LAYERS}))  # the classic off-by-one
+    with pytest.raises(ExportError, match=r"name layers \[2, 3\].*trained on \[1, 2\]"):
+        read_export(tmp_path / "ok")
+    tag = ckpt / "step00000001"
+    states_file = tag / "mp_rank_00_model_states.pt"
+    states = torch.load(states_file, weights_only=False)
+    states["module"]["drafter.fc.weight"] = states["module"]["drafter.fc.weight"][:, :-1]
+    torch.save(states, states_file)
+    with pytest.raises(ExportError, match=r"'fc.weight' has shape \[64, 127\], expected \[64, 128\]"):
+        export(ckpt, tmp_path / "y")
+    states_file.write_bytes(states_file.read_bytes()[:1000])  # a torn write
+    with pytest.raises(ExportError, match="mp_rank_00_model_states.pt: cannot be read"):
+        export(ckpt, tmp_path / "y")
+    (tag / "run.json").unlink()
+    shutil.rmtree(tag / "mp_rank_00_model_states.pt", ignore_errors=True)
+    with pytest.raises(ExportError, match="no DeepSpeed checkpoint|not a DeepSpeed checkpoint|cannot be read"):
+        export(ckpt, tmp_path / "y")
+    assert not (tmp_path / "y").exists()  # nothing half-written is left behind
