@@ -278,9 +278,10 @@ class ExportSummary:
 
 def _target_config(ckpt: TrainingCheckpoint, target_dir: Optional[Path]) -> tuple[dict[str, Any], Path]:
     if target_dir is None:
+        from omegaconf import OmegaConf
+
         from dspark.config import to_object
         from dspark.target import resolve_target
-        from omegaconf import OmegaConf
 
         spec = to_object(OmegaConf.create(ckpt.run_config["target"]), TargetConfig)
         cache = Path(ckpt.run_config.get("paths", {}).get("cache_dir", "~/.cache/dspark")).expanduser()

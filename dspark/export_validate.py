@@ -78,6 +78,24 @@ def _expected_fused(ours: dict[str, torch.Tensor], layer: int) -> dict[str, torc
     }
 
 
+def check_target(exp: Any, target_dir: Path) -> None:
+    """The export was trained for this target: width, vocabulary and depth. vLLM itself only finds
+    a mismatch at the first request (or never, if the widths happen to multiply out)."""
+    import json
+
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    tcfg = tcfg.get("text_config", tcfg)
+    where = f"{exp.path} vs target {target_dir}"
+    if int(tcfg["hidden_size"]) != exp.dims.target_hidden_size:
+        raise ExportError(f"{where}: the drafter reads target states of width {exp.dims.target_hidden_size} "
+                          f"(config target_hidden_size), the target's hidden_size is {tcfg['hidden_size']}")
+    if int(tcfg["vocab_size"]) != exp.dims.vocab_size:
+        raise ExportError(f"{where}: vocab_size {exp.dims.vocab_size} in the export, {tcfg['vocab_size']} in the target")
+    n = int(tcfg["num_hidden_layers"])
+    if max(exp.context_layer_ids) > n:
+        raise ExportError(f"{where}: context layers {exp.context_layer_ids} but the target has {n} layers")
+
+
 def validate(export_dir: Path, *, target_dir: Optional[Path] = None, num_speculative_tokens: Optional[int] = None) -> ValidationReport:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
@@ -88,6 +106,7 @@ def validate(export_dir: Path, *, target_dir: Optional[Path] = None, num_specula
     target_dir = Path(target_dir or exp.provenance["target"]["path"]).expanduser()
     if not (target_dir / "config.json").is_file():
         raise ExportError(f"{target_dir}: target directory (from export.json 'target.path') has no config.json; pass --target-dir")
+    check_target(exp, target_dir)
     method = exp.layout  # the vLLM method name equals the layout name
     n_spec = num_speculative_tokens or exp.drafter.block_size
     rep = ValidationReport(exp.path, target_dir, method, ARCHITECTURES[method], [], exp.context_layer_ids,

@@ -16,7 +16,14 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dspark.export import ExportError, ExportSummary, export, load_training_checkpoint, read_export, load_drafter
+from dspark.export import (
+    ExportError,
+    ExportSummary,
+    export,
+    load_drafter,
+    load_training_checkpoint,
+    read_export,
+)
 from eval.results import AcceptanceCounts, DrafterResult, EvalConditions, EvalResults
 
 log = logging.getLogger(__name__)
@@ -47,7 +54,13 @@ def reference_eval(name: str, export_dir: Path, heads: Any, target_model: torch.
     """Our drafter, read back from its export, in the PyTorch reference loop."""
     from tqdm import tqdm
 
-    from eval.reference import DecodeConfig, DraftRunner, TargetRunner, calibration, speculative_generate
+    from eval.reference import (
+        DecodeConfig,
+        DraftRunner,
+        TargetRunner,
+        calibration,
+        speculative_generate,
+    )
 
     exp = read_export(export_dir)
     drafter = load_drafter(exp, heads)
@@ -100,7 +113,8 @@ def vllm_eval(name: str, method: str, draft: Optional[Path], target_dir: Path, p
     gamma = int(cfg.eval.gamma)
     run = run_in_subprocess(target_dir, method, prompts_file, out_dir / f"vllm_{name}.json", draft=draft, gamma=gamma,
                             max_new_tokens=int(cfg.eval.max_new_tokens), temperature=float(cfg.eval.temperature),
-                            max_model_len=max_model_len, dtype=str(cfg.target.dtype), timeout=int(cfg.eval.vllm_timeout_s))
+                            max_model_len=max_model_len, dtype=str(cfg.target.dtype), timeout=int(cfg.eval.vllm_timeout_s),
+                            engine_kwargs=_engine_kwargs(cfg))
     total, per = AcceptanceCounts(gamma), {}
     for b, d in run.per_bin.items():
         c = AcceptanceCounts(gamma, d["num_drafts"], d["num_draft_tokens"], d["num_accepted"], d["accepted_per_pos"])
@@ -108,6 +122,30 @@ def vllm_eval(name: str, method: str, draft: Optional[Path], target_dir: Path, p
         total.merge(c)
     return DrafterResult(name, "vllm", method, total.summary(), per,
                          notes=f"vLLM {method}{' ' + str(draft) if draft else ''}; engine start {run.engine_start_s:.0f}s")
+
+
+def vllm_max_model_len(cfg: DictConfig, prompts: Optional[list] = None) -> int:
+    """The engine window: the longest prompt (or bin) + answer + one draft block. Headless
+    workers of a multi-node engine compute it from the config alone, so it must not depend on
+    the prompts unless a prepared set is given."""
+    e = cfg.eval
+    if e.vllm_max_model_len:
+        return int(e.vllm_max_model_len)
+    longest = max(p.num_tokens for p in prompts) if (e.prompts_file and prompts) else max(int(b) for b in e.context_bins)
+    return longest + int(e.max_new_tokens) + int(e.gamma) + 1
+
+
+def _engine_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """The target's parallel layout plus eval.vllm_engine_kwargs (multi-node: nnodes, master_addr...)."""
+    kw: dict[str, Any] = {}
+    if int(cfg.target.tensor_parallel_size) > 1:
+        kw["tensor_parallel_size"] = int(cfg.target.tensor_parallel_size)
+    if int(cfg.target.pipeline_parallel_size) > 1:
+        kw["pipeline_parallel_size"] = int(cfg.target.pipeline_parallel_size)
+    if cfg.target.trust_remote_code:
+        kw["trust_remote_code"] = True
+    extra = OmegaConf.to_container(cfg.eval.vllm_engine_kwargs, resolve=True) or {}
+    return {**kw, **extra}
 
 
 def export_all(cfg: DictConfig, ckpt_path: Path, target_dir: Path, prefix: str) -> dict[str, ExportSummary]:
@@ -129,7 +167,7 @@ def export_all(cfg: DictConfig, ckpt_path: Path, target_dir: Path, prefix: str) 
 def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     from transformers import AutoModelForCausalLM
 
-    from eval.prompts import build_eval_set, eval_set_sha256, save_eval_set
+    from eval.prompts import build_eval_set, eval_set_sha256, load_eval_set, save_eval_set
     from eval.report import write_report
 
     e = cfg.eval
@@ -141,12 +179,16 @@ def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     if e.ablation_checkpoint:
         exports["ablation"] = export_all(cfg, Path(e.ablation_checkpoint).expanduser(), target_dir, "ablation")
     window = int(heads.config.get("max_position_embeddings") or 0)
-    prompts = build_eval_set(heads.tokenizer, context_bins=list(e.context_bins), prompts_per_bin=int(e.prompts_per_bin),
-                             max_new_tokens=int(e.max_new_tokens), window=window, source=str(e.source),
-                             aa_lcr_csv=e.aa_lcr_csv, aa_lcr_texts=e.aa_lcr_texts, seed=int(e.seed))
+    if e.prompts_file:  # a prepared set (eval.prompts.save_eval_set), e.g. your own traffic
+        prompts = load_eval_set(Path(e.prompts_file).expanduser())
+    else:
+        prompts = build_eval_set(heads.tokenizer, context_bins=list(e.context_bins), prompts_per_bin=int(e.prompts_per_bin),
+                                 max_new_tokens=int(e.max_new_tokens), window=window, source=str(e.source),
+                                 aa_lcr_csv=e.aa_lcr_csv, aa_lcr_texts=e.aa_lcr_texts, seed=int(e.seed))
+    bins = sorted({p.bin for p in prompts})
     prompts_file = out_dir / "eval_set.jsonl"
     save_eval_set(prompts, prompts_file)
-    log.info("eval set: %d prompts in bins %s -> %s (sha256 %s)", len(prompts), list(e.context_bins), prompts_file,
+    log.info("eval set: %d prompts in bins %s -> %s (sha256 %s)", len(prompts), bins, prompts_file,
              eval_set_sha256(prompts)[:12])
     drafters: list[DrafterResult] = []
     if e.reference:
@@ -156,7 +198,7 @@ def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
         if "ablation" in exports:
             drafters.append(reference_eval("markov-off", exports["ablation"]["dspark"].out_dir, heads, model, prompts, cfg, plain))
         del model
-    max_len = int(e.vllm_max_model_len or max(e.context_bins) + int(e.max_new_tokens) + int(e.gamma) + 1)
+    max_len = vllm_max_model_len(cfg, prompts)
     for method in e.baselines:
         drafters.append(vllm_eval(str(method), str(method), None, target_dir, prompts_file, cfg, out_dir, max_len))
     if str(e.serve_export) != "never":
@@ -171,9 +213,9 @@ def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
                          "(serve it on a GPU: python -m eval.serve --method dspark --draft %s)", who, ex["dspark"].out_dir)
     conditions = EvalConditions(
         target=str(cfg.target.name), target_path=str(target_dir), gamma=int(e.gamma), temperature=float(e.temperature),
-        max_new_tokens=int(e.max_new_tokens), prompt_source=str(e.source), context_bins=[int(b) for b in e.context_bins],
-        prompts_per_bin={str(b): sum(p.bin == b for p in prompts) for b in e.context_bins}, checkpoint=str(ckpt),
-        export_dir=str(exports["ours"]["dspark"].out_dir), dtype="float32",
+        max_new_tokens=int(e.max_new_tokens), prompt_source=str(e.prompts_file or e.source), context_bins=bins,
+        prompts_per_bin={str(b): sum(p.bin == b for p in prompts) for b in bins}, checkpoint=str(ckpt),
+        export_dir=str(exports["ours"]["dspark"].out_dir), dtype=f"reference loop float32, vLLM {cfg.target.dtype}",
         device="cuda" if torch.cuda.is_available() else "cpu",
         extra={"eval_set_sha256": eval_set_sha256(prompts), "eval_seconds": round(time.perf_counter() - t0, 1),
                "confidence_threshold": e.confidence_threshold})

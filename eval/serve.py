@@ -103,13 +103,15 @@ def serve(target: Path, method: str, prompts_file: Path, *, draft: Optional[Path
 
 def run_in_subprocess(target: Path, method: str, prompts_file: Path, out: Path, *, draft: Optional[Path], gamma: int,
                       max_new_tokens: int, temperature: float, max_model_len: int, dtype: str = "float32",
-                      timeout: int = 3600) -> ServeRun:
+                      timeout: int = 3600, engine_kwargs: Optional[dict[str, Any]] = None) -> ServeRun:
     """Run :func:`serve` in a fresh process (vLLM wants its own main module) and read its JSON."""
     cmd = [sys.executable, "-m", "eval.serve", "--target", str(target), "--method", method, "--prompts", str(prompts_file),
            "--gamma", str(gamma), "--max-new-tokens", str(max_new_tokens), "--temperature", str(temperature),
            "--max-model-len", str(max_model_len), "--dtype", dtype, "--out", str(out)]
     if draft is not None:
         cmd += ["--draft", str(draft)]
+    if engine_kwargs:
+        cmd += ["--engine-kwargs", json.dumps(engine_kwargs)]
     log.info("vLLM %s: %s", method, " ".join(cmd))
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -132,11 +134,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--engine-kwargs", type=json.loads, default={},
+                   help='JSON for vllm.LLM, e.g. \'{"tensor_parallel_size": 16, "nnodes": 4, "node_rank": 0, '
+                        '"master_addr": "h0", "master_port": 29501}\'')
+    p.add_argument("--headless", action="store_true",
+                   help="nodes 1..n-1 of a multi-node engine: host this node's workers until node 0 is done")
+    p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    extra = {"tensor_parallel_size": a.tensor_parallel_size} if a.tensor_parallel_size > 1 else {}
+    extra = dict(a.engine_kwargs)
+    if a.headless:
+        from data_tools.extract import run_headless_workers
+
+        run_headless_workers(dict(model=str(a.target), dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=True,
+                                  speculative_config=speculative_config(a.method, a.draft, a.gamma), **extra))
+        return 0
+    if a.out is None:
+        p.error("--out is required (except with --headless)")
     run = serve(a.target, a.method, a.prompts, draft=a.draft, gamma=a.gamma, max_new_tokens=a.max_new_tokens,
                 temperature=a.temperature, max_model_len=a.max_model_len, dtype=a.dtype, engine_kwargs=extra)
     a.out.parent.mkdir(parents=True, exist_ok=True)

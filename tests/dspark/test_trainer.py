@@ -243,3 +243,14 @@ def test_export_refuses_bad_checkpoints_and_exports(compose_config, tiny, tmp_pa
     with pytest.raises(ExportError, match="no DeepSpeed checkpoint|not a DeepSpeed checkpoint|cannot be read"):
         export(ckpt, tmp_path / "y")
     assert not (tmp_path / "y").exists()  # nothing half-written is left behind
+
+
+def test_validate_refuses_an_export_for_another_target(compose_config, tiny, tmp_path, smollm2_dir):
+    from dspark.export import ExportError, export, read_export
+    from dspark.export_validate import check_target, validate
+
+    make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
+    export(tmp_path / "ckpt", tmp_path / "e")
+    check_target(read_export(tmp_path / "e"), tiny[0])  # its own target passes
+    with pytest.raises(ExportError, match="target states of width 64.*hidden_size is 576"):
+        validate(tmp_path / "e", target_dir=smollm2_dir)

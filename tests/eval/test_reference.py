@@ -7,7 +7,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark.config import DSparkConfig
 from dspark.model import DSparkDrafter, resolve_dims
-from eval.reference import DecodeConfig, DraftRunner, TargetRunner, calibration, plain_generate, speculative_generate, verify
+from eval.reference import (
+    DecodeConfig,
+    DraftRunner,
+    TargetRunner,
+    calibration,
+    plain_generate,
+    speculative_generate,
+    verify,
+)
 from eval.results import AcceptanceCounts
 
 LAYERS = [1, 2]  # 2 = the final pre-norm state of the 2-layer target
