@@ -84,7 +84,10 @@ def reference_eval(name: str, export_dir: Path, heads: Any, target_model: torch.
     return DrafterResult(name, "reference", "dspark" if exp.drafter.sample_from_anchor else "dflash-layout", overall, per_bin,
                          calibration(conf), draft_cost_ratio=(draft_s / steps) / (verify_s / steps) if verify_s else None,
                          tokens_per_s=tokens / dec_s if dec_s else None, baseline_tokens_per_s=plain_tps,
-                         notes=f"export {export_dir}; decode phase only (prefill excluded)")
+                         notes=f"export {export_dir}; decode phase only (prefill excluded); per step: draft "
+                               f"{1e3 * draft_s / steps:.1f} ms, target verify of {dcfg.gamma + 1} tokens "
+                               f"{1e3 * verify_s / steps:.1f} ms"
+                               + (f", plain decoding {1e3 / plain_tps:.1f} ms/token" if plain_tps else ""))
 
 
 def _eos_ids(heads: Any) -> set[int]:

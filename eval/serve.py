@@ -112,10 +112,15 @@ def run_in_subprocess(target: Path, method: str, prompts_file: Path, out: Path, 
         cmd += ["--draft", str(draft)]
     if engine_kwargs:
         cmd += ["--engine-kwargs", json.dumps(engine_kwargs)]
-    log.info("vLLM %s: %s", method, " ".join(cmd))
-    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=timeout)
+    log_file = out.with_suffix(".log")
+    log.info("vLLM %s: %s (log: %s)", method, " ".join(cmd), log_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "w") as fh:  # vLLM's own log and progress bars, kept; a live view: tail -f
+        proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], stdout=fh, stderr=subprocess.STDOUT,
+                              timeout=timeout, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"vLLM {method} run failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+        tail = log_file.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"vLLM {method} run failed (exit {proc.returncode}): {' '.join(cmd)}\nlast lines of {log_file}:\n{tail}")
     return load_run(out)
 
 

@@ -27,11 +27,8 @@ def test_target_stage_alone(smollm2_dir, compose_config, caplog):
 @pytest.mark.slow
 def test_main_job_extracts_trains_exports_and_evaluates(tmp_path, smollm2_dir):
     out = subprocess.run(
-        [sys.executable, "train.py", "+experiment=smollm2_cpu_demo", "data.num_prompts=4", "data.max_new_tokens=8",
-         "data.val_fraction=0", "data.on_overlong=truncate", f"data.shards_dir={tmp_path / 'ds'}", f"hydra.run.dir={tmp_path / 'run'}",
-         "data.vllm.cpu_kvcache_gib=1", "drafter=tiny", "train.max_steps=2", "train.micro_batch_size=2",
-         f"paths.output_dir={tmp_path}", "logging.wandb=false", "eval.context_bins=[256,512]", "eval.prompts_per_bin=1",
-         "eval.max_new_tokens=12", "eval.gamma=4"],
+        [sys.executable, "train.py", "+experiment=smollm2_cpu_smoke", f"data.shards_dir={tmp_path / 'ds'}",
+         f"hydra.run.dir={tmp_path / 'run'}", f"paths.output_dir={tmp_path}", "logging.wandb=false"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     log = out.stdout + out.stderr  # Hydra logs to stdout, tqdm to stderr
