@@ -49,30 +49,40 @@ def prepare_target_dir(cfg: DictConfig) -> tuple[TargetHeads, Path]:
 
 
 def run(cfg: DictConfig) -> PipelineResult:
+    t0 = time.perf_counter()
     heads, target_dir = prepare_target_dir(cfg)
     stages_run = ["target"]
+    lines = [f"target   {cfg.target.name} ({target_dir})"]
     if "extract" in cfg.stages:
         from data_tools.extract import extract  # vLLM is imported only when the stage runs
 
-        extract(cfg)
+        s = extract(cfg)
         stages_run.append("extract")
+        what = (f"up to date ({s.shards_resumed} complete shards), skipped" if s.shards_written == 0
+                else f"{s.rows} sequences, {s.tokens} tokens in {s.shards_written} new shards")
+        lines.append(f"extract  {what} -> {cfg.data.shards_dir}")
     if "train" in cfg.stages:
-        from dspark.trainer import train  # DeepSpeed is imported only when the stage runs
+        from dspark.trainer import finished_checkpoint, train  # DeepSpeed is imported only when needed
 
-        train(cfg, heads)
+        done = finished_checkpoint(cfg)
+        if done is not None:
+            log.info("train: %s is at train.max_steps=%s for this drafter, skipped", done, cfg.train.max_steps)
+            lines.append(f"train    up to date ({done}), skipped")
+        else:
+            state = train(cfg, heads)
+            lines.append(f"train    step {state.step}/{cfg.train.max_steps} -> {cfg.train.checkpoint_dir}")
         stages_run.append("train")
     if "eval" in cfg.stages:
         from eval.run import run_eval  # export + reference loop + vLLM serving + report
 
-        run_eval(cfg, heads, target_dir)
+        outcome = run_eval(cfg, heads, target_dir)
         stages_run.append("eval")
+        taus = ", ".join(f"{d.name} {d.tau:.3f}" for d in outcome.results.drafters)
+        lines.append(f"eval     tau: {taus}")
+        lines.append(f"report   {outcome.report_dir / 'report.md'} (+ results.json, *.png)")
+        lines.append(f"exports  {cfg.eval.export_dir}")
+    if cfg.logging.wandb:
+        lines.append(f"W&B      {Path(cfg.paths.output_dir) / 'wandb'} (offline runs: wandb sync <run dir>)")
     drafter = to_object(cfg.drafter, DSparkConfig)
-    log.info(
-        "drafter: %d layers, block %d, Markov rank %d (%s), confidence head %s",
-        drafter.num_layers,
-        drafter.block_size,
-        drafter.markov_rank,
-        drafter.markov_head_type,
-        "on" if drafter.enable_confidence_head else "off",
-    )
+    log.info("main job done in %.1f min:\n  %s", (time.perf_counter() - t0) / 60, "\n  ".join(lines))
     return PipelineResult(heads, drafter, stages_run)

@@ -335,6 +335,7 @@ class Trainer:
         path, tag = (self.ckpt_dir, None) if mode == "auto" else (Path(mode).parent, Path(mode).name)
         if mode == "auto" and not (self.ckpt_dir / "latest").is_file():
             return
+        self._check_resume_config(path / (tag or (path / "latest").read_text().strip()))
         loaded, client = self.engine.load_checkpoint(str(path), tag=tag)
         if loaded is None:
             raise FileNotFoundError(f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from")
@@ -343,6 +344,23 @@ class Trainer:
         torch.set_rng_state(client["torch_rng"])
         random.setstate(client["python_rng"])
         log.info("resumed from %s at step %d (epoch %d, position %d)", loaded, self.state.step, self.state.data.epoch, self.state.data.index)
+
+    def _check_resume_config(self, tag_dir: Path) -> None:
+        """Refuse to resume a checkpoint of a different drafter (DeepSpeed would fail later on a
+        tensor shape, or not at all): name the fields and the way out."""
+        run_file = tag_dir / "run.json"
+        if not run_file.is_file():
+            return
+        saved = json.loads(run_file.read_text())["config"]
+        now = OmegaConf.to_container(self.cfg, resolve=True)
+        diffs = [f"drafter.{k}: checkpoint {v!r}, now {now['drafter'].get(k)!r}"
+                 for k, v in saved.get("drafter", {}).items() if now["drafter"].get(k) != v]
+        if saved.get("target", {}).get("layer_ids") != now["target"]["layer_ids"]:
+            diffs.append(f"target.layer_ids: checkpoint {saved['target']['layer_ids']}, now {now['target']['layer_ids']}")
+        if diffs:
+            raise ValueError(f"{tag_dir}: this checkpoint is of another drafter ({'; '.join(diffs)}). Train this one "
+                             f"under its own name (train.run_name=...), start over with train.resume=never, or "
+                             f"point train.checkpoint_dir elsewhere")
 
     def _init_wandb(self):  # noqa: ANN202
         lg = self.cfg.logging
@@ -357,6 +375,24 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         return wandb.init(project=lg.project, entity=lg.entity, mode=mode, dir=str(out), tags=list(self.cfg.tags),
                           config=OmegaConf.to_container(self.cfg, resolve=True), name=f"{self.cfg.target.name}-{int(time.time())}")
+
+
+def finished_checkpoint(cfg: DictConfig) -> Optional[Path]:
+    """The newest checkpoint when it already is at ``train.max_steps`` for this very drafter
+    config (so the stage can be skipped without starting DeepSpeed); None otherwise."""
+    ckpt_dir = Path(cfg.train.checkpoint_dir).expanduser()
+    latest = ckpt_dir / "latest"
+    if str(cfg.train.resume) != "auto" or not latest.is_file():
+        return None
+    tag = ckpt_dir / latest.read_text().strip()
+    run_file = tag / "run.json"
+    if not run_file.is_file():
+        return None
+    saved = json.loads(run_file.read_text())["config"]
+    now = OmegaConf.to_container(cfg, resolve=True)
+    same = saved.get("drafter") == now["drafter"] and saved.get("target", {}).get("layer_ids") == now["target"]["layer_ids"]
+    step = int(tag.name.removeprefix("step")) if tag.name.startswith("step") else -1
+    return tag if same and step >= int(cfg.train.max_steps) else None
 
 
 def train(cfg: DictConfig, heads: TargetHeads) -> TrainState:

@@ -167,6 +167,64 @@ def export_all(cfg: DictConfig, ckpt_path: Path, target_dir: Path, prefix: str) 
     return out
 
 
+def ablation_checkpoint(cfg: DictConfig) -> Optional[Path]:
+    """``eval.ablation_checkpoint``: a path, null, or auto = the Markov-off run of this target
+    (``python train.py +experiment=... drafter.markov_rank=0`` trains it under ``markov0``)."""
+    value = cfg.eval.ablation_checkpoint
+    if value is None or str(value) in ("", "null", "none"):
+        return None
+    if str(value) != "auto":
+        return Path(str(value)).expanduser()
+    if int(cfg.drafter.markov_rank) == 0:
+        return None  # this run is the ablation
+    path = Path(cfg.paths.checkpoint_dir).expanduser() / str(cfg.target.name) / "markov0"
+    return path if (path / "latest").is_file() else None
+
+
+def quality_checks(results: EvalResults) -> list:
+    """The targets of the demo (issue #6), each beside its measured value."""
+    from eval.report import Check, ratio_check, speedup_row
+
+    by = {d.name: d for d in results.drafters}
+    ours = by.get("dspark")
+    if ours is None:
+        return []
+    checks = []
+    if "markov-off" in by:
+        checks.append(ratio_check("DSpark over its Markov-off ablation", "tau dspark", ours.tau, "tau markov-off",
+                                  by["markov-off"].tau, 1.15))
+    if "ngram" in by:
+        checks.append(ratio_check("DSpark over vLLM ngram", "tau dspark", ours.tau, "tau ngram", by["ngram"].tau, 1.3))
+    bins = sorted(ours.per_bin, key=int)
+    if len(bins) > 1:
+        checks.append(ratio_check("no long-context collapse", f"tau @{bins[-1]}", float(ours.per_bin[bins[-1]]["tau"]),
+                                  f"tau @{bins[0]}", float(ours.per_bin[bins[0]]["tau"]), 0.9))
+    if ours.measured_speedup is not None:
+        pred = speedup_row(ours.tau, results.conditions.gamma, ours.draft_cost_ratio).predicted if ours.draft_cost_ratio is not None else float("nan")
+        checks.append(Check("wall-clock speedup over plain decoding (bs=1)", ours.measured_speedup, 1.0,
+                            ours.measured_speedup >= 1.0, f"measured {ours.measured_speedup:.2f}x, cost model predicts {pred:.2f}x"))
+    return checks
+
+
+def fingerprint(cfg: DictConfig, checkpoints: list[Path]) -> str:
+    """What an eval report depends on: the eval settings, the target, and which checkpoint
+    files it read (path, size, mtime). Equal fingerprints: the report is up to date."""
+    import hashlib
+    import json
+
+    from dspark.export import _model_states_file, _tag_dir
+
+    files = []
+    for c in checkpoints:
+        f = _model_states_file(_tag_dir(c))
+        st = f.stat()
+        files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    e = OmegaConf.to_container(cfg.eval, resolve=True)
+    key = {"eval": {k: v for k, v in e.items() if k not in ("vllm_timeout_s",)}, "target": OmegaConf.to_container(cfg.target, resolve=True),
+           "files": files}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     from transformers import AutoModelForCausalLM
 
@@ -177,10 +235,18 @@ def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     out_dir = Path(e.out_dir).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = Path(e.checkpoint or Path(cfg.train.checkpoint_dir)).expanduser()
+    ablation = ablation_checkpoint(cfg)
+    fp = fingerprint(cfg, [ckpt] + ([ablation] if ablation else []))
+    done = _up_to_date(out_dir, fp)
+    if done is not None and not e.force:
+        log.info("eval: %s is up to date (same checkpoint files and eval settings), skipped; eval.force=true reruns it",
+                 out_dir / "report.md")
+        return done
     t0 = time.perf_counter()
     exports = {"ours": export_all(cfg, ckpt, target_dir, "dspark")}
-    if e.ablation_checkpoint:
-        exports["ablation"] = export_all(cfg, Path(e.ablation_checkpoint).expanduser(), target_dir, "ablation")
+    if ablation is not None:
+        log.info("Markov-off ablation: %s", ablation)
+        exports["ablation"] = export_all(cfg, ablation, target_dir, "ablation")
     window = int(heads.config.get("max_position_embeddings") or 0)
     if e.prompts_file:  # a prepared set (eval.prompts.save_eval_set), e.g. your own traffic
         prompts = load_eval_set(Path(e.prompts_file).expanduser())
@@ -221,14 +287,33 @@ def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
         export_dir=str(exports["ours"]["dspark"].out_dir), dtype=f"reference loop float32, vLLM {cfg.target.dtype}",
         device="cuda" if torch.cuda.is_available() else "cpu",
         extra={"eval_set_sha256": eval_set_sha256(prompts), "eval_seconds": round(time.perf_counter() - t0, 1),
-               "confidence_threshold": e.confidence_threshold})
+               "confidence_threshold": e.confidence_threshold, "fingerprint": fp,
+               "ablation_checkpoint": str(ablation) if ablation else None})
     results = EvalResults(conditions, drafters)
+    checks = quality_checks(results)
+    for c in checks:
+        log.info("target %-48s %s  %s", c.name, "PASS" if c.passed else "MISS", c.detail)
     run = _wandb(cfg, out_dir)
-    report = write_report(results, out_dir, wandb_run=run)
+    report = write_report(results, out_dir, checks=checks, wandb_run=run)
     if run is not None:
         run.finish()
     log.info("eval report: %s (plots %s)", report.markdown, ", ".join(str(p) for p in report.plots.values()))
     return EvalOutcome(results, out_dir, {k: v["dspark"].out_dir for k, v in exports.items()}, report)
+
+
+def _up_to_date(out_dir: Path, fp: str) -> Optional[EvalOutcome]:
+    from eval.report import load_results
+
+    path = out_dir / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        results = load_results(path)
+    except (ValueError, KeyError, TypeError):
+        return None  # unreadable or from an older layout: evaluate again
+    if results.conditions.extra.get("fingerprint") != fp:
+        return None
+    return EvalOutcome(results, out_dir)
 
 
 def _wandb(cfg: DictConfig, out_dir: Path):  # noqa: ANN202

@@ -24,25 +24,49 @@ def test_target_stage_alone(smollm2_dir, compose_config, caplog):
     assert "capture layers (transformers hidden_states ids): [1, 8, 15, 22, 29, 30]" in caplog.text
 
 
-@pytest.mark.slow
-def test_main_job_extracts_trains_exports_and_evaluates(tmp_path, smollm2_dir):
+def _main_job(tmp_path: Path, *extra: str) -> str:
     out = subprocess.run(
-        [sys.executable, "train.py", "+experiment=smollm2_cpu_smoke", f"data.shards_dir={tmp_path / 'ds'}",
-         f"hydra.run.dir={tmp_path / 'run'}", f"paths.output_dir={tmp_path}", "logging.wandb=false"],
+        [sys.executable, "train.py", "+experiment=smollm2_cpu_smoke", f"hydra.run.dir={tmp_path / 'run'}",
+         f"paths.output_dir={tmp_path}", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )
     log = out.stdout + out.stderr  # Hydra logs to stdout, tqdm to stderr
     assert out.returncode == 0, log[-3000:]
-    m = Manifest.load(tmp_path / "ds")
-    assert m.complete and sum(s.rows for s in m.shards) == 4
+    return log
+
+
+@pytest.mark.slow
+def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path, smollm2_dir):
+    """The smoke experiment: the Markov-off ablation (one override), then the main command, which
+    puts both side by side with ngram, then the main command again: every stage up to date."""
+    log = _main_job(tmp_path, "drafter.markov_rank=0", "stages=[extract,train]", "logging.wandb=false")
     assert "extract: 4 rows" in log and "step 2/2" in log
-    assert (tmp_path / "checkpoints" / "smollm2-135m" / "step00000002" / "run.json").is_file()
-    export = tmp_path / "exports" / "smollm2-135m" / "dspark-dspark"
-    assert json.loads((export / "config.json").read_text())["sample_from_anchor"] is True
-    assert "validated" in log and "vLLM captures target layers [1, 8, 15, 22, 29]" in log
-    results = json.loads((tmp_path / "eval" / "smollm2-135m" / "results.json").read_text())
+    assert (tmp_path / "checkpoints" / "smollm2-135m" / "markov0" / "step00000002" / "run.json").is_file()
+
+    log = _main_job(tmp_path)  # W&B on (offline)
+    assert "extract  up to date (1 complete shards), skipped" in log and "step 2/2" in log
+    m = Manifest.load(tmp_path / "data" / "smollm2-135m")
+    assert m.complete and sum(s.rows for s in m.shards) == 4
+    assert (tmp_path / "checkpoints" / "smollm2-135m" / "markov16" / "step00000002" / "run.json").is_file()
+    for name in ("dspark-dspark", "ablation-dspark"):  # both exported and validated in vLLM
+        cfg = json.loads((tmp_path / "exports" / "smollm2-135m" / "markov16" / name / "config.json").read_text())
+        assert cfg["sample_from_anchor"] is True and cfg["target_layer_ids"] == [0, 7, 14, 21, 28]
+    assert log.count("vLLM captures target layers [1, 8, 15, 22, 29]") == 2
+    report_dir = tmp_path / "eval" / "smollm2-135m" / "markov16"
+    results = json.loads((report_dir / "results.json").read_text())
     names = {d["name"]: d for d in results["drafters"]}
-    assert set(names) == {"dspark", "ngram"}
+    assert set(names) == {"dspark", "markov-off", "ngram"}
     for d in names.values():  # every bin measured, by the reference loop and by vLLM's counters
         assert set(d["per_bin"]) == {"256", "512"} and d["overall"]["num_drafts"] > 0
-    assert (tmp_path / "eval" / "smollm2-135m" / "tau_per_bin.png").stat().st_size > 1000
+    assert {c["name"] for c in results["checks"]} >= {"DSpark over its Markov-off ablation", "DSpark over vLLM ngram",
+                                                     "no long-context collapse"}
+    for png in ("tau_per_bin.png", "acceptance_per_position.png"):
+        assert (report_dir / png).stat().st_size > 1000
+    report = (report_dir / "report.md").read_text()
+    assert "markov-off" in report and "ngram" in report and "| gamma | 4 |" in report
+    assert f"report   {report_dir / 'report.md'}" in log
+    assert list((tmp_path / "wandb").glob("offline-run-*")) or list(report_dir.glob("wandb/offline-run-*"))
+
+    log = _main_job(tmp_path, "logging.wandb=false")
+    assert "extract  up to date" in log and "train    up to date" in log and "eval: " in log and "is up to date" in log
+    assert "step 1/2" not in log and "vLLM ngram" not in log
