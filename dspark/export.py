@@ -89,6 +89,12 @@ def _model_states_file(tag: Path) -> Path:
     return files[0]
 
 
+def checkpoint_model_file(path: Path) -> Path:
+    """The DeepSpeed model-states file of a checkpoint tag, or of the checkpoint directory's
+    ``latest`` tag: what an export reads, so what a report that depends on it should hash."""
+    return _model_states_file(_tag_dir(path))
+
+
 def load_training_checkpoint(path: Path) -> TrainingCheckpoint:
     """Read the drafter weights from a DeepSpeed checkpoint (ZeRO 0-3).
 

@@ -30,6 +30,7 @@ from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
 from dspark.shards import ShardDataset, check_dataset
 from dspark.target import TargetHeads
+from dspark.wandb_run import init_wandb
 
 log = logging.getLogger(__name__)
 
@@ -348,33 +349,30 @@ class Trainer:
     def _check_resume_config(self, tag_dir: Path) -> None:
         """Refuse to resume a checkpoint of a different drafter (DeepSpeed would fail later on a
         tensor shape, or not at all): name the fields and the way out."""
-        run_file = tag_dir / "run.json"
-        if not run_file.is_file():
-            return
-        saved = json.loads(run_file.read_text())["config"]
-        now = OmegaConf.to_container(self.cfg, resolve=True)
-        diffs = [f"drafter.{k}: checkpoint {v!r}, now {now['drafter'].get(k)!r}"
-                 for k, v in saved.get("drafter", {}).items() if now["drafter"].get(k) != v]
-        if saved.get("target", {}).get("layer_ids") != now["target"]["layer_ids"]:
-            diffs.append(f"target.layer_ids: checkpoint {saved['target']['layer_ids']}, now {now['target']['layer_ids']}")
+        diffs = checkpoint_config_differences(tag_dir, self.cfg)
         if diffs:
             raise ValueError(f"{tag_dir}: this checkpoint is of another drafter ({'; '.join(diffs)}). Train this one "
                              f"under its own name (train.run_name=...), start over with train.resume=never, or "
                              f"point train.checkpoint_dir elsewhere")
 
     def _init_wandb(self):  # noqa: ANN202
-        lg = self.cfg.logging
-        if not lg.wandb:
-            return None
-        import wandb
+        return init_wandb(self.cfg, Path(self.cfg.paths.output_dir), job_type="train")
 
-        mode = str(lg.mode)
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        out = Path(self.cfg.paths.output_dir)  # wandb adds its own wandb/ below
-        out.mkdir(parents=True, exist_ok=True)
-        return wandb.init(project=lg.project, entity=lg.entity, mode=mode, dir=str(out), tags=list(self.cfg.tags),
-                          config=OmegaConf.to_container(self.cfg, resolve=True), name=f"{self.cfg.target.name}-{int(time.time())}")
+
+def checkpoint_config_differences(tag_dir: Path, cfg: DictConfig) -> list[str]:
+    """The drafter fields (and target layer ids) in which the checkpoint's run.json differs from
+    ``cfg``, as "field: checkpoint X, now Y"; empty when equal or when the tag has no run.json."""
+    run_file = Path(tag_dir) / "run.json"
+    if not run_file.is_file():
+        return []
+    saved = json.loads(run_file.read_text())["config"]
+    now = OmegaConf.to_container(cfg, resolve=True)
+    keys = list(dict.fromkeys([*saved.get("drafter", {}), *now["drafter"]]))
+    diffs = [f"drafter.{k}: checkpoint {saved.get('drafter', {}).get(k)!r}, now {now['drafter'].get(k)!r}"
+             for k in keys if saved.get("drafter", {}).get(k) != now["drafter"].get(k)]
+    if saved.get("target", {}).get("layer_ids") != now["target"]["layer_ids"]:
+        diffs.append(f"target.layer_ids: checkpoint {saved.get('target', {}).get('layer_ids')}, now {now['target']['layer_ids']}")
+    return diffs
 
 
 def finished_checkpoint(cfg: DictConfig) -> Optional[Path]:
@@ -385,14 +383,10 @@ def finished_checkpoint(cfg: DictConfig) -> Optional[Path]:
     if str(cfg.train.resume) != "auto" or not latest.is_file():
         return None
     tag = ckpt_dir / latest.read_text().strip()
-    run_file = tag / "run.json"
-    if not run_file.is_file():
+    if not (tag / "run.json").is_file() or checkpoint_config_differences(tag, cfg):
         return None
-    saved = json.loads(run_file.read_text())["config"]
-    now = OmegaConf.to_container(cfg, resolve=True)
-    same = saved.get("drafter") == now["drafter"] and saved.get("target", {}).get("layer_ids") == now["target"]["layer_ids"]
     step = int(tag.name.removeprefix("step")) if tag.name.startswith("step") else -1
-    return tag if same and step >= int(cfg.train.max_steps) else None
+    return tag if step >= int(cfg.train.max_steps) else None
 
 
 def train(cfg: DictConfig, heads: TargetHeads) -> TrainState:

@@ -102,9 +102,9 @@ def plain_tokens_per_s(heads: Any, target_model: torch.nn.Module, prompts: list,
 
     tr = TargetRunner(target_model, [])
     dcfg = DecodeConfig(temperature=float(cfg.eval.temperature), max_new_tokens=int(cfg.eval.max_new_tokens))
-    tokens, secs = 0, 0.0
+    tokens, secs, eos = 0, 0.0, _eos_ids(heads)
     for p in tqdm(prompts, desc="plain decoding", unit="prompt"):
-        g = plain_generate(tr, p.prompt_token_ids, dcfg, _eos_ids(heads), torch.Generator().manual_seed(0))
+        g = plain_generate(tr, p.prompt_token_ids, dcfg, eos, torch.Generator().manual_seed(0))
         tokens, secs = tokens + len(g.tokens) - 1, secs + g.decode_s
     return tokens / secs if secs else float("nan")
 
@@ -212,11 +212,11 @@ def fingerprint(cfg: DictConfig, checkpoints: list[Path]) -> str:
     import hashlib
     import json
 
-    from dspark.export import _model_states_file, _tag_dir
+    from dspark.export import checkpoint_model_file
 
     files = []
     for c in checkpoints:
-        f = _model_states_file(_tag_dir(c))
+        f = checkpoint_model_file(c)
         st = f.stat()
         files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
     e = OmegaConf.to_container(cfg.eval, resolve=True)
@@ -317,19 +317,9 @@ def _up_to_date(out_dir: Path, fp: str) -> Optional[EvalOutcome]:
 
 
 def _wandb(cfg: DictConfig, out_dir: Path):  # noqa: ANN202
-    import os
+    from dspark.wandb_run import init_wandb
 
-    lg = cfg.logging
-    if not lg.wandb:
-        return None
-    import wandb
-
-    mode = str(lg.mode)
-    if mode == "auto":
-        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    return wandb.init(project=lg.project, entity=lg.entity, mode=mode, dir=str(out_dir), job_type="eval",
-                      tags=list(cfg.tags), config=OmegaConf.to_container(cfg, resolve=True),
-                      name=f"{cfg.target.name}-eval-{int(time.time())}")
+    return init_wandb(cfg, out_dir, job_type="eval")
 
 
 def main() -> None:

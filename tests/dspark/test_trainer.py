@@ -118,6 +118,19 @@ def test_resume_continues_the_same_loss_curve(compose_config, tiny, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
+def test_finished_run_is_skipped_and_another_drafter_is_not_resumed(compose_config, tiny, tmp_path):
+    from dspark.trainer import finished_checkpoint
+
+    target, data = tiny
+    make_trainer(compose_config, tiny, tmp_path, "train.max_steps=2", "train.save_every=2").train()
+    cfg = compose_config(*overrides(target, data, tmp_path, "train.max_steps=2"))
+    assert finished_checkpoint(cfg) == tmp_path / "ckpt" / "step00000002"
+    assert finished_checkpoint(compose_config(*overrides(target, data, tmp_path, "train.max_steps=3"))) is None
+    assert finished_checkpoint(compose_config(*overrides(target, data, tmp_path, "train.max_steps=2", "drafter.markov_rank=0"))) is None
+    with pytest.raises(ValueError, match=r"another drafter \(drafter.markov_rank: checkpoint 16, now 0\)"):
+        make_trainer(compose_config, tiny, tmp_path, "train.max_steps=3", "drafter.markov_rank=0")
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_1_and_2_match_zero_0(compose_config, tiny, tmp_path, stage):
     ref = make_trainer(compose_config, tiny, tmp_path / "z0", "train.max_steps=4", "deepspeed=zero0").train()
