@@ -18,7 +18,7 @@ import sysconfig
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
@@ -101,6 +101,9 @@ def load_source(source: str, *, split: str = "train") -> Iterator[Conversation]:
     if source == "bundled":
         yield from bundled_conversations()
         return
+    if source == "bundled_lcr":
+        yield from bundled_lcr_conversations()
+        return
     path = Path(source).expanduser()
     if path.suffix in (".jsonl", ".json") and path.is_file():
         yield from read_jsonl(path)
@@ -116,7 +119,7 @@ def load_source(source: str, *, split: str = "train") -> Iterator[Conversation]:
             ds = ds[split]
         yield from read_records(ds, str(path))
     elif path.suffix in (".jsonl", ".json", ".parquet") or source.startswith(("/", ".", "~")):
-        raise PromptFileError(f"{path}: missing file; data.source must be 'bundled', a .jsonl/.parquet file, or a dataset")
+        raise PromptFileError(f"{path}: missing file; data.source must be 'bundled', 'bundled_lcr', a .jsonl/.parquet file, or a dataset")
     else:
         import datasets
 
@@ -219,6 +222,97 @@ def bundled_conversations(*, seed: int = 0, max_chars: int = 1500) -> Iterator[C
         else:
             task = rng.choice(_DOC_TASKS).format(text=_clip(text, max_chars))
         yield Conversation((("user", task),))
+
+
+# --- bundled long-context default (AA-LCR style) ----------------------------------------------
+
+
+def format_lcr_prompt(documents: Sequence[str], question: str) -> str:
+    """The AA-LCR user message: the documents in order, then the question."""
+    blocks = "\n\n".join(
+        f"BEGIN DOCUMENT {i}:\n{text}\nEND DOCUMENT {i}" for i, text in enumerate(documents, 1)
+    )
+    return (
+        f"BEGIN INPUT DOCUMENTS\n\n{blocks}\n\nEND INPUT DOCUMENTS\n\n"
+        "Answer the following question using the input documents provided above.\n\n"
+        f"START QUESTION\n\n{question}\n\nEND QUESTION\n"
+    )
+
+
+LCR_TRAIN_QUESTIONS = (
+    "What is each document about? Answer with one short paragraph per document.",
+    "Which functions or classes are defined in the documents? Give the document number for each.",
+    "Explain how the first document and the last document differ in purpose.",
+    "Quote the first sentence of each document, then say which document is the longest.",
+    "Write a short overview that a new team member could read before using these modules.",
+    "Which document would you read to learn about error handling, and what does it say about it?",
+    "List the names that appear in more than one document and explain their role in each.",
+    "Describe, step by step, what the code in the second document does.",
+    "Summarise the documents in a table with the columns: document, subject, key names.",
+    "What questions would a reviewer ask about these documents? Give three with short answers.",
+)
+"""Questions for the training prompts; the eval set asks others (eval.prompts.OFFLINE_QUESTIONS)."""
+
+
+LCR_EXCLUDED_MODULES = frozenset({
+    "asynchat.py", "asyncore.py", "cgi.py", "contextlib.py", "imghdr.py", "imp.py", "mimetypes.py",
+    "nturl2path.py", "platform.py", "pydoc.py", "queue.py", "socket.py", "subprocess.py", "threading.py",
+    "trace.py", "uu.py", "zipimport.py",
+})
+"""Top-level modules that share code or docs with the stdlib sub-packages the eval set reads
+(more than 20 common 8-word runs, e.g. imghdr's tests in email.mime.image): never training text."""
+
+
+def _stdlib_module_sources() -> list[tuple[str, str]]:
+    """(name, text) of the top-level stdlib modules: the training side of the offline documents.
+    The eval set draws from the language reference and stdlib sub-packages instead."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.glob("*.py")):
+        if path.name in LCR_EXCLUDED_MODULES:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(text) >= 2000:
+            out.append((f"Lib/{path.name}", text))
+    return out
+
+
+def _excerpt(rng: random.Random, text: str, max_chars: int) -> str:
+    """A contiguous run of whole lines of at most ``max_chars``, from a random line."""
+    if len(text) <= max_chars:
+        return text.strip()
+    lines = text.splitlines()
+    start = rng.randrange(len(lines))
+    while start > 0 and sum(len(x) + 1 for x in lines[start:]) < max_chars:
+        start -= 1
+    out, n = [], 0
+    for line in lines[start:]:
+        if n + len(line) + 1 > max_chars:
+            break
+        out.append(line)
+        n += len(line) + 1
+    return "\n".join(out).strip()
+
+
+def bundled_lcr_conversations(*, seed: int = 0, count: int = 4096, min_chars: int = 2000,
+                              max_chars: int = 6500, max_docs: int = 4) -> Iterator[Conversation]:
+    """AA-LCR-style training prompts from text every machine has: 2 to ``max_docs`` documents
+    (excerpts of top-level stdlib module sources and installed packages' descriptions) of
+    ``min_chars`` to ``max_chars`` characters in all (about 600 to 2,500 SmolLM2 tokens), then a
+    question about them. On-policy answers to such prompts copy from the documents, which is
+    what a drafter for long-context serving has to learn; the short instructions of ``bundled``
+    never show it. Seeded: the same environment gives the same prompts."""
+    rng = random.Random(f"bundled_lcr:{seed}")
+    docs = _stdlib_module_sources() + [(name, text) for _, name, text in _package_descriptions()]
+    for _ in range(count):
+        total = rng.randint(min_chars, max_chars)
+        n = rng.randint(2, max_docs)
+        picked = rng.sample(docs, n)
+        texts = [_excerpt(rng, text, total // n) for _, text in picked]
+        yield Conversation((("user", format_lcr_prompt(texts, rng.choice(LCR_TRAIN_QUESTIONS))),))
 
 
 if __name__ == "__main__":  # quick look: python -m data_tools.prompts

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from data_tools.prompts import format_lcr_prompt  # noqa: F401  (the AA-LCR message, shared with training prompts)
+
 log = logging.getLogger(__name__)
 
 PathLike = str | Path
@@ -212,18 +214,6 @@ def _find_document(name: str, set_dirs: Sequence[Path]) -> tuple[Path | None, li
 
 
 # --- the prompt ---------------------------------------------------------------------------------
-
-
-def format_lcr_prompt(documents: Sequence[str], question: str) -> str:
-    """The AA-LCR user message: the documents in order, then the question."""
-    blocks = "\n\n".join(
-        f"BEGIN DOCUMENT {i}:\n{text}\nEND DOCUMENT {i}" for i, text in enumerate(documents, 1)
-    )
-    return (
-        f"BEGIN INPUT DOCUMENTS\n\n{blocks}\n\nEND INPUT DOCUMENTS\n\n"
-        "Answer the following question using the input documents provided above.\n\n"
-        f"START QUESTION\n\n{question}\n\nEND QUESTION\n"
-    )
 
 
 def chat_token_ids(tokenizer: Any, text: str) -> list[int]:

@@ -8,7 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from data_tools.prompts import (
-    Conversation, PromptFileError, bundled_conversations, dedupe_and_split, load_source,
+    LCR_TRAIN_QUESTIONS, Conversation, PromptFileError, bundled_conversations, bundled_lcr_conversations,
+    dedupe_and_split, load_source,
 )
 
 OPENAI = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
@@ -82,6 +83,27 @@ def test_bundled_default_is_offline_and_varied():
     assert len(kinds) >= 8  # several task templates
     assert any("```python" in t for t in texts) and any("package" in t for t in texts)
     assert not any("dspark-train" in t for t in texts)  # our own README would change the set every commit
+
+
+def test_bundled_lcr_is_long_multi_document_and_seeded():
+    import itertools
+    import re
+
+    first = list(itertools.islice(load_source("bundled_lcr"), 200))
+    assert [c.seq_id for c in first] == [c.seq_id for c in itertools.islice(bundled_lcr_conversations(), 200)]
+    assert [c.seq_id for c in first] != [c.seq_id for c in itertools.islice(bundled_lcr_conversations(seed=1), 200)]
+    for conv in first:
+        (role, text), = conv.messages
+        assert role == "user" and text.startswith("BEGIN INPUT DOCUMENTS")
+        docs = re.findall(r"BEGIN DOCUMENT (\d+):\n(.*?)\nEND DOCUMENT \1", text, re.S)
+        assert 2 <= len(docs) <= 4 and [int(n) for n, _ in docs] == list(range(1, len(docs) + 1))
+        assert all(d.strip() for _, d in docs)
+        assert sum(len(d) for _, d in docs) <= 6500
+        assert text.split("START QUESTION\n\n")[1].split("\n\nEND QUESTION")[0] in LCR_TRAIN_QUESTIONS
+    sizes = sorted(len(c.messages[0][1]) for c in first)
+    assert sizes[20] > 1500 and sizes[-20] > 5000  # spread over the range, not all short
+    kept = dedupe_and_split(first, val_fraction=0.05)
+    assert len(kept["train"]) + len(kept["val"]) >= 195
 
 
 def test_overlong_prompts_are_skipped_or_truncated(smollm2_dir):

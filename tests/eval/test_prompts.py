@@ -7,8 +7,11 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from data_tools.prompts import bundled_conversations
+import itertools
+
+from data_tools.prompts import LCR_TRAIN_QUESTIONS, bundled_conversations, bundled_lcr_conversations
 from eval.prompts import (
+    OFFLINE_QUESTIONS,
     EvalPromptError,
     build_eval_set,
     eval_set_sha256,
@@ -172,6 +175,13 @@ def test_offline_set_is_deterministic_and_disjoint_from_training(tokenizer):
     # line urllib shares with a top-level module: 8%; the top-level sources: >50% for half).
     pool = set().union(*(_shingles(d.text) for d in documents))
     copied = [t[:80] for t in training if len(_shingles(t) & pool) > 0.1 * len(_shingles(t))]
+    assert not copied
+    # The long-context training prompts: other questions, other documents.
+    assert not set(LCR_TRAIN_QUESTIONS) & set(OFFLINE_QUESTIONS)
+    long_docs = {doc for conv in itertools.islice(bundled_lcr_conversations(), 300)
+                 for doc in re.findall(r"BEGIN DOCUMENT \d+:\n(.*?)\nEND DOCUMENT", conv.messages[0][1], re.S)}
+    assert len(long_docs) > 500
+    copied = [d[:80] for d in long_docs if len(_shingles(d) & pool) > 0.1 * max(len(_shingles(d)), 1)]
     assert not copied
 
 
