@@ -24,7 +24,7 @@ def _compose(*overrides: str):
 
 
 def test_expected_experiments_exist():
-    assert {"smollm2_cpu_demo", "kimi_k3_gb300"} <= set(EXPERIMENTS)
+    assert {"smollm2_cpu_demo", "smollm2_cpu_smoke", "smollm2_cpu_quality", "kimi_k3_gb300"} <= set(EXPERIMENTS)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -67,6 +67,17 @@ def test_smollm2_demo_preset():
     assert target.source == "embedded_smollm2" and target.hidden_size == 576
     assert target.capture_layer_ids(30) == [1, 8, 15, 22, 29, 30]
     assert cfg.train.dtype == "float32" and cfg.deepspeed.zero_optimization.stage == 0
+
+
+def test_smollm2_quality_preset_keeps_its_own_data_and_checkpoints():
+    demo, quality = _compose("+experiment=smollm2_cpu_demo"), _compose("+experiment=smollm2_cpu_quality")
+    assert quality.data.source == "bundled_lcr" and demo.data.source == "bundled"
+    assert quality.data.shards_dir != demo.data.shards_dir  # another prompt set: its own dataset
+    assert quality.train.checkpoint_dir != demo.train.checkpoint_dir
+    ablation = _compose("+experiment=smollm2_cpu_quality", "drafter.markov_rank=0")
+    assert ablation.train.checkpoint_dir.endswith("/lcr-markov0") and ablation.data.shards_dir == quality.data.shards_dir
+    assert quality.train.max_seq_len >= quality.data.max_seq_len  # train on whole conversations
+    assert list(quality.eval.context_bins) == list(demo.eval.context_bins)  # the demo's own eval set
 
 
 def test_zero_presets_are_stages_0_to_3():
