@@ -68,7 +68,8 @@ dspark_require_gpus() {
 dspark_compose() {
   local target
   target=$("$PYTHON" train.py +experiment="$EXPERIMENT" "${OVERRIDES[@]}" --cfg job -p target 2>"$RUNDIR/compose.err") \
-    || die "cannot compose +experiment=$EXPERIMENT ${OVERRIDES[*]}: $(tail -n 3 "$RUNDIR/compose.err")"
+    || die "cannot compose +experiment=$EXPERIMENT ${OVERRIDES[*]}:" \
+      "$(grep -v -e HYDRA_FULL_ERROR -e '^$' "$RUNDIR/compose.err" | head -n 8)"
   TP=$(sed -n 's/^tensor_parallel_size: *//p' <<<"$target")
   PP=$(sed -n 's/^pipeline_parallel_size: *//p' <<<"$target")
   if [ -z "$TP" ] || [ -z "$PP" ]; then
@@ -109,7 +110,7 @@ dspark_requeue_on_usr1() {
   trap 'echo "time limit near: requeueing $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0})"; scontrol requeue "$SLURM_JOB_ID"; exit 0' USR1
 }
 
-# dspark_srun_node0 SRUN_ARGS... -- COMMAND: run COMMAND once per node; the job's result is node
+# dspark_srun_node0 SRUN_OPTIONS... COMMAND...: srun COMMAND, one task per node; the job's result is node
 # 0's (headless vLLM workers on other nodes are stopped by srun --wait once node 0 is done and do
 # not decide success). Each node's exit status is kept in $RUNDIR/nodeN.rc.
 dspark_srun_node0() {

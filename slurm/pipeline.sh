@@ -59,7 +59,7 @@ command -v sbatch >/dev/null 2>&1 || [ "$dry" = 1 ] || die "sbatch not found: ru
 
 export EXPERIMENT=${EXPERIMENT:-kimi_k3_gb300}
 logs=${DSPARK_OUTPUT_DIR:-outputs}/slurm
-mkdir -p "$logs"   # Slurm opens --output before the script runs; a missing directory loses the log
+[ "$dry" = 1 ] || mkdir -p "$logs"   # Slurm opens --output before the script runs; a missing directory loses the log
 
 shape=()
 if [ "$cpu" = 1 ]; then
