@@ -47,4 +47,6 @@ def test_submitit_runs_a_hydra_job_on_the_local_slurm(slurm, tmp_path, smollm2_d
     logs = "\n".join(f.read_text() for f in sweep.glob(".submitit/*/*_log.*"))
     assert "capture layers (transformers hidden_states ids): [1, 8, 15, 22, 29, 30]" in logs, logs[-3000:]
     job_ids = {p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()}
-    assert len(job_ids) == 1 and slurm.job(job_ids.pop())["JobState"] == "COMPLETED"
+    assert len(job_ids) == 1
+    job = job_ids.pop()  # the launcher returns once the result is written; the job ends just after
+    assert slurm.wait(job, timeout=300)[job]["JobState"] == "COMPLETED"
