@@ -60,7 +60,13 @@ class LocalSlurm:
 
     def __init__(self, root: Path):
         self.root = root
+        # The node is this host under its own name when that resolves (train.sbatch's rendezvous
+        # endpoint is the node name, as on a cluster), else "localhost".
         self.node = socket.gethostname().split(".")[0]
+        try:
+            socket.gethostbyname(self.node)
+        except OSError:
+            self.node = "localhost"
         self.conf = root / "etc" / "slurm.conf"
         self.socket = root / "munge" / "munge.socket"
         self.procs: dict[str, subprocess.Popen] = {}
