@@ -27,9 +27,8 @@ SMOKE = "smollm2_cpu_smoke"
 
 def job_env(out: Path, **extra: str) -> dict[str, str]:
     """The submitting shell: outputs in a tmp dir, the scripts' own defaults for the rest."""
-    env = {"DSPARK_OUTPUT_DIR": str(out), "PYTHON": "", "DSPARK_ALLOW_CPU": "", "EXPERIMENT": SMOKE,
-           "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **extra}
-    return env
+    return {"DSPARK_OUTPUT_DIR": str(out), "PYTHON": "", "DSPARK_ALLOW_CPU": "", "EXPERIMENT": SMOKE,
+            "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **extra}
 
 
 def submit_env(slurm, out: Path, **extra: str) -> dict[str, str]:
@@ -55,7 +54,8 @@ def sbatch(slurm, out: Path, *args: str, **extra: str) -> str:
 
 
 def batch_log(out: Path, job_id: str) -> str:
-    logs = sorted((out / "slurm").glob(f"*-{job_id}*.out"))
+    """The batch output of a job (every task of an array): dspark-STAGE-ID.out, ...-ID_TASK.out."""
+    logs = sorted(f for f in (out / "slurm").glob("*.out") if re.search(rf"-{job_id}(_\d+)?\.out$", f.name))
     return "\n".join(f.read_text(errors="replace") for f in logs)
 
 
