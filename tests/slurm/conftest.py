@@ -1,0 +1,263 @@
+"""A real single-node Slurm for the batch-script tests: munged, slurmctld and slurmd from
+Debian's `munge` and `slurm-wlm`, on loopback, with every file (config, state, spool, logs, the
+munge socket) in one temporary directory. Started once per session, always stopped.
+
+proctrack/linuxproc, task/none and no accounting: nothing needs cgroups or namespaces, so it
+runs as root inside a container. No GRES: jobs ask for `--gpus-per-node=0`.
+
+Debug by hand:  python tests/slurm/conftest.py   (starts it, prints SLURM_CONF, waits for ^C)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sacct")
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+            "PREEMPTED"}
+
+
+def missing_binaries() -> list[str]:
+    return [b for b in DAEMONS if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+
+
+def _which(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_line(name: str) -> str:
+    """This machine as slurmd sees it (`slurmd -C`), memory rounded down a little so the node
+    never reports less than configured."""
+    out = subprocess.run([_which("slurmd"), "-C"], capture_output=True, text=True, check=True).stdout
+    fields = dict(re.findall(r"(\w+)=(\S+)", out.splitlines()[0]))
+    mem = int(int(fields["RealMemory"]) * 0.9)
+    return (f"NodeName={name} NodeAddr=127.0.0.1 CPUs={fields['CPUs']} Boards={fields['Boards']} "
+            f"SocketsPerBoard={fields['SocketsPerBoard']} CoresPerSocket={fields['CoresPerSocket']} "
+            f"ThreadsPerCore={fields['ThreadsPerCore']} RealMemory={mem} State=UNKNOWN")
+
+
+class LocalSlurm:
+    """munged + slurmctld + slurmd under ``root``; ``env`` is what a client (sbatch) needs."""
+
+    TERMINAL = TERMINAL
+
+    def __init__(self, root: Path):
+        self.root = root
+        # The node is this host under its own name when that resolves (train.sbatch's rendezvous
+        # endpoint is the node name, as on a cluster), else "localhost".
+        self.node = socket.gethostname().split(".")[0]
+        try:
+            socket.gethostbyname(self.node)
+        except OSError:
+            self.node = "localhost"
+        self.conf = root / "etc" / "slurm.conf"
+        self.socket = root / "munge" / "munge.socket"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        for k in list(self.env):  # a Slurm job running these tests must not leak its allocation
+            if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF":
+                del self.env[k]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, timeout: float = 60) -> None:
+        for d in ("etc", "munge", "state", "spool", "log"):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root / "munge", 0o700)
+        key = self.root / "munge" / "munge.key"
+        subprocess.run([_which("mungekey"), "--create", f"--keyfile={key}", "--force"], check=True,
+                       capture_output=True)
+        os.chmod(key, 0o600)
+        self._spawn("munged", [_which("munged"), "--foreground", "--force", f"--socket={self.socket}",
+                               f"--key-file={key}", f"--pid-file={self.root / 'munge' / 'munged.pid'}",
+                               f"--seed-file={self.root / 'munge' / 'munged.seed'}",
+                               f"--log-file={self.root / 'log' / 'munged.log'}"])
+        self._wait_for(lambda: self.socket.exists(), timeout, "munged socket")
+        self.ctld_port, self.slurmd_port = _free_port(), _free_port()
+        self.conf.write_text(self.config())
+        (self.conf.parent / "cgroup.conf").write_text("# unused: proctrack/linuxproc, task/none\nCgroupPlugin=autodetect\n")
+        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
+        self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
+        self._wait_for(self._node_idle, timeout, f"node {self.node} IDLE")
+
+    def stop(self) -> None:
+        if all(self.procs.get(n) and self.procs[n].poll() is None for n in ("slurmctld", "slurmd", "munged")):
+            # jobs a failed test left behind: their slurmstepd would outlive slurmd
+            self.run("scancel", "--full", "--user=root", check=False)
+            deadline = time.time() + 30
+            while time.time() < deadline and self.run("squeue", "-h", "-t", "RUNNING,COMPLETING", check=False).stdout.strip():
+                time.sleep(1)
+        for name in ("slurmd", "slurmctld", "munged"):
+            p = self.procs.pop(name, None)
+            if p is None or p.poll() is not None:
+                continue
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.root / "log" / f"{name}.stdout", "wb")
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            start_new_session=True)
+
+    def _wait_for(self, ok, timeout: float, what: str) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited while waiting for {what}\n{self.logs()}")
+            if ok():
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.logs()}")
+
+    def _node_idle(self) -> bool:
+        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False)
+        return out.returncode == 0 and out.stdout.strip().rstrip("*") == "idle"
+
+    def config(self) -> str:
+        r = self.root
+        return f"""\
+# Written by tests/slurm/conftest.py: one node on loopback, no cgroups, no accounting.
+ClusterName=dspark-test
+SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldPort={self.ctld_port}
+SlurmdPort={self.slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={self.socket},cred_expire=20
+# ^ also the hold before a requeued batch job may start again (default 120 s)
+StateSaveLocation={r / 'state'}
+SlurmdSpoolDir={r / 'spool'}
+SlurmctldPidFile={r / 'slurmctld.pid'}
+SlurmdPidFile={r / 'slurmd.pid'}
+SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
+SlurmdLogFile={r / 'log' / 'slurmd.log'}
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MinJobAge=3600
+KillWait=10
+InactiveLimit=0
+{_node_line(self.node)}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+    # -- clients -----------------------------------------------------------------------------
+    def run(self, *argv: str, check: bool = True, cwd: Path = REPO, env: dict | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess:
+        out = subprocess.run(list(argv), capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                             env={**self.env, **(env or {})})
+        if check and out.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)} -> {out.returncode}\n{out.stdout}\n{out.stderr}")
+        return out
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (the first record: an array job's first task)."""
+        out = self.run("scontrol", "show", "job", "-o", str(job_id), check=False)
+        if out.returncode != 0:
+            return {}
+        return dict(re.findall(r"(\w+(?::\w+)?)=(\S*)", out.stdout.splitlines()[0]))
+
+    def states(self, job_id: str) -> list[str]:
+        """JobState of every record of a job (each task of an array)."""
+        out = self.run("scontrol", "show", "job", "-o", str(job_id), check=False)
+        return re.findall(r"JobState=(\S+)", out.stdout)
+
+    def wait(self, *job_ids: str, timeout: float = 600, until=TERMINAL) -> dict[str, dict[str, str]]:
+        """Wait until every job is in a terminal state (or a pending dependency can never run)."""
+        deadline = time.time() + timeout
+        while True:
+            jobs = {j: self.job(j) for j in job_ids}
+            if all(self._settled(j, info, until) for j, info in jobs.items()):
+                return jobs
+            if time.time() > deadline:
+                raise AssertionError(f"jobs not finished after {timeout:.0f}s: "
+                                     + ", ".join(f"{j} {i.get('JobState')} {i.get('Reason')}" for j, i in jobs.items())
+                                     + "\n" + self.logs())
+            time.sleep(2)
+
+    def _settled(self, job_id: str, info: dict[str, str], until) -> bool:
+        if not info:
+            return False
+        if info.get("JobState") == "PENDING" and info.get("Reason") == "DependencyNeverSatisfied":
+            return True
+        return all(s in until for s in self.states(job_id))
+
+    def logs(self, tail: int = 40) -> str:
+        parts = []
+        for f in sorted((self.root / "log").glob("*")):
+            lines = f.read_text(errors="replace").splitlines()[-tail:]
+            parts.append(f"--- {f.name} (last {len(lines)} lines)\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"no local Slurm: {', '.join(missing)} not installed "
+                    "(apt-get install slurm-wlm munge; .ci/run installs them)")
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm runs slurmd as root (SlurmdUser=root); not root here")
+    root = Path(tempfile.mkdtemp(prefix="dspark-slurm-"))
+    cluster = LocalSlurm(root)
+    try:
+        cluster.start()
+        yield cluster
+    except Exception:
+        print(cluster.logs(200))
+        raise
+    finally:
+        cluster.stop()
+        if os.environ.get("DSPARK_KEEP_SLURM") != "1":
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    def _interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)  # also when started in the background
+    c = LocalSlurm(Path(tempfile.mkdtemp(prefix="dspark-slurm-")))
+    try:
+        c.start()
+        print(f"export SLURM_CONF={c.conf}\n(logs in {c.root / 'log'}; ^C stops it)", flush=True)
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        c.stop()
+        print(c.logs(20))

@@ -1,0 +1,271 @@
+"""The multi-node GPU scripts rendered for the Kimi K3 preset without a cluster: each batch script
+runs under bash with the environment Slurm gives a 4-node x 4-GPU job, `srun`, `scontrol` and
+`nvidia-smi` replaced by stubs that record their arguments (srun runs its command once per node
+with that node's SLURM_NODEID), and PYTHON a stub that records every launch (it hands `-c` and
+`--cfg` calls to the real interpreter, so the config is really composed). The tests assert on the
+per-node commands and on the #SBATCH headers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM = REPO / "slurm"
+HOSTS = [f"gb300-{i:03d}" for i in range(1, 5)]
+
+SRUN = """#!/bin/bash
+# stub srun: record argv, then run the command once per node (SLURM_NODEID=i), like one task per node
+printf '%s\\n' "$(printf '%q ' "$@")" >> "$STUB_RECORD/srun.log"
+while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done
+worst=0
+for ((i = 0; i < SLURM_NNODES; i++)); do
+  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" || { rc=$?; [ $rc -gt $worst ] && worst=$rc; }
+done
+exit $worst
+"""
+SCONTROL = """#!/bin/bash
+printf '%s\\n' "$*" >> "$STUB_RECORD/scontrol.log"
+if [ "$1 $2" = "show hostnames" ]; then printf '%s\\n' $STUB_HOSTS; fi
+"""
+NVIDIA_SMI = """#!/bin/bash
+for ((i = 0; i < ${SLURM_GPUS_ON_NODE:-0}; i++)); do echo "GPU $i: NVIDIA GB300 (UUID: GPU-stub-$i)"; done
+"""
+PYTHON = """#!{python}
+import json, os, subprocess, sys
+argv = sys.argv[1:]
+if argv[:1] == ["-c"] or "--cfg" in argv:  # import checks and config composition: the real thing
+    os.execv({python!r}, [{python!r}, *argv])
+keep = ("SLURM_NODEID", "SLURM_JOB_ID", "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM", "DSPARK_ALLOW_CPU")
+with open(os.path.join(os.environ["STUB_RECORD"], "python.jsonl"), "a") as f:
+    f.write(json.dumps({{"argv": argv, "env": {{k: os.environ.get(k) for k in keep}}}}) + "\\n")
+rcs = json.loads(os.environ.get("STUB_RC", "{{}}"))  # exit status per node id
+sys.exit(int(rcs.get(os.environ.get("SLURM_NODEID", "0"), 0)))
+"""
+
+
+@dataclass
+class Rendered:
+    rc: int
+    log: str
+    launches: list[dict]  # one per python launch: argv, env
+    srun: list[list[str]]
+    scontrol: list[str]
+
+    def node(self, i: int) -> list[str]:
+        argv = [r["argv"] for r in self.launches if r["env"]["SLURM_NODEID"] == str(i)]
+        assert len(argv) == 1, f"node {i}: {argv}\n{self.log}"
+        return argv[0]
+
+
+def header(script: Path) -> dict[str, str]:
+    """#SBATCH options of a script, as sbatch reads them (up to the first command)."""
+    opts = {}
+    for line in script.read_text().splitlines()[1:]:
+        if line.startswith("#SBATCH"):
+            key, _, value = line.split()[1].lstrip("-").partition("=")
+            opts[key] = value
+        elif line.strip() and not line.startswith("#"):
+            break
+    return opts
+
+
+@pytest.fixture
+def render(tmp_path):
+    def _render(script: str, *overrides: str, nodes: int = 4, gpus: int | None = 4, env: dict | None = None,
+                stub_rc: dict | None = None, nvidia_smi: bool = True) -> Rendered:
+        stubs, record = tmp_path / "bin", tmp_path / "record"
+        stubs.mkdir(exist_ok=True)
+        record.mkdir(exist_ok=True)
+        for f in record.iterdir():
+            f.unlink()
+        files = {"srun": SRUN, "scontrol": SCONTROL, "python": PYTHON.format(python=sys.executable)}
+        if nvidia_smi:
+            files["nvidia-smi"] = NVIDIA_SMI
+        elif (stubs / "nvidia-smi").exists():
+            (stubs / "nvidia-smi").unlink()
+        for name, text in files.items():
+            (stubs / name).write_text(text)
+            (stubs / name).chmod(0o755)
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith(("SLURM_", "SBATCH_", "DSPARK_", "CUDA_")) and k not in ("EXPERIMENT", "PYTHON")}
+        # no real nvidia-smi may answer for a GPU-less render
+        path = f"{stubs}:/usr/bin:/bin" if not nvidia_smi else f"{stubs}:{os.environ['PATH']}"
+        hosts = HOSTS[:nodes]
+        full_env = {
+            **base, "PATH": path, "STUB_RECORD": str(record), "STUB_HOSTS": " ".join(hosts),
+            "STUB_RC": json.dumps(stub_rc or {}), "PYTHON": str(stubs / "python"),
+            "DSPARK_OUTPUT_DIR": str(tmp_path / "out"), "EXPERIMENT": "kimi_k3_gb300",
+            "SLURM_JOB_ID": "4242", "SLURM_JOBID": "4242", "SLURM_SUBMIT_DIR": str(REPO),
+            "SLURM_NNODES": str(nodes), "SLURM_JOB_NUM_NODES": str(nodes),
+            "SLURM_JOB_NODELIST": f"gb300-[001-{nodes:03d}]", "SLURM_NTASKS_PER_NODE": "1",
+            **({"SLURM_GPUS_ON_NODE": str(gpus), "SLURM_GPUS_PER_NODE": str(gpus)} if gpus is not None else {}),
+            **(env or {}),
+        }
+        out = subprocess.run(["bash", str(SLURM / script), *overrides], cwd=tmp_path, env=full_env,
+                             capture_output=True, text=True, timeout=120)
+        read = lambda name: (record / name).read_text().splitlines() if (record / name).exists() else []  # noqa: E731
+        return Rendered(out.returncode, out.stdout + out.stderr, [json.loads(x) for x in read("python.jsonl")],
+                        [shlex.split(x) for x in read("srun.log")], read("scontrol.log"))
+
+    return _render
+
+
+def k3_tp() -> int:
+    target = OmegaConf.load(REPO / "conf" / "target" / "kimi_k3_gb300.yaml")
+    return int(target.tensor_parallel_size) * int(target.get("pipeline_parallel_size", 1))
+
+
+def arg(argv: list[str], prefix: str) -> str:
+    hits = [a[len(prefix):] for a in argv if a.startswith(prefix)]
+    assert len(hits) == 1, f"{prefix!r} in {argv}"
+    return hits[0]
+
+
+@pytest.mark.parametrize("script", ["extract.sbatch", "train.sbatch", "eval.sbatch"])
+def test_k3_headers_ask_for_the_engine_the_target_config_needs(script):
+    opts = header(SLURM / script)
+    assert opts["nodes"] == "4" and opts["gpus-per-node"] == "4" and opts["ntasks-per-node"] == "1"
+    assert int(opts["nodes"]) * int(opts["gpus-per-node"]) == k3_tp() == 16
+    assert "exclusive" in opts and opts["output"].startswith("outputs/slurm/%x-")
+    assert "requeue" in opts and opts["open-mode"] == "append"  # a requeued job's log keeps its first run
+    exp = OmegaConf.load(REPO / "conf" / "experiment" / "kimi_k3_gb300.yaml")
+    assert {"override /target": "kimi_k3_gb300"} in OmegaConf.to_container(exp.defaults)
+
+
+def test_train_renders_one_torchrun_per_node_for_16_ranks(render):
+    r = render("train.sbatch", "train.lr=3e-4")
+    assert r.rc == 0, r.log
+    assert len(r.srun) == 1 and "--kill-on-bad-exit=1" in r.srun[0]
+    assert "show hostnames gb300-[001-004]" in r.scontrol
+    port = str(29500 + 4242 % 1000)
+    ranks = 0
+    for i in range(4):
+        argv = r.node(i)
+        assert argv[:2] == ["-m", "torch.distributed.run"]
+        assert arg(argv, "--nnodes=") == "4" and arg(argv, "--node_rank=") == str(i)
+        assert arg(argv, "--rdzv_backend=") == "c10d" and arg(argv, "--rdzv_id=") == "4242"
+        assert arg(argv, "--rdzv_endpoint=") == f"{HOSTS[0]}:{port}"  # the head node, same for all
+        ranks += int(arg(argv, "--nproc_per_node="))
+        script = argv.index("train.py")
+        assert argv[script + 1:script + 4] == ["+experiment=kimi_k3_gb300", "stages=[train]", "train.resume=auto"]
+        assert argv[-1] == "train.lr=3e-4" and arg(argv, "hydra.run.dir=").endswith(f"slurm/4242/train/node{i}")
+    assert ranks == 16 == k3_tp()
+    assert "4 node(s) x 4 rank(s) = 16 ranks" in r.log
+
+
+def test_extract_renders_one_tp16_engine_over_four_nodes(render):
+    r = render("extract.sbatch", "data.num_prompts=50000")
+    assert r.rc == 0, r.log
+    assert "--wait=300" in r.srun[0] and "--kill-on-bad-exit=0" in r.srun[0]
+    port = str(29500 + 4242 % 1000)
+    for i in range(4):
+        argv = r.node(i)
+        assert argv[:4] == ["-m", "data_tools.extract", "+experiment=kimi_k3_gb300", "+data.vllm.engine_kwargs.nnodes=4"]
+        assert arg(argv, "+data.vllm.engine_kwargs.node_rank=") == str(i)
+        assert arg(argv, "+data.vllm.engine_kwargs.master_addr=") == HOSTS[0]
+        assert arg(argv, "+data.vllm.engine_kwargs.master_port=") == port
+        assert argv[-1] == "data.num_prompts=50000"
+    assert all(x["env"]["VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"] == "1" for x in r.launches)
+    assert "vLLM engine: TP16 x PP1 over 4 node(s) x 4 GPU(s)" in r.log
+
+
+def test_eval_renders_node0_driver_and_headless_workers(render):
+    r = render("eval.sbatch", "eval.prompts_per_bin=64")
+    assert r.rc == 0, r.log
+    head = r.node(0)
+    assert head[:3] == ["-m", "eval.run", "+experiment=kimi_k3_gb300"]
+    assert "eval.reference=false" in head and "eval.baselines=[]" in head
+    for i in range(4):
+        argv = r.node(i)
+        if i:
+            assert argv[:2] == ["-m", "eval.run_headless"]
+        assert arg(argv, "+eval.vllm_engine_kwargs.nnodes=") == "4"
+        assert arg(argv, "+eval.vllm_engine_kwargs.node_rank=") == str(i)
+        assert arg(argv, "+eval.vllm_engine_kwargs.master_addr=") == HOSTS[0]
+        assert argv[-1] == "eval.prompts_per_bin=64"
+    assert all(x["env"]["VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"] == "1" for x in r.launches)
+
+
+@pytest.mark.parametrize("script", ["extract.sbatch", "eval.sbatch"])
+def test_the_job_result_is_node0s_not_the_headless_workers(render, script):
+    """srun --wait stops the headless workers once node 0 is done; their status must not fail
+    the job (its afterok dependents would never run), and node 0's failure must."""
+    r = render(script, stub_rc={"2": 143})
+    assert r.rc == 0, r.log
+    assert "node exit codes:" in r.log and "node2.rc:143" in r.log
+    r = render(script, stub_rc={"0": 3})
+    assert r.rc == 3, r.log
+
+
+def test_extract_array_task_renders_one_engine_on_its_share(render):
+    r = render("extract_array.sbatch", nodes=1, gpus=1,
+               env={"SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3", "EXPERIMENT": "smollm2_cpu_demo"})
+    assert r.rc == 0, r.log
+    assert r.srun[0][0] == "--kill-on-bad-exit=1"
+    argv = r.node(0)
+    assert argv[:3] == ["-m", "data_tools.extract", "+experiment=smollm2_cpu_demo"]
+    assert arg(argv, "hydra.run.dir=").endswith("slurm/77/extract-task3")
+    assert header(SLURM / "extract_array.sbatch")["gpus-per-node"] == "1"  # one override (--gpus-per-node) for every script
+
+
+# -- the early checks -------------------------------------------------------------------------
+
+def test_no_gpus_fails_before_anything_starts(render):
+    r = render("train.sbatch", gpus=None, nvidia_smi=False)
+    assert r.rc == 2 and not r.launches and not r.srun
+    assert "error: no GPUs allocated on" in r.log and "--gpus-per-node=N" in r.log and "DSPARK_ALLOW_CPU=1" in r.log
+
+
+def test_gpus_that_nvidia_smi_cannot_see_fail(render):
+    r = render("extract.sbatch", nvidia_smi=False)
+    assert r.rc == 2 and not r.launches
+    assert "nvidia-smi cannot see them" in r.log
+
+
+def test_dspark_allow_cpu_skips_the_gpu_check(render):
+    r = render("train.sbatch", nodes=1, gpus=None, nvidia_smi=False, env={"DSPARK_ALLOW_CPU": "1"})
+    assert r.rc == 0, r.log
+    assert "DSPARK_ALLOW_CPU=1: no GPU check" in r.log and arg(r.node(0), "--nproc_per_node=") == "1"
+
+
+def test_tp16_on_two_nodes_is_refused_with_the_expected_shape(render):
+    r = render("extract.sbatch", nodes=2)
+    assert r.rc == 2 and not r.launches
+    assert ("target.tensor_parallel_size=16 x pipeline_parallel_size=1 needs 16 GPUs, the job has 2 nodes x 4 GPUs = 8; "
+            "expected --nodes=4") in r.log
+    r = render("eval.sbatch", nodes=1, gpus=1)  # one GPU for a TP16 target
+    assert r.rc == 2 and "expected --gpus-per-node=16" in r.log
+    r = render("eval.sbatch", "target.tensor_parallel_size=1", nodes=1, gpus=1)
+    assert r.rc == 0, r.log
+
+
+def test_a_misspelt_override_fails_on_the_batch_host(render):
+    r = render("train.sbatch", "train.lrr=3e-4")
+    assert r.rc == 2 and not r.srun
+    assert "cannot compose +experiment=kimi_k3_gb300 train.lrr=3e-4: Could not override 'train.lrr'." in r.log
+    r = render("eval.sbatch", env={"EXPERIMENT": "kimi_k3"})
+    assert r.rc == 2 and "In 'config': Could not find 'experiment/kimi_k3'" in r.log and "kimi_k3_gb300" in r.log
+
+
+def test_missing_python_names_the_interpreter(render):
+    r = render("extract.sbatch", env={"PYTHON": "/nonexistent/python"})
+    assert r.rc == 2 and not r.srun
+    assert re.search(r"error: PYTHON=/nonexistent/python is not an executable in \S+; expected the project's "
+                     r"virtualenv interpreter", r.log)
+
+
+def test_outside_the_repository_says_where_to_submit_from(render, tmp_path):
+    r = render("train.sbatch", env={"SLURM_SUBMIT_DIR": str(tmp_path)})
+    assert r.rc == 2 and "is not the dspark repository" in r.log and "DSPARK_REPO" in r.log
+    r = render("train.sbatch", env={"SLURM_SUBMIT_DIR": str(tmp_path), "DSPARK_REPO": str(REPO)})
+    assert r.rc == 0, r.log
