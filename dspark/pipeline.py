@@ -79,6 +79,7 @@ def run(cfg: DictConfig) -> PipelineResult:
         stages_run.append("eval")
         taus = ", ".join(f"{d.name} {d.tau:.3f}" for d in outcome.results.drafters)
         lines.append(f"eval     tau: {taus}")
+        lines += [f"check    {c.name}: {'PASS' if c.passed else 'MISS'} ({c.detail})" for c in outcome.checks]
         lines.append(f"report   {outcome.report_dir / 'report.md'} (+ results.json, *.png)")
         lines.append(f"exports  {cfg.eval.export_dir}")
     if cfg.logging.wandb:

@@ -35,6 +35,7 @@ class EvalOutcome:
     report_dir: Path
     exports: dict[str, Path] = field(default_factory=dict)
     report: Any = None
+    checks: list = field(default_factory=list)  # eval.report.Check: the quality targets, measured
 
 
 def _per_bin(prompt_bins: list[int], counts: list[AcceptanceCounts], gamma: int) -> tuple[dict, dict]:
@@ -298,11 +299,11 @@ def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     if run is not None:
         run.finish()
     log.info("eval report: %s (plots %s)", report.markdown, ", ".join(str(p) for p in report.plots.values()))
-    return EvalOutcome(results, out_dir, {k: v["dspark"].out_dir for k, v in exports.items()}, report)
+    return EvalOutcome(results, out_dir, {k: v["dspark"].out_dir for k, v in exports.items()}, report, checks)
 
 
 def _up_to_date(out_dir: Path, fp: str) -> Optional[EvalOutcome]:
-    from eval.report import load_results
+    from eval.report import load_checks, load_results
 
     path = out_dir / "results.json"
     if not path.is_file():
@@ -313,7 +314,7 @@ def _up_to_date(out_dir: Path, fp: str) -> Optional[EvalOutcome]:
         return None  # unreadable or from an older layout: evaluate again
     if results.conditions.extra.get("fingerprint") != fp:
         return None
-    return EvalOutcome(results, out_dir)
+    return EvalOutcome(results, out_dir, checks=load_checks(path) or [])
 
 
 def _wandb(cfg: DictConfig, out_dir: Path):  # noqa: ANN202

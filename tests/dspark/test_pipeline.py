@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +66,11 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     report = (report_dir / "report.md").read_text()
     assert "markov-off" in report and "ngram" in report and "| gamma | 4 |" in report
     assert f"report   {report_dir / 'report.md'}" in log
+    for name in ("DSpark over its Markov-off ablation", "DSpark over vLLM ngram", "no long-context collapse"):
+        assert re.search(rf"check    {name}: (PASS|MISS) \(", log), name  # the targets, in the closing summary
     assert list((tmp_path / "wandb").glob("offline-run-*")) or list(report_dir.glob("wandb/offline-run-*"))
 
     log = _main_job(tmp_path, "logging.wandb=false")
     assert "extract  up to date" in log and "train    up to date" in log and "eval: " in log and "is up to date" in log
     assert "step 1/2" not in log and "vLLM ngram" not in log
+    assert "check    DSpark over vLLM ngram: " in log  # read back from results.json
