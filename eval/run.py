@@ -169,8 +169,10 @@ def export_all(cfg: DictConfig, ckpt_path: Path, target_dir: Path, prefix: str) 
 
 
 def ablation_checkpoint(cfg: DictConfig) -> Optional[Path]:
-    """``eval.ablation_checkpoint``: a path, null, or auto = the Markov-off run of this target
-    (``python train.py +experiment=... drafter.markov_rank=0`` trains it under ``markov0``)."""
+    """``eval.ablation_checkpoint``: a path, null, or auto = the Markov-off run of this very
+    config: the ``train.checkpoint_dir`` it gets with ``drafter.markov_rank=0`` (what
+    ``python train.py +experiment=... drafter.markov_rank=0`` trains; run name ``markov0`` by
+    default, ``lcr-markov0`` in smollm2_cpu_quality)."""
     value = cfg.eval.ablation_checkpoint
     if value is None or str(value) in ("", "null", "none"):
         return None
@@ -178,7 +180,8 @@ def ablation_checkpoint(cfg: DictConfig) -> Optional[Path]:
         return Path(str(value)).expanduser()
     if int(cfg.drafter.markov_rank) == 0:
         return None  # this run is the ablation
-    path = Path(cfg.paths.checkpoint_dir).expanduser() / str(cfg.target.name) / "markov0"
+    off = OmegaConf.merge(cfg, {"drafter": {"markov_rank": 0}})
+    path = Path(str(off.train.checkpoint_dir)).expanduser()
     return path if (path / "latest").is_file() else None
 
 

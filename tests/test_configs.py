@@ -123,3 +123,18 @@ def test_train_py_prints_resolved_config():
     cfg = OmegaConf.create(out.stdout)
     assert cfg.target.name == "smollm2-135m" and cfg.drafter.block_size == 7
     assert cfg.tags == ["smollm2", "cpu", "demo"] and cfg.train.max_steps == 200
+
+
+def test_auto_ablation_is_this_configs_markov_off_run(tmp_path):
+    from eval.run import ablation_checkpoint
+
+    for experiment, run_name in (("smollm2_cpu_demo", "markov0"), ("smollm2_cpu_quality", "lcr-markov0")):
+        cfg = _compose(f"+experiment={experiment}", f"paths.output_dir={tmp_path}")
+        assert ablation_checkpoint(cfg) is None  # not trained yet
+        ckpt = tmp_path / "checkpoints" / "smollm2-135m" / run_name
+        ckpt.mkdir(parents=True)
+        (ckpt / "latest").write_text("step00000002")
+        assert ablation_checkpoint(cfg) == ckpt
+        assert ablation_checkpoint(_compose(f"+experiment={experiment}", f"paths.output_dir={tmp_path}",
+                                            "drafter.markov_rank=0")) is None  # that run is the ablation itself
+        assert ablation_checkpoint(_compose(f"+experiment={experiment}", "eval.ablation_checkpoint=null")) is None
