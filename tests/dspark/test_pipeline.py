@@ -72,5 +72,5 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
 
     log = _main_job(tmp_path, "logging.wandb=false")
     assert "extract  up to date" in log and "train    up to date" in log and "eval: " in log and "is up to date" in log
-    assert "step 1/2" not in log and "vLLM ngram" not in log
+    assert "step 1/2" not in log and "--method ngram" not in log  # no vLLM run either
     assert "check    DSpark over vLLM ngram: " in log  # read back from results.json
