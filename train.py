@@ -1,22 +1,78 @@
-"""DSpark drafter pipeline entry point.
+"""The main job: every pipeline stage that ``stages`` names, in order, and what each one did.
 
     python train.py +experiment=smollm2_cpu_demo            # run the stages on the embedded target
     python train.py +experiment=kimi_k3_gb300 --cfg job     # print the resolved config
     python train.py --help                                  # groups and overrides
 
-The work lives in dspark.pipeline.run(cfg), which tests call directly.
+This is the only module that imports every stage (``tests/test_layering.py``); each stage is
+imported when it runs, so a node that only trains never imports vLLM. Tests call :func:`run`.
 """
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-import dspark.config  # noqa: F401  (registers the config schemas before composition)
+from dspark.core.config import DSparkConfig, to_object  # also registers the config schemas
+from dspark.core.target import TargetHeads, prepare_target
+
+log = logging.getLogger("train")
+
+
+@dataclass
+class PipelineResult:
+    target: TargetHeads
+    drafter: DSparkConfig
+    stages_run: list[str]
+
+
+def run(cfg: DictConfig) -> PipelineResult:
+    t0 = time.perf_counter()
+    heads, target_dir = prepare_target(cfg)
+    stages_run = ["target"]
+    lines = [f"target   {cfg.target.name} ({target_dir})"]
+    if "extract" in cfg.stages:
+        from data_tools.extract import extract
+
+        s = extract(cfg)
+        stages_run.append("extract")
+        what = (f"up to date ({s.shards_resumed} complete shards), skipped" if s.shards_written == 0
+                else f"{s.rows} sequences, {s.tokens} tokens in {s.shards_written} new shards")
+        lines.append(f"extract  {what} -> {cfg.data.shards_dir}")
+    if "train" in cfg.stages:
+        from dspark.checkpoint import finished_checkpoint
+        from dspark.trainer import train
+
+        done = finished_checkpoint(cfg)
+        if done is not None:
+            log.info("train: %s is at train.max_steps=%s for this drafter, skipped", done, cfg.train.max_steps)
+            lines.append(f"train    up to date ({done}), skipped")
+        else:
+            state = train(cfg, heads)
+            lines.append(f"train    step {state.step}/{cfg.train.max_steps} -> {cfg.train.checkpoint_dir}")
+        stages_run.append("train")
+    if "eval" in cfg.stages:
+        from eval.run import run_eval
+
+        outcome = run_eval(cfg, heads, target_dir)
+        stages_run.append("eval")
+        lines.append("eval     tau: " + ", ".join(f"{d.name} {d.tau:.3f}" for d in outcome.results.drafters))
+        lines += [f"check    {c.name}: {'PASS' if c.passed else 'MISS'} ({c.detail})" for c in outcome.checks]
+        lines.append(f"report   {outcome.report_dir / 'report.md'} (+ results.json, *.png)")
+        lines.append(f"exports  {cfg.eval.export_dir}")
+    if cfg.logging.wandb:
+        lines.append(f"W&B      {Path(cfg.paths.output_dir) / 'wandb'} (offline runs: wandb sync <run dir>)")
+    log.info("main job done in %.1f min:\n  %s", (time.perf_counter() - t0) / 60, "\n  ".join(lines))
+    return PipelineResult(heads, to_object(cfg.drafter, DSparkConfig), stages_run)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from dspark.pipeline import run
-
     run(cfg)
 
 

@@ -49,13 +49,14 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from data_tools.extract import Request, capture_rows, engine_kwargs, make_engine, write_shard
+    from data_tools.extract import Request, capture_rows, engine_kwargs, make_engine
+    from data_tools.shard_writer import write_shard
     from data_tools.prompts import bundled_conversations, dedupe_and_split
-    from dspark.config import TargetConfig
+    from dspark.core.config import TargetConfig
     from dspark.shards import ShardDataset
-    from data_tools.schema import Manifest
-    from data_tools.extract import finalize
-    from dspark.target import resolve_target
+    from dspark.core.shard_format import Manifest
+    from data_tools.shard_writer import finalize
+    from dspark.core.target import resolve_target
 
     spec = TargetConfig()
     path = resolve_target(spec).path

@@ -31,8 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def synthetic_shards(out: Path, heads, *, n: int, seq_len: int) -> None:
     """Random states in the real schema (timing does not depend on their values)."""
-    from data_tools.extract import finalize, write_shard
-    from data_tools.schema import Manifest, file_sha256
+    from data_tools.shard_writer import finalize, write_shard
+    from dspark.core.files import file_sha256
+    from dspark.core.shard_format import Manifest
 
     g = torch.Generator().manual_seed(0)
     Manifest(target="smollm2-135m", target_path=str(heads.path), revision=None, architecture=heads.architecture,
@@ -53,10 +54,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
 
-    import dspark.config  # noqa: F401 - registers the schemas
-    from dspark.config import TargetConfig
+    import dspark.core.config  # noqa: F401 - registers the schemas
+    from dspark.core.config import TargetConfig
     from dspark.model import sample_anchors
-    from dspark.target import load_target_heads, resolve_target
+    from dspark.core.target import load_target_heads, resolve_target
     from dspark.trainer import Trainer
 
     heads = load_target_heads(resolve_target(TargetConfig()).path)

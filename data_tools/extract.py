@@ -16,7 +16,6 @@ across ``data.rank``/``data.world_size`` (default: the Slurm array index and cou
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import shutil
@@ -27,21 +26,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 import hydra
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from filelock import FileLock
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
-from data_tools.schema import (
-    COMPRESSIONS, SCHEMA, SPLITS, STORE_DTYPES, Manifest, ShardInfo, atomic_write_text, file_sha256,
-    shard_name, text_sha256,
-)
-from dspark.config import TORCH_DTYPES, TargetConfig, to_object
-from dspark.layers import CONVENTION, vllm_aux_layer_ids
-from dspark.target import read_config, resolve_target
+from data_tools.shard_writer import ShardWriter, complete_shard, finalize
+from dspark.core.config import TORCH_DTYPES, TargetConfig, to_object
+from dspark.core.files import file_sha256, text_sha256
+from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
+from dspark.core.shard_format import COMPRESSIONS, SPLITS, STORE_DTYPES, Manifest, shard_name
+from dspark.core.target import read_config, resolve_target
+from dspark.core.vllm_engine import run_headless_workers
 
 log = logging.getLogger(__name__)
 
@@ -162,22 +159,9 @@ def engine_kwargs(target: TargetConfig, target_path: Path, capture_ids: list[int
 
 
 def make_engine(kwargs: dict[str, Any], data: DictConfig):
-    from vllm import LLM
+    from dspark.core.vllm_engine import make_llm
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(data.vllm.cpu_kvcache_gib))
-    return LLM(**kwargs)
-
-
-def run_headless_workers(kwargs: dict[str, Any]) -> None:
-    """Nodes 1..n-1 of a multi-node (TP across nodes) engine: host this node's workers for the
-    engine that node 0 drives, until it shuts down. Same arguments as node 0."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-
-    vllm_config = EngineArgs(**kwargs).create_engine_config(headless=True)
-    log.info("node %d/%d: headless vLLM workers for head %s", vllm_config.parallel_config.node_rank,
-             vllm_config.parallel_config.nnodes, vllm_config.parallel_config.master_addr)
-    MultiprocExecutor(vllm_config, monitor_workers=False).start_worker_monitor(inline=True)
+    return make_llm(kwargs, cpu_kvcache_gib=data.vllm.cpu_kvcache_gib)
 
 
 def capture_rows(llm: Any, requests: list[Request], data: DictConfig, *, n_layers: int, hidden: int) -> list[dict]:
@@ -224,59 +208,6 @@ def capture_rows(llm: Any, requests: list[Request], data: DictConfig, *, n_layer
 
 
 # --- shards and resume -----------------------------------------------------------------------
-
-
-class ShardWriter:
-    """Write one shard in batches of rows (memory holds one batch, not the shard), under a
-    temporary name; ``finish`` fsyncs, renames it into place and then writes its sidecar."""
-
-    def __init__(self, directory: Path, split: str, index: int, compression: str):
-        self.dir = directory / split
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.name = shard_name(index)
-        self.split = split
-        self.final = self.dir / f"{self.name}.parquet"
-        self.tmp = self.dir / f".{self.name}.parquet.tmp-{os.getpid()}"
-        self.writer = pq.ParquetWriter(
-            self.tmp, SCHEMA, compression=None if compression == "none" else compression,
-            use_dictionary=False, write_statistics=["seq_id", "num_tokens"],
-        )
-        self.rows = self.tokens = 0
-
-    def write(self, rows: list[dict]) -> None:
-        if rows:
-            self.writer.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), row_group_size=16)
-            self.rows += len(rows)
-            self.tokens += sum(r["num_tokens"] for r in rows)
-
-    def finish(self, skipped: Counter) -> ShardInfo:
-        self.writer.close()
-        with open(self.tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(self.tmp, self.final)
-        info = ShardInfo(split=self.split, name=self.name, rows=self.rows, tokens=self.tokens,
-                         bytes=self.final.stat().st_size, sha256=file_sha256(self.final), skipped=dict(skipped))
-        atomic_write_text(self.dir / f"{self.name}.json", json.dumps(info.__dict__))
-        return info
-
-
-def write_shard(rows: list[dict], directory: Path, split: str, index: int, compression: str, skipped: Counter) -> ShardInfo:
-    """Write a whole shard from rows in memory (tests, benchmarks)."""
-    writer = ShardWriter(directory, split, index, compression)
-    writer.write(rows)
-    return writer.finish(skipped)
-
-
-def complete_shard(directory: Path, split: str, index: int) -> Optional[ShardInfo]:
-    """The sidecar of a shard whose file is present at its recorded size, else None."""
-    sidecar = directory / split / f"{shard_name(index)}.json"
-    if not sidecar.is_file():
-        return None
-    info = ShardInfo(**json.loads(sidecar.read_text()))
-    shard = directory / info.path
-    if not shard.is_file() or shard.stat().st_size != info.bytes:
-        return None
-    return info
 
 
 def assign(units: list[tuple[str, int]], rank: int, world_size: int) -> list[tuple[str, int]]:
@@ -384,17 +315,6 @@ def extract(cfg: DictConfig) -> Summary:
     finalize(out, units)
     summary.log()
     return summary
-
-
-def finalize(out: Path, units: list[tuple[str, int]]) -> Manifest:
-    """Record every complete shard in manifest.json; complete=True once all units are there."""
-    with FileLock(str(out / ".manifest.lock")):
-        manifest = Manifest.load(out)
-        infos = [complete_shard(out, s, k) for s, k in units]
-        manifest.shards = [i for i in infos if i is not None]
-        manifest.complete = all(i is not None for i in infos)
-        manifest.save(out)
-    return manifest
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

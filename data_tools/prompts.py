@@ -18,7 +18,9 @@ import sysconfig
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional
+
+from dspark.core.prompt_format import format_lcr_prompt
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
@@ -225,18 +227,6 @@ def bundled_conversations(*, seed: int = 0, max_chars: int = 1500) -> Iterator[C
 
 
 # --- bundled long-context default (AA-LCR style) ----------------------------------------------
-
-
-def format_lcr_prompt(documents: Sequence[str], question: str) -> str:
-    """The AA-LCR user message: the documents in order, then the question."""
-    blocks = "\n\n".join(
-        f"BEGIN DOCUMENT {i}:\n{text}\nEND DOCUMENT {i}" for i, text in enumerate(documents, 1)
-    )
-    return (
-        f"BEGIN INPUT DOCUMENTS\n\n{blocks}\n\nEND INPUT DOCUMENTS\n\n"
-        "Answer the following question using the input documents provided above.\n\n"
-        f"START QUESTION\n\n{question}\n\nEND QUESTION\n"
-    )
 
 
 LCR_TRAIN_QUESTIONS = (

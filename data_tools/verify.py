@@ -20,9 +20,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from data_tools.schema import SCHEMA, SPLITS, Manifest, ShardInfo, check_row, file_sha256
-from dspark.layers import reference_hidden_states
-from dspark.shards import decode_hidden_states
+from dspark.core.files import file_sha256
+from dspark.core.shard_format import SCHEMA, SPLITS, Manifest, ShardInfo, check_row, decode_hidden_states
+from dspark.core.layer_ids import reference_hidden_states
 
 
 def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[dict]]:
@@ -51,7 +51,7 @@ def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[d
             problems.append(f"{file}: unreadable Parquet ({e})")
             continue
         if not table.schema.remove_metadata().equals(SCHEMA.remove_metadata()):
-            problems.append(f"{file}: schema {table.schema} differs from data_tools.schema.SCHEMA")
+            problems.append(f"{file}: schema {table.schema} differs from dspark.core.shard_format.SCHEMA")
             continue
         if table.num_rows != info.rows:
             problems.append(f"{file}: {table.num_rows} rows, sidecar says {info.rows}")

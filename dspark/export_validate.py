@@ -3,7 +3,7 @@
 1. vLLM's ``SpeculativeConfig`` parses the directory against the target's ``ModelConfig``
    (method detection, the EAGLE/DFlash config wrapping, vocab checks).
 2. vLLM's ``get_eagle3_aux_layers_from_config`` says which target layers serving will capture;
-   they must be the layers the drafter was trained on (:mod:`dspark.layers`). This is the
+   they must be the layers the drafter was trained on (:mod:`dspark.core.layer_ids`). This is the
    off-by-one check.
 3. The layout vLLM will run (``sample_from_anchor`` as its speculator reads it) must be the
    trained one.
@@ -11,20 +11,20 @@
    drafter parameter it owns must be written (parameters start as NaN), and the fused tensors
    it builds (``qkv_proj``, ``gate_up_proj``) must equal ours.
 
-Importing this module imports vLLM; ``dspark.export`` does not.
+vLLM is imported when :func:`validate` runs.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from dspark.export import ARCHITECTURES, ExportError, read_export
+from dspark.core.files import free_port
+from dspark.serving_format import ARCHITECTURES, ExportError, read_export
 
 SHARED_IN_VLLM = ("model.embed_tokens.", "lm_head.", "model.mask_embedding", "draft_id_to_target_id")
 
@@ -48,12 +48,6 @@ class ValidationReport:
         return "\n".join([head] + [f"  ok: {c}" for c in self.checks])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _vllm_model(vllm_config: Any, cls: type) -> torch.nn.Module:
     """Build vLLM's draft model class in this process (TP=1 group on gloo)."""
     from vllm.config import set_current_vllm_config
@@ -62,7 +56,7 @@ def _vllm_model(vllm_config: Any, cls: type) -> torch.nn.Module:
 
     with set_current_vllm_config(vllm_config):
         if not model_parallel_is_initialized():
-            init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
                                          local_rank=0, backend="gloo")
             initialize_model_parallel(1, 1)
         with torch.device("cpu"):

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.config import DSparkConfig
+from dspark.core.config import DSparkConfig
 
 
 @dataclass(frozen=True)
@@ -315,6 +315,16 @@ class DSparkDrafter(nn.Module):
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str, tuple[int, ...]]:
+    """Every trainable tensor of the drafter and its shape, read off the model itself (built on
+    the meta device, so nothing is allocated). Our names are vLLM's names."""
+    with torch.device("meta"):
+        model = DSparkDrafter(cfg, dims, embed_tokens=torch.empty(dims.vocab_size, dims.hidden_size),
+                              lm_head=torch.empty(dims.vocab_size, dims.hidden_size),
+                              target_norm=torch.empty(dims.target_hidden_size), target_norm_eps=cfg.rms_norm_eps)
+    return {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
 def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
 """Reader for the hidden-state shards that ``data_tools.extract`` writes (format in
-``data_tools.schema``).
+``dspark.core.shard_format``).
 
 Parquet is the storage format; for training each shard is converted once into an uncompressed
 Arrow IPC file (``<dataset>/.arrow_cache/``) that is memory-mapped, so a random sequence is a
@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 import os
 import random
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -21,9 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from data_tools.schema import SCHEMA, Manifest, ShardInfo
-from dspark.config import TORCH_DTYPES
-
+from dspark.core.shard_format import SCHEMA, Manifest, ShardInfo, decode_hidden_states
 
 
 @dataclass
@@ -34,14 +31,6 @@ class Sequence:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool, True on answer tokens
     hidden_states: torch.Tensor  # [T-1, L, H]; row t = state after input_ids[:t+1]; read-only view
-
-
-def decode_hidden_states(buf: memoryview | bytes | pa.Buffer, *, dtype: str, n_layers: int, hidden: int) -> torch.Tensor:
-    """Raw little-endian bytes -> [T-1, L, H] without copying (the result must not be written)."""
-    with warnings.catch_warnings():  # torch warns that the buffer is read-only; we never write it
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buf, dtype=TORCH_DTYPES[dtype]) if len(buf) else torch.empty(0, dtype=TORCH_DTYPES[dtype])
-    return flat.view(-1, n_layers, hidden)
 
 
 class ShardDataset:

@@ -25,12 +25,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dspark.batching import Batch, DataPosition, RankBatches, collate
-from dspark.config import TORCH_DTYPES, DSparkConfig, TargetConfig, to_object
+from dspark.checkpoint import RUN_FILE, checkpoint_config_differences, tag_name
+from dspark.core.config import TORCH_DTYPES, DSparkConfig, TargetConfig, to_object
 from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
 from dspark.shards import ShardDataset, check_dataset
-from dspark.target import TargetHeads
-from dspark.wandb_run import init_wandb
+from dspark.core.target import TargetHeads
+from dspark.core.wandb_run import init_wandb
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class TrainState:
 
 def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: TargetHeads) -> None:
     """Refuse shards made for another target before the first step."""
-    from data_tools.schema import file_sha256
+    from dspark.core.files import file_sha256
 
     m, where = ds.manifest, ds.directory / "manifest.json"
     expected = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
@@ -319,13 +320,13 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
-        tag = f"step{self.state.step:08d}"
+        tag = tag_name(self.state.step)
         client = {"step": self.state.step, "data": asdict(self.state.data), "anchor_rng": self.anchor_gen.get_state(),
                   "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "history": self.state.history,
                   "drafter": asdict(self.model.cfg), "dims": asdict(self.model.dims)}
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
         if self.rank == 0:
-            (self.ckpt_dir / tag / "run.json").write_text(json.dumps(provenance(self.cfg), indent=2, default=str))
+            (self.ckpt_dir / tag / RUN_FILE).write_text(json.dumps(provenance(self.cfg), indent=2, default=str))
         log.info("saved checkpoint %s", self.ckpt_dir / tag)
         return self.ckpt_dir / tag
 
@@ -357,36 +358,6 @@ class Trainer:
 
     def _init_wandb(self):  # noqa: ANN202
         return init_wandb(self.cfg, Path(self.cfg.paths.output_dir), job_type="train")
-
-
-def checkpoint_config_differences(tag_dir: Path, cfg: DictConfig) -> list[str]:
-    """The drafter fields (and target layer ids) in which the checkpoint's run.json differs from
-    ``cfg``, as "field: checkpoint X, now Y"; empty when equal or when the tag has no run.json."""
-    run_file = Path(tag_dir) / "run.json"
-    if not run_file.is_file():
-        return []
-    saved = json.loads(run_file.read_text())["config"]
-    now = OmegaConf.to_container(cfg, resolve=True)
-    keys = list(dict.fromkeys([*saved.get("drafter", {}), *now["drafter"]]))
-    diffs = [f"drafter.{k}: checkpoint {saved.get('drafter', {}).get(k)!r}, now {now['drafter'].get(k)!r}"
-             for k in keys if saved.get("drafter", {}).get(k) != now["drafter"].get(k)]
-    if saved.get("target", {}).get("layer_ids") != now["target"]["layer_ids"]:
-        diffs.append(f"target.layer_ids: checkpoint {saved.get('target', {}).get('layer_ids')}, now {now['target']['layer_ids']}")
-    return diffs
-
-
-def finished_checkpoint(cfg: DictConfig) -> Optional[Path]:
-    """The newest checkpoint when it already is at ``train.max_steps`` for this very drafter
-    config (so the stage can be skipped without starting DeepSpeed); None otherwise."""
-    ckpt_dir = Path(cfg.train.checkpoint_dir).expanduser()
-    latest = ckpt_dir / "latest"
-    if str(cfg.train.resume) != "auto" or not latest.is_file():
-        return None
-    tag = ckpt_dir / latest.read_text().strip()
-    if not (tag / "run.json").is_file() or checkpoint_config_differences(tag, cfg):
-        return None
-    step = int(tag.name.removeprefix("step")) if tag.name.startswith("step") else -1
-    return tag if step >= int(cfg.train.max_steps) else None
 
 
 def train(cfg: DictConfig, heads: TargetHeads) -> TrainState:

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from data_tools.prompts import format_lcr_prompt  # the AA-LCR message, shared with the training prompts
+from dspark.core.prompt_format import format_lcr_prompt  # the AA-LCR message, shared with the training prompts
 
 log = logging.getLogger(__name__)
 

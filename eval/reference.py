@@ -41,7 +41,7 @@ class DecodeConfig:
 
 class TargetRunner:
     """The target with a KV cache. ``forward`` returns float32 logits and the concatenated states
-    of the context layers (``dspark.layers`` convention) for the tokens it is given."""
+    of the context layers (``dspark.core.layer_ids`` convention) for the tokens it is given."""
 
     def __init__(self, model: torch.nn.Module, context_layer_ids: Sequence[int]):
         self.model = model.eval()

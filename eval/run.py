@@ -16,14 +16,9 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dspark.export import (
-    ExportError,
-    ExportSummary,
-    export,
-    load_drafter,
-    load_training_checkpoint,
-    read_export,
-)
+from dspark.checkpoint import CheckpointError, checkpoint_model_file, load_training_checkpoint
+from dspark.export import ExportSummary, export
+from dspark.serving_format import load_drafter, read_export
 from eval.results import AcceptanceCounts, DrafterResult, EvalConditions, EvalResults
 
 log = logging.getLogger(__name__)
@@ -118,7 +113,7 @@ def vllm_eval(name: str, method: str, draft: Optional[Path], target_dir: Path, p
     run = run_in_subprocess(target_dir, method, prompts_file, out_dir / f"vllm_{name}.json", draft=draft, gamma=gamma,
                             max_new_tokens=int(cfg.eval.max_new_tokens), temperature=float(cfg.eval.temperature),
                             max_model_len=max_model_len, dtype=str(cfg.target.dtype), timeout=int(cfg.eval.vllm_timeout_s),
-                            engine_kwargs=_engine_kwargs(cfg))
+                            engine_kwargs=engine_kwargs(cfg))
     total, per = AcceptanceCounts(gamma), {}
     for b, d in run.per_bin.items():
         c = AcceptanceCounts(gamma, d["num_drafts"], d["num_draft_tokens"], d["num_accepted"], d["accepted_per_pos"])
@@ -139,7 +134,7 @@ def vllm_max_model_len(cfg: DictConfig, prompts: Optional[list] = None) -> int:
     return longest + int(e.max_new_tokens) + int(e.gamma) + 1
 
 
-def _engine_kwargs(cfg: DictConfig) -> dict[str, Any]:
+def engine_kwargs(cfg: DictConfig) -> dict[str, Any]:
     """The target's parallel layout plus eval.vllm_engine_kwargs (multi-node: nnodes, master_addr...)."""
     kw: dict[str, Any] = {}
     if int(cfg.target.tensor_parallel_size) > 1:
@@ -152,6 +147,12 @@ def _engine_kwargs(cfg: DictConfig) -> dict[str, Any]:
     return {**kw, **extra}
 
 
+def export_path(cfg: DictConfig, prefix: str, layout: str) -> Path:
+    """Where ``export_all`` writes the ``layout`` export of ``prefix`` ("dspark": this run's
+    drafter, "ablation": its Markov-off ablation); multi-node serving nodes wait for it."""
+    return Path(cfg.eval.export_dir).expanduser() / f"{prefix}-{layout}"
+
+
 def export_all(cfg: DictConfig, ckpt_path: Path, target_dir: Path, prefix: str) -> dict[str, ExportSummary]:
     """The dspark export always; the dflash export too when the drafter has that layout."""
     from dspark.export_validate import validate
@@ -160,7 +161,7 @@ def export_all(cfg: DictConfig, ckpt_path: Path, target_dir: Path, prefix: str) 
     layouts = ["dspark"] + (["dflash"] if not ckpt.drafter.sample_from_anchor and ckpt.drafter.markov_rank == 0 else [])
     out = {}
     for layout in layouts:
-        d = Path(cfg.eval.export_dir).expanduser() / f"{prefix}-{layout}"
+        d = export_path(cfg, prefix, layout)
         s = export(ckpt_path, d, layout=layout, dtype=cfg.eval.export_dtype, target_dir=target_dir)
         log.info("%s", s.render())
         log.info("%s", validate(d, target_dir=target_dir, num_speculative_tokens=int(cfg.eval.gamma)).render())
@@ -215,8 +216,6 @@ def fingerprint(cfg: DictConfig, checkpoints: list[Path]) -> str:
     files it read (path, size, mtime). Equal fingerprints: the report is up to date."""
     import hashlib
     import json
-
-    from dspark.export import checkpoint_model_file
 
     files = []
     for c in checkpoints:
@@ -321,7 +320,7 @@ def _up_to_date(out_dir: Path, fp: str) -> Optional[EvalOutcome]:
 
 
 def _wandb(cfg: DictConfig, out_dir: Path):  # noqa: ANN202
-    from dspark.wandb_run import init_wandb
+    from dspark.core.wandb_run import init_wandb
 
     return init_wandb(cfg, out_dir, job_type="eval")
 
@@ -329,16 +328,15 @@ def _wandb(cfg: DictConfig, out_dir: Path):  # noqa: ANN202
 def main() -> None:
     import hydra
 
-    import dspark.config  # noqa: F401
+    import dspark.core.config  # noqa: F401
+    from dspark.core.target import prepare_target
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(cfg: DictConfig) -> None:
-        from dspark.pipeline import prepare_target_dir
-
-        heads, target_dir = prepare_target_dir(cfg)
+        heads, target_dir = prepare_target(cfg)
         try:
             run_eval(cfg, heads, target_dir)
-        except ExportError as err:
+        except CheckpointError as err:  # ExportError too
             raise SystemExit(f"error: {err}") from None
 
     _main()

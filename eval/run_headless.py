@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -16,16 +15,16 @@ log = logging.getLogger(__name__)
 def main() -> None:
     import hydra
 
-    import dspark.config  # noqa: F401
+    import dspark.core.config  # noqa: F401
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(cfg: DictConfig) -> None:
-        from dspark.pipeline import prepare_target_dir
-        from eval.run import _engine_kwargs, vllm_max_model_len
+        from dspark.core.target import prepare_target
+        from eval.run import engine_kwargs, export_path, vllm_max_model_len
         from eval.serve import main as serve_main
 
-        _, target_dir = prepare_target_dir(cfg)
-        export = Path(cfg.eval.export_dir).expanduser() / "dspark-dspark"
+        _, target_dir = prepare_target(cfg)
+        export = export_path(cfg, "dspark", "dspark")
         deadline = time.time() + 3600
         while not (export / "export.json").is_file():  # node 0 exports (and validates) first
             if time.time() > deadline:
@@ -35,7 +34,7 @@ def main() -> None:
 
         serve_main(["--headless", "--target", str(target_dir), "--method", "dspark", "--draft", str(export),
                     "--gamma", str(cfg.eval.gamma), "--max-model-len", str(vllm_max_model_len(cfg)),
-                    "--dtype", str(cfg.target.dtype), "--prompts", "unused", "--engine-kwargs", json.dumps(_engine_kwargs(cfg))])
+                    "--dtype", str(cfg.target.dtype), "--prompts", "unused", "--engine-kwargs", json.dumps(engine_kwargs(cfg))])
 
     _main()
 

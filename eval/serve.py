@@ -149,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     extra = dict(a.engine_kwargs)
     if a.headless:
-        from data_tools.extract import run_headless_workers
+        from dspark.core.vllm_engine import run_headless_workers
 
         run_headless_workers(dict(model=str(a.target), dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=True,
                                   speculative_config=speculative_config(a.method, a.draft, a.gamma), **extra))

@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 def smollm2_dir() -> Path:
     """The embedded target converted to a transformers dir (in the user cache, so converted
     once per machine, not once per test run)."""
-    from dspark.config import TargetConfig
-    from dspark.target import resolve_target
+    from dspark.core.config import TargetConfig
+    from dspark.core.target import resolve_target
 
     return resolve_target(TargetConfig()).path
 

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from dspark.config import DSparkConfig, TargetConfig, to_object
+from dspark.core.config import DSparkConfig, TargetConfig, to_object
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

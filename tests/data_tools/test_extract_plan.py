@@ -5,7 +5,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data_tools.extract import assign, default_rank_world, engine_kwargs
-from dspark.config import TargetConfig, to_object
+from dspark.core.config import TargetConfig, to_object
 
 
 def test_shards_are_split_across_ranks_without_overlap():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_tools.schema import Manifest
+from dspark.core.shard_format import Manifest
 from dspark.shards import ShardDataset
 
 REPO = Path(__file__).resolve().parents[2]

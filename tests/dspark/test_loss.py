@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from dspark.config import DSparkConfig
+from dspark.core.config import DSparkConfig
 from dspark.loss import LossConfig, dspark_loss
 from dspark.model import DraftOutput, DSparkDrafter, resolve_dims
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dspark.config import DSparkConfig
+from dspark.core.config import DSparkConfig
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
 
 V, HT, NCTX = 97, 32, 2

@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 import torch
 
-from data_tools.extract import finalize, write_shard
-from data_tools.schema import Manifest
+from data_tools.shard_writer import finalize, write_shard
+from dspark.core.shard_format import Manifest
 from dspark.shards import ShardDataset, open_dataset
 
 

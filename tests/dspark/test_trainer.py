@@ -15,10 +15,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from data_tools.extract import finalize, write_shard
-from data_tools.schema import Manifest, file_sha256
-from dspark.layers import reference_hidden_states
-from dspark.target import load_target_heads
+from data_tools.shard_writer import finalize, write_shard
+from dspark.core.files import file_sha256
+from dspark.core.shard_format import Manifest
+from dspark.core.layer_ids import reference_hidden_states
+from dspark.core.target import load_target_heads
 from dspark.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,7 +120,7 @@ def test_resume_continues_the_same_loss_curve(compose_config, tiny, tmp_path):
 
 
 def test_finished_run_is_skipped_and_another_drafter_is_not_resumed(compose_config, tiny, tmp_path):
-    from dspark.trainer import finished_checkpoint
+    from dspark.checkpoint import finished_checkpoint
 
     target, data = tiny
     make_trainer(compose_config, tiny, tmp_path, "train.max_steps=2", "train.save_every=2").train()
@@ -200,7 +201,8 @@ def test_bad_override_gets_hydras_error_not_a_traceback():
 # --- checkpoints -> vLLM export (dspark.export) -------------------------------------------------
 
 def test_export_from_zero0_and_zero3_checkpoints_gives_the_trained_weights(compose_config, tiny, tmp_path):
-    from dspark.export import export, read_export
+    from dspark.export import export
+    from dspark.serving_format import read_export
     from dspark.export_validate import validate
 
     target, _ = tiny
@@ -225,7 +227,9 @@ def test_export_from_zero0_and_zero3_checkpoints_gives_the_trained_weights(compo
 
 
 def test_export_refuses_bad_checkpoints_and_exports(compose_config, tiny, tmp_path):
-    from dspark.export import ExportError, export, read_export
+    from dspark.checkpoint import CheckpointError
+    from dspark.export import export
+    from dspark.serving_format import ExportError, read_export
 
     target, _ = tiny
     make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
@@ -246,20 +250,21 @@ def test_export_refuses_bad_checkpoints_and_exports(compose_config, tiny, tmp_pa
     states = torch.load(states_file, weights_only=False)
     states["module"]["drafter.fc.weight"] = states["module"]["drafter.fc.weight"][:, :-1]
     torch.save(states, states_file)
-    with pytest.raises(ExportError, match=r"'fc.weight' has shape \[64, 127\], expected \[64, 128\]"):
+    with pytest.raises(CheckpointError, match=r"'fc.weight' has shape \[64, 127\], expected \[64, 128\]"):
         export(ckpt, tmp_path / "y")
     states_file.write_bytes(states_file.read_bytes()[:1000])  # a torn write
-    with pytest.raises(ExportError, match="mp_rank_00_model_states.pt: cannot be read"):
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt: cannot be read"):
         export(ckpt, tmp_path / "y")
     (tag / "run.json").unlink()
     shutil.rmtree(tag / "mp_rank_00_model_states.pt", ignore_errors=True)
-    with pytest.raises(ExportError, match="no DeepSpeed checkpoint|not a DeepSpeed checkpoint|cannot be read"):
+    with pytest.raises(CheckpointError, match="no DeepSpeed checkpoint|not a DeepSpeed checkpoint|cannot be read"):
         export(ckpt, tmp_path / "y")
     assert not (tmp_path / "y").exists()  # nothing half-written is left behind
 
 
 def test_validate_refuses_an_export_for_another_target(compose_config, tiny, tmp_path, smollm2_dir):
-    from dspark.export import ExportError, export, read_export
+    from dspark.export import export
+    from dspark.serving_format import ExportError, read_export
     from dspark.export_validate import check_target, validate
 
     make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dspark.config import DSparkConfig
+from dspark.core.config import DSparkConfig
 from dspark.model import DSparkDrafter, resolve_dims
 from eval.reference import (
     DecodeConfig,

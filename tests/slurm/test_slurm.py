@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from data_tools.schema import Manifest
+from dspark.core.shard_format import Manifest
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "slurm"

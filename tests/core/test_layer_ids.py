@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dspark.layers import reference_hidden_states, vllm_aux_layer_ids, vllm_draft_target_layer_ids
+from dspark.core.layer_ids import reference_hidden_states, vllm_aux_layer_ids, vllm_draft_target_layer_ids
 
 
 def test_reference_states_follow_output_hidden_states():
@@ -34,7 +34,7 @@ def test_data_tools_imports_no_training_code():
     import subprocess
     import sys
 
-    code = ("import sys, data_tools.extract, data_tools.verify, data_tools.schema; "
+    code = ("import sys, data_tools.extract, data_tools.verify, dspark.core.shard_format; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed' or m in ('dspark.trainer', 'dspark.model')); "
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

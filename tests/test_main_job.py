@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from data_tools.schema import Manifest
-from dspark.pipeline import run
+from dspark.core.shard_format import Manifest
+from train import run
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_target_stage_alone(smollm2_dir, compose_config, caplog):

@@ -1,5 +1,5 @@
-"""The hidden-state shard format, declared once. The extractor writes it, ``dspark.shards``
-reads it, ``data_tools.verify`` checks it.
+"""The hidden-state shard format, declared once. ``data_tools.shard_writer`` writes it,
+``dspark.shards`` reads it, ``data_tools.verify`` checks it.
 
 Layout of a dataset directory::
 
@@ -15,19 +15,22 @@ needs no state. ``hidden_states`` is raw little-endian bytes of shape [T-1, n_la
 the manifest's ``dtype`` (raw bytes decode ~5x faster than Parquet list columns and load
 zero-copy into torch). ``loss_mask`` is 1 where the token is part of the answer.
 
-Imports pyarrow and the stdlib only, so it runs in a vLLM-only environment.
+Imports pyarrow, torch and the stdlib only, so it runs in a vLLM-only environment.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow as pa
+import torch
+
+from dspark.core.config import TORCH_DTYPES
+from dspark.core.files import atomic_write_text
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -129,24 +132,6 @@ class Manifest:
         atomic_write_text(Path(directory) / MANIFEST, self.to_json())
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def text_sha256(text: Optional[str]) -> str:
-    return hashlib.sha256((text or "").encode()).hexdigest()
-
-
 def check_row(row: dict[str, Any], *, n_layers: int, hidden_size: int, bytes_per_value: int) -> Optional[str]:
     """Return what is wrong with one decoded row, or None."""
     t = row["num_tokens"]
@@ -156,3 +141,11 @@ def check_row(row: dict[str, Any], *, n_layers: int, hidden_size: int, bytes_per
     if len(row["hidden_states"]) != expected:
         return f"hidden_states has {len(row['hidden_states'])} bytes, expected {expected} = ({t}-1)x{n_layers}x{hidden_size}x{bytes_per_value}"
     return None
+
+
+def decode_hidden_states(buf: memoryview | bytes | pa.Buffer, *, dtype: str, n_layers: int, hidden: int) -> torch.Tensor:
+    """Raw little-endian bytes -> [T-1, L, H] without copying (the result must not be written)."""
+    with warnings.catch_warnings():  # torch warns that the buffer is read-only; we never write it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buf, dtype=TORCH_DTYPES[dtype]) if len(buf) else torch.empty(0, dtype=TORCH_DTYPES[dtype])
+    return flat.view(-1, n_layers, hidden)

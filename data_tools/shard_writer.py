@@ -1,0 +1,82 @@
+"""Shard files of one dataset directory: write a shard under a temporary name and rename it
+when complete, find the complete ones on resume, and record them in ``manifest.json``.
+Format: :mod:`dspark.core.shard_format`."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from filelock import FileLock
+
+from dspark.core.files import atomic_write_text, file_sha256
+from dspark.core.shard_format import SCHEMA, Manifest, ShardInfo, shard_name
+
+
+class ShardWriter:
+    """Write one shard in batches of rows (memory holds one batch, not the shard), under a
+    temporary name; ``finish`` fsyncs, renames it into place and then writes its sidecar."""
+
+    def __init__(self, directory: Path, split: str, index: int, compression: str):
+        self.dir = directory / split
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.name = shard_name(index)
+        self.split = split
+        self.final = self.dir / f"{self.name}.parquet"
+        self.tmp = self.dir / f".{self.name}.parquet.tmp-{os.getpid()}"
+        self.writer = pq.ParquetWriter(
+            self.tmp, SCHEMA, compression=None if compression == "none" else compression,
+            use_dictionary=False, write_statistics=["seq_id", "num_tokens"],
+        )
+        self.rows = self.tokens = 0
+
+    def write(self, rows: list[dict]) -> None:
+        if rows:
+            self.writer.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), row_group_size=16)
+            self.rows += len(rows)
+            self.tokens += sum(r["num_tokens"] for r in rows)
+
+    def finish(self, skipped: Counter) -> ShardInfo:
+        self.writer.close()
+        with open(self.tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(self.tmp, self.final)
+        info = ShardInfo(split=self.split, name=self.name, rows=self.rows, tokens=self.tokens,
+                         bytes=self.final.stat().st_size, sha256=file_sha256(self.final), skipped=dict(skipped))
+        atomic_write_text(self.dir / f"{self.name}.json", json.dumps(info.__dict__))
+        return info
+
+
+def write_shard(rows: list[dict], directory: Path, split: str, index: int, compression: str, skipped: Counter) -> ShardInfo:
+    """Write a whole shard from rows in memory (tests, benchmarks)."""
+    writer = ShardWriter(directory, split, index, compression)
+    writer.write(rows)
+    return writer.finish(skipped)
+
+
+def complete_shard(directory: Path, split: str, index: int) -> Optional[ShardInfo]:
+    """The sidecar of a shard whose file is present at its recorded size, else None."""
+    sidecar = directory / split / f"{shard_name(index)}.json"
+    if not sidecar.is_file():
+        return None
+    info = ShardInfo(**json.loads(sidecar.read_text()))
+    shard = directory / info.path
+    if not shard.is_file() or shard.stat().st_size != info.bytes:
+        return None
+    return info
+
+
+def finalize(out: Path, units: list[tuple[str, int]]) -> Manifest:
+    """Record every complete shard in manifest.json; complete=True once all units are there."""
+    with FileLock(str(out / ".manifest.lock")):
+        manifest = Manifest.load(out)
+        infos = [complete_shard(out, s, k) for s, k in units]
+        manifest.shards = [i for i in infos if i is not None]
+        manifest.complete = all(i is not None for i in infos)
+        manifest.save(out)
+    return manifest

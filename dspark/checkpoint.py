@@ -1,0 +1,182 @@
+"""Training checkpoints: the one place that knows a checkpoint's layout and metadata.
+
+A checkpoint directory (``train.checkpoint_dir``) holds DeepSpeed tags ``stepNNNNNNNN/`` and
+DeepSpeed's ``latest`` file naming the newest. Inside a tag, beside DeepSpeed's own files:
+
+* the model-states file's client state: ``step``, the data position, RNG states, ``drafter``
+  (:class:`DSparkConfig` as a dict) and ``dims`` (:class:`DrafterDims`);
+* ``run.json``: the provenance (:func:`dspark.trainer.provenance`): resolved config, git SHA,
+  versions, argv. It is written inside the tag *before* ``latest`` moves to it.
+
+The trainer writes and resumes checkpoints; export and eval read them through this module.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dspark.core.config import DSparkConfig
+from dspark.model import DrafterDims, trainable_parameter_shapes
+
+RUN_FILE = "run.json"
+LATEST_FILE = "latest"
+SHARED_FROM_TARGET = ("embed_tokens.", "lm_head.", "target_norm.")  # frozen, the target's own
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or an export made from one) that cannot be read or served; the message says
+    which file, field or tensor, and what was expected."""
+
+
+def tag_name(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def tag_step(tag: Path) -> int:
+    """The step of a ``stepNNNNNNNN`` tag directory, -1 for any other name."""
+    name = Path(tag).name
+    return int(name.removeprefix("step")) if name.startswith("step") and name[4:].isdigit() else -1
+
+
+def latest_tag(checkpoint_dir: Path) -> Optional[Path]:
+    """The tag DeepSpeed's ``latest`` names, or None when there is none yet."""
+    latest = Path(checkpoint_dir).expanduser() / LATEST_FILE
+    return latest.parent / latest.read_text().strip() if latest.is_file() else None
+
+
+def _tag_dir(path: Path) -> Path:
+    """A tag directory from either the tag itself or the checkpoint root (its ``latest``)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    tag = latest_tag(path)
+    if tag is not None:
+        if not tag.is_dir():
+            raise CheckpointError(f"{path / LATEST_FILE} names tag {tag.name!r}, but {tag} does not exist")
+        return tag
+    return path
+
+
+def _model_states_file(tag: Path) -> Path:
+    files = sorted(tag.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        raise CheckpointError(f"{tag}: not a DeepSpeed checkpoint tag (no *mp_rank_00_model_states.pt); "
+                              "pass the checkpoint directory (with 'latest') or one of its stepNNNNNNNN tags")
+    return files[0]
+
+
+def checkpoint_model_file(path: Path) -> Path:
+    """The DeepSpeed model-states file of a checkpoint tag, or of the checkpoint directory's
+    ``latest`` tag: what an export reads, so what a report that depends on it should hash."""
+    return _model_states_file(_tag_dir(path))
+
+
+def read_run_config(tag: Path) -> Optional[dict[str, Any]]:
+    """The resolved Hydra config a tag was trained with (``run.json``), None if it has none."""
+    run_file = Path(tag) / RUN_FILE
+    return json.loads(run_file.read_text())["config"] if run_file.is_file() else None
+
+
+@dataclass
+class TrainingCheckpoint:
+    """The drafter part of one DeepSpeed checkpoint tag, in fp32."""
+
+    path: Path  # the tag directory
+    step: int
+    drafter: DSparkConfig
+    dims: DrafterDims
+    weights: dict[str, torch.Tensor]  # trainable drafter tensors, no "drafter." prefix
+    run_config: dict[str, Any]  # resolved Hydra config of the run (run.json)
+    zero_stage: int
+
+    @property
+    def context_layer_ids(self) -> list[int]:
+        """Target layer ids (our convention) the drafter reads as context, in fc input order."""
+        tgt = self.run_config["target"]
+        return [int(i) for i in (self.drafter.target_layer_ids or tgt["layer_ids"])]
+
+
+def load_training_checkpoint(path: Path) -> TrainingCheckpoint:
+    """Read the drafter weights from a DeepSpeed checkpoint (ZeRO 0-3).
+
+    ZeRO 1-3 keep the fp32 master weights partitioned in the optimizer shards; DeepSpeed's own
+    ``zero_to_fp32`` reassembles them, so an export never depends on the world size it trained on.
+    """
+    tag = _tag_dir(path)
+    states_file = _model_states_file(tag)
+    try:
+        states = torch.load(states_file, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a damaged file
+        raise CheckpointError(f"{states_file}: cannot be read as a DeepSpeed model-states file ({type(e).__name__}: {e})") from e
+    for key in ("drafter", "dims", "step"):
+        if key not in states:
+            raise CheckpointError(f"{states_file}: field {key!r} missing; expected a checkpoint written by dspark.trainer")
+    stage = int((states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
+    if stage == 0:
+        raw = states["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            raw = get_fp32_state_dict_from_zero_checkpoint(str(tag.parent), tag=tag.name, exclude_frozen_parameters=True)
+        except Exception as e:  # noqa: BLE001 - DeepSpeed raises bare ValueError/FileNotFoundError
+            raise CheckpointError(f"{tag}: ZeRO-{stage} shards could not be merged ({type(e).__name__}: {e})") from e
+    weights = {}
+    for name, t in raw.items():
+        if not name.startswith("drafter."):
+            raise CheckpointError(f"{states_file}: tensor {name!r} is not under 'drafter.'; expected a dspark.trainer checkpoint")
+        name = name[len("drafter."):]
+        if not name.startswith(SHARED_FROM_TARGET):
+            weights[name] = t.detach().float().contiguous()
+    run_config = read_run_config(tag)
+    if run_config is None:
+        raise CheckpointError(f"{tag / RUN_FILE}: missing; the checkpoint's run config (target, layer ids) is needed to export")
+    dims = DrafterDims(**states["dims"])
+    ckpt = TrainingCheckpoint(tag, int(states["step"]), DSparkConfig(**states["drafter"]), dims, weights, run_config, stage)
+    check_weights(ckpt.weights, ckpt.drafter, dims, where=str(tag))
+    return ckpt
+
+
+def check_weights(weights: dict[str, torch.Tensor], cfg: DSparkConfig, dims: DrafterDims, *, where: str) -> None:
+    """Names, shapes and finiteness against the drafter's own parameter tree; every problem in one message."""
+    want = trainable_parameter_shapes(cfg, dims)
+    problems = [f"missing tensor {k!r} (expected shape {list(s)})" for k, s in want.items() if k not in weights]
+    problems += [f"unexpected tensor {k!r}" for k in weights if k not in want]
+    problems += [f"tensor {k!r} has shape {list(weights[k].shape)}, expected {list(s)}"
+                 for k, s in want.items() if k in weights and tuple(weights[k].shape) != s]
+    problems += [f"tensor {k!r} has non-finite values" for k, t in weights.items()
+                 if k in want and t.is_floating_point() and not torch.isfinite(t).all()]
+    if problems:
+        raise CheckpointError(f"{where}: " + "; ".join(problems))
+
+
+def checkpoint_config_differences(tag_dir: Path, cfg: DictConfig) -> list[str]:
+    """The drafter fields (and target layer ids) in which the checkpoint's run.json differs from
+    ``cfg``, as "field: checkpoint X, now Y"; empty when equal or when the tag has no run.json."""
+    saved = read_run_config(tag_dir)
+    if saved is None:
+        return []
+    now = OmegaConf.to_container(cfg, resolve=True)
+    keys = list(dict.fromkeys([*saved.get("drafter", {}), *now["drafter"]]))
+    diffs = [f"drafter.{k}: checkpoint {saved.get('drafter', {}).get(k)!r}, now {now['drafter'].get(k)!r}"
+             for k in keys if saved.get("drafter", {}).get(k) != now["drafter"].get(k)]
+    if saved.get("target", {}).get("layer_ids") != now["target"]["layer_ids"]:
+        diffs.append(f"target.layer_ids: checkpoint {saved.get('target', {}).get('layer_ids')}, now {now['target']['layer_ids']}")
+    return diffs
+
+
+def finished_checkpoint(cfg: DictConfig) -> Optional[Path]:
+    """The newest checkpoint when it already is at ``train.max_steps`` for this very drafter
+    config (so the stage can be skipped without starting DeepSpeed); None otherwise."""
+    tag = latest_tag(Path(cfg.train.checkpoint_dir))
+    if str(cfg.train.resume) != "auto" or tag is None:
+        return None
+    if not (tag / RUN_FILE).is_file() or checkpoint_config_differences(tag, cfg):
+        return None
+    return tag if tag_step(tag) >= int(cfg.train.max_steps) else None
