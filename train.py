@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from dspark.core.config import DSparkConfig, to_object  # also registers the config schemas
+from dspark.core.config import DSparkConfig, RunConfig, load_config, load_or_exit  # also registers the schemas
 from dspark.core.target import TargetHeads, prepare_target
 
 log = logging.getLogger("train")
@@ -31,7 +31,8 @@ class PipelineResult:
     stages_run: list[str]
 
 
-def run(cfg: DictConfig) -> PipelineResult:
+def run(cfg: RunConfig | DictConfig) -> PipelineResult:
+    cfg = load_config(cfg)
     t0 = time.perf_counter()
     heads, target_dir = prepare_target(cfg)
     stages_run = ["target"]
@@ -39,7 +40,7 @@ def run(cfg: DictConfig) -> PipelineResult:
     if "extract" in cfg.stages:
         from data_tools.extract import extract
 
-        s = extract(cfg)
+        s = extract(cfg, target_dir)
         stages_run.append("extract")
         what = (f"up to date ({s.shards_resumed} complete shards), skipped" if s.shards_written == 0
                 else f"{s.rows} sequences, {s.tokens} tokens in {s.shards_written} new shards")
@@ -68,12 +69,12 @@ def run(cfg: DictConfig) -> PipelineResult:
     if cfg.logging.wandb:
         lines.append(f"W&B      {Path(cfg.paths.output_dir) / 'wandb'} (offline runs: wandb sync <run dir>)")
     log.info("main job done in %.1f min:\n  %s", (time.perf_counter() - t0) / 60, "\n  ".join(lines))
-    return PipelineResult(heads, to_object(cfg.drafter, DSparkConfig), stages_run)
+    return PipelineResult(heads, cfg.drafter, stages_run)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    run(load_or_exit(cfg))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 
 def _shutdown(llm) -> None:
@@ -52,7 +51,7 @@ def main() -> None:
     from data_tools.extract import Request, capture_rows, engine_kwargs, make_engine
     from data_tools.shard_writer import write_shard
     from data_tools.prompts import bundled_conversations, dedupe_and_split
-    from dspark.core.config import TargetConfig
+    from dspark.core.config import DataConfig, TargetConfig
     from dspark.shards import ShardDataset
     from dspark.core.shard_format import Manifest
     from data_tools.shard_writer import finalize
@@ -68,8 +67,7 @@ def main() -> None:
         seqs.append(tok(text, add_special_tokens=False).input_ids[:1024])
     n_tokens = sum(len(s) for s in seqs)
     capture_ids = spec.capture_layer_ids(30)
-    data = OmegaConf.create({"max_seq_len": 1100, "seed": 0, "temperature": 0.0, "store_dtype": "float32",
-                             "vllm": {"cpu_kvcache_gib": 4, "engine_kwargs": {}}})
+    data = DataConfig(max_seq_len=1100, seed=0, temperature=0.0, store_dtype="float32")
     work = Path(tempfile.mkdtemp(prefix="dspark-bench-"))
     kw = engine_kwargs(spec, path, capture_ids, data, work / "req")
     plain_kw = {k: v for k, v in kw.items() if k not in ("speculative_config", "kv_transfer_config")}

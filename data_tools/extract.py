@@ -28,22 +28,21 @@ from typing import Any, Optional
 import hydra
 import torch
 from filelock import FileLock
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
-from dspark.core.config import TORCH_DTYPES, TargetConfig, to_object
+from dspark.core.config import TORCH_DTYPES, DataConfig, RunConfig, TargetConfig, load_or_exit
 from dspark.core.files import file_sha256, text_sha256
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
-from dspark.core.shard_format import COMPRESSIONS, SPLITS, STORE_DTYPES, Manifest, shard_name
+from dspark.core.shard_format import SPLITS, Manifest, shard_name
 from dspark.core.target import read_config, resolve_target
 from dspark.core.vllm_engine import run_headless_workers
 
 log = logging.getLogger(__name__)
 
 MIN_ANSWER_TOKENS = 8
-OVERLONG = ("skip", "truncate")
 
 
 @dataclass
@@ -94,15 +93,15 @@ def tokenize(conv: Conversation, tokenizer: Any, *, regenerate: bool) -> tuple[l
 
 
 def plan_requests(
-    convs: list[Conversation], tokenizer: Any, data: DictConfig
+    convs: list[Conversation], tokenizer: Any, data: DataConfig
 ) -> tuple[list[Request], Counter]:
     """Tokenise and fit each conversation to the window; overlong ones are skipped or
     truncated (``data.on_overlong``), never fatal."""
-    window, max_new = int(data.max_seq_len), int(data.max_new_tokens)
+    window, max_new = data.max_seq_len, data.max_new_tokens
     requests, skipped = [], Counter()
     for conv in convs:
         try:
-            prompt, answer = tokenize(conv, tokenizer, regenerate=bool(data.regenerate))
+            prompt, answer = tokenize(conv, tokenizer, regenerate=data.regenerate)
         except ValueError as e:
             skipped[str(e).split(":")[0]] += 1
             continue
@@ -126,7 +125,7 @@ def plan_requests(
 # --- the vLLM engine -------------------------------------------------------------------------
 
 
-def engine_kwargs(target: TargetConfig, target_path: Path, capture_ids: list[int], data: DictConfig, work_dir: Path) -> dict[str, Any]:
+def engine_kwargs(target: TargetConfig, target_path: Path, capture_ids: list[int], data: DataConfig, work_dir: Path) -> dict[str, Any]:
     """Arguments for ``vllm.LLM``/``EngineArgs``: the target plus hidden-state capture."""
     on_cpu = not torch.cuda.is_available()
     connector: dict[str, Any] = {
@@ -136,18 +135,17 @@ def engine_kwargs(target: TargetConfig, target_path: Path, capture_ids: list[int
     }
     if on_cpu:  # the stock connector copies through pinned CUDA memory
         connector["kv_connector_module_path"] = "data_tools.cpu_connector"
-    extra = OmegaConf.to_container(data.vllm.engine_kwargs, resolve=True)
-    assert isinstance(extra, dict)
+    extra = dict(data.vllm.engine_kwargs)
     return dict(
         model=str(target_path),
         dtype=target.dtype,
         tensor_parallel_size=target.tensor_parallel_size,
         pipeline_parallel_size=target.pipeline_parallel_size,
-        max_model_len=int(data.max_seq_len) + 1,
+        max_model_len=data.max_seq_len + 1,
         trust_remote_code=target.trust_remote_code,
         enforce_eager=True,
         enable_chunked_prefill=False,  # capture needs each prompt in one prefill
-        seed=int(data.seed),
+        seed=data.seed,
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -158,13 +156,13 @@ def engine_kwargs(target: TargetConfig, target_path: Path, capture_ids: list[int
     )
 
 
-def make_engine(kwargs: dict[str, Any], data: DictConfig):
+def make_engine(kwargs: dict[str, Any], data: DataConfig):
     from dspark.core.vllm_engine import make_llm
 
     return make_llm(kwargs, cpu_kvcache_gib=data.vllm.cpu_kvcache_gib)
 
 
-def capture_rows(llm: Any, requests: list[Request], data: DictConfig, *, n_layers: int, hidden: int) -> list[dict]:
+def capture_rows(llm: Any, requests: list[Request], data: DataConfig, *, n_layers: int, hidden: int) -> list[dict]:
     """Run one batch through vLLM and return finished shard rows in request order."""
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -174,8 +172,8 @@ def capture_rows(llm: Any, requests: list[Request], data: DictConfig, *, n_layer
     params = [
         SamplingParams(
             max_tokens=r.max_new_tokens,
-            temperature=float(data.temperature),
-            seed=int(data.seed) + int(r.seq_id[:8], 16) if data.temperature > 0 else None,
+            temperature=data.temperature,
+            seed=data.seed + int(r.seq_id[:8], 16) if data.temperature > 0 else None,
             extra_args={"kv_transfer_params": {"include_output_tokens": True}},
         )
         for r in requests
@@ -223,40 +221,38 @@ def default_rank_world() -> tuple[int, int]:
 
 
 def build_manifest(target: TargetConfig, target_path: Path, tokenizer: Any, chat_template: Optional[str],
-                   capture_ids: list[int], text_cfg: dict, arch: str, data: DictConfig, prompt_set: str) -> Manifest:
+                   capture_ids: list[int], text_cfg: dict, arch: str, data: DataConfig, prompt_set: str) -> Manifest:
     tok_file = target_path / "tokenizer.json"
     tok_hash = file_sha256(tok_file) if tok_file.is_file() else text_sha256(str(sorted(tokenizer.get_vocab().items())))
     return Manifest(
         target=target.name, target_path=str(target_path), revision=target.revision, architecture=arch,
         tokenizer_sha256=tok_hash, chat_template_sha256=text_sha256(chat_template),
         layer_ids=capture_ids, layer_id_convention=CONVENTION, num_hidden_layers=int(text_cfg["num_hidden_layers"]),
-        hidden_size=int(text_cfg["hidden_size"]), dtype=str(data.store_dtype), compression=str(data.compression),
-        prompt_set_sha256=prompt_set, rows_per_shard=int(data.rows_per_shard),
+        hidden_size=int(text_cfg["hidden_size"]), dtype=data.store_dtype, compression=data.compression,
+        prompt_set_sha256=prompt_set, rows_per_shard=data.rows_per_shard,
     )
 
 
-def extract(cfg: DictConfig) -> Summary:
+def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
+    """Capture the run's prompt set into ``data.shards_dir``; ``target_dir`` is the resolved
+    target (resolved here when not given)."""
     from transformers import AutoTokenizer
 
-    data, target = cfg.data, to_object(cfg.target, TargetConfig)
-    if data.store_dtype not in STORE_DTYPES or data.compression not in COMPRESSIONS or data.on_overlong not in OVERLONG:
-        raise ValueError(
-            f"data.store_dtype must be in {list(STORE_DTYPES)}, data.compression in {list(COMPRESSIONS)}, "
-            f"data.on_overlong in {list(OVERLONG)}; got {data.store_dtype!r}, {data.compression!r}, {data.on_overlong!r}"
-        )
-    rank, world = (int(data.rank), int(data.world_size)) if data.rank is not None else default_rank_world()
+    data, target = cfg.data, cfg.target
+    rank, world = (data.rank, data.world_size) if data.rank is not None else default_rank_world()
     out = Path(data.shards_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
 
-    resolved = resolve_target(target, cache_dir=Path(cfg.paths.cache_dir).expanduser())
-    arch, _, _, text_cfg = read_config(resolved.path)
+    if target_dir is None:
+        target_dir = resolve_target(target, cache_dir=Path(cfg.paths.cache_dir).expanduser()).path
+    arch, _, _, text_cfg = read_config(target_dir)
     capture_ids = target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
-    tokenizer = AutoTokenizer.from_pretrained(str(resolved.path), trust_remote_code=target.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=target.trust_remote_code)
 
-    splits = dedupe_and_split(load_source(str(data.source), split=str(data.hf_split)),
-                              val_fraction=float(data.val_fraction), limit=int(data.num_prompts))
+    splits = dedupe_and_split(load_source(data.source, split=data.hf_split),
+                              val_fraction=data.val_fraction, limit=data.num_prompts)
     prompt_set = text_sha256(",".join(f"{s}:{c.seq_id}" for s in SPLITS for c in splits[s]) + f"|{data.regenerate}|{data.max_new_tokens}|{data.max_seq_len}|{data.temperature}|{data.seed}|{data.on_overlong}")
-    manifest = build_manifest(target, resolved.path, tokenizer, tokenizer.chat_template, capture_ids, text_cfg, arch, data, prompt_set)
+    manifest = build_manifest(target, target_dir, tokenizer, tokenizer.chat_template, capture_ids, text_cfg, arch, data, prompt_set)
     with FileLock(str(out / ".manifest.lock")):
         if (out / "manifest.json").is_file():
             diffs = manifest.header_differences(Manifest.load(out))
@@ -265,7 +261,7 @@ def extract(cfg: DictConfig) -> Summary:
         else:
             manifest.save(out)
 
-    per = int(data.rows_per_shard)
+    per = data.rows_per_shard
     units = [(s, k) for s in SPLITS for k in range((len(splits[s]) + per - 1) // per)]
     mine = assign(units, rank, world)
     summary = Summary(raw_bytes_per_token=len(capture_ids) * manifest.hidden_size * manifest.bytes_per_value)
@@ -278,7 +274,7 @@ def extract(cfg: DictConfig) -> Summary:
     log.info("extract rank %d/%d: %d shards, %d already complete, %d to do -> %s", rank, world, len(mine),
              summary.shards_resumed, len(todo), out)
     work = out / "_work" / f"rank{rank}"
-    kwargs = engine_kwargs(target, resolved.path, capture_ids, data, work)
+    kwargs = engine_kwargs(target, target_dir, capture_ids, data, work)
     if int(kwargs.get("node_rank", 0)) > 0:  # multi-node engine: node 0 drives, we host workers
         run_headless_workers(kwargs)
         return summary
@@ -290,11 +286,11 @@ def extract(cfg: DictConfig) -> Summary:
         llm = make_engine(kwargs, data)
         t0 = time.perf_counter()
         bar = tqdm(total=sum(len(splits[s][k * per:(k + 1) * per]) for s, k in todo), unit="seq", desc="extract", dynamic_ncols=True)
-        batch = int(data.batch_size)
+        batch = data.batch_size
         for split, k in todo:
             requests, skipped = plan_requests(splits[split][k * per:(k + 1) * per], tokenizer, data)
             bar.update(sum(skipped.values()))
-            writer = ShardWriter(out, split, k, str(data.compression))
+            writer = ShardWriter(out, split, k, data.compression)
             for b in range(0, len(requests), batch):
                 writer.write(capture_rows(llm, requests[b:b + batch], data, n_layers=len(capture_ids), hidden=manifest.hidden_size))
                 bar.update(len(requests[b:b + batch]))
@@ -319,7 +315,7 @@ def extract(cfg: DictConfig) -> Summary:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    extract(cfg)
+    extract(load_or_exit(cfg))
 
 
 if __name__ == "__main__":

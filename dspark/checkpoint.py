@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from dspark.core.config import DSparkConfig
+from dspark.core.config import DSparkConfig, RunConfig
 from dspark.model import DrafterDims, trainable_parameter_shapes
 
 RUN_FILE = "run.json"
@@ -156,13 +155,13 @@ def check_weights(weights: dict[str, torch.Tensor], cfg: DSparkConfig, dims: Dra
         raise CheckpointError(f"{where}: " + "; ".join(problems))
 
 
-def checkpoint_config_differences(tag_dir: Path, cfg: DictConfig) -> list[str]:
+def checkpoint_config_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:
     """The drafter fields (and target layer ids) in which the checkpoint's run.json differs from
     ``cfg``, as "field: checkpoint X, now Y"; empty when equal or when the tag has no run.json."""
     saved = read_run_config(tag_dir)
     if saved is None:
         return []
-    now = OmegaConf.to_container(cfg, resolve=True)
+    now = cfg.to_dict()
     keys = list(dict.fromkeys([*saved.get("drafter", {}), *now["drafter"]]))
     diffs = [f"drafter.{k}: checkpoint {saved.get('drafter', {}).get(k)!r}, now {now['drafter'].get(k)!r}"
              for k in keys if saved.get("drafter", {}).get(k) != now["drafter"].get(k)]
@@ -171,7 +170,7 @@ def checkpoint_config_differences(tag_dir: Path, cfg: DictConfig) -> list[str]:
     return diffs
 
 
-def finished_checkpoint(cfg: DictConfig) -> Optional[Path]:
+def finished_checkpoint(cfg: RunConfig) -> Optional[Path]:
     """The newest checkpoint when it already is at ``train.max_steps`` for this very drafter
     config (so the stage can be skipped without starting DeepSpeed); None otherwise."""
     tag = latest_tag(Path(cfg.train.checkpoint_dir))
@@ -179,4 +178,4 @@ def finished_checkpoint(cfg: DictConfig) -> Optional[Path]:
         return None
     if not (tag / RUN_FILE).is_file() or checkpoint_config_differences(tag, cfg):
         return None
-    return tag if tag_step(tag) >= int(cfg.train.max_steps) else None
+    return tag if tag_step(tag) >= cfg.train.max_steps else None

@@ -65,13 +65,10 @@ class ExportSummary:
 
 def _target_config(ckpt: TrainingCheckpoint, target_dir: Optional[Path]) -> tuple[dict[str, Any], Path]:
     if target_dir is None:
-        from omegaconf import OmegaConf
+        from dspark.core.target import cache_root, resolve_target
 
-        from dspark.core.config import to_object
-        from dspark.core.target import resolve_target
-
-        spec = to_object(OmegaConf.create(ckpt.run_config["target"]), TargetConfig)
-        cache = Path(ckpt.run_config.get("paths", {}).get("cache_dir", "~/.cache/dspark")).expanduser()
+        spec = TargetConfig(**ckpt.run_config["target"])
+        cache = Path(ckpt.run_config.get("paths", {}).get("cache_dir") or cache_root()).expanduser()
         target_dir = resolve_target(spec, cache_dir=cache).path
     cfg_file = Path(target_dir) / "config.json"
     if not cfg_file.is_file():

@@ -26,12 +26,15 @@ from torch.utils.checkpoint import checkpoint
 from dspark.model import DraftOutput, DSparkDrafter
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    ce_weight: float = 0.1
-    tv_weight: float = 0.9
-    confidence_weight: float = 1.0
-    position_decay: float = 4.0
+    """The loss terms' weights (their defaults live in ``train.*``, :class:`TrainConfig`) and how
+    the vocabulary-wide terms are computed."""
+
+    ce_weight: float
+    tv_weight: float
+    confidence_weight: float
+    position_decay: float
     chunk_rows: int = 1024
     # Recompute each chunk's logits in backward. ZeRO-3 turns it off: its parameters are
     # re-partitioned between forward and recompute, which torch's checkpoint rejects.

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from dspark.batching import Batch, DataPosition, RankBatches, collate
 from dspark.checkpoint import RUN_FILE, checkpoint_config_differences, tag_name
-from dspark.core.config import TORCH_DTYPES, DSparkConfig, TargetConfig, to_object
+from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, load_config
 from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
 from dspark.shards import ShardDataset, check_dataset
@@ -59,15 +59,14 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def deepspeed_config(cfg: DictConfig) -> dict[str, Any]:
+def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
     """The dict for ``deepspeed.initialize``: ZeRO preset + batch, clipping and precision."""
-    ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
-    assert isinstance(ds, dict)
+    ds = cfg.deepspeed.to_dict()
     t = cfg.train
     ds.update({
-        "train_micro_batch_size_per_gpu": int(t.micro_batch_size),
-        "gradient_accumulation_steps": int(t.grad_accum_steps),
-        "gradient_clipping": float(t.grad_clip),
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "gradient_clipping": t.grad_clip,
         "bf16": {"enabled": t.dtype == "bfloat16"},
         "fp16": {"enabled": t.dtype == "float16"},
         "steps_per_print": 10**9,
@@ -105,10 +104,9 @@ def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: Tar
         raise ValueError(f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes to {tok_sha[:12]}...")
 
 
-def build_drafter(cfg: DictConfig, heads: TargetHeads) -> tuple[DSparkDrafter, list[int], int]:
+def build_drafter(cfg: RunConfig, heads: TargetHeads) -> tuple[DSparkDrafter, list[int], int]:
     """The model plus, for the shard layout, the context-layer indices and the final-state index."""
-    target = to_object(cfg.target, TargetConfig)
-    dcfg = to_object(cfg.drafter, DSparkConfig)
+    target, dcfg = cfg.target, cfg.drafter
     captured = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
     ctx_ids = dcfg.target_layer_ids or target.layer_ids
     missing = [i for i in ctx_ids if i not in target.layer_ids]
@@ -122,11 +120,11 @@ def build_drafter(cfg: DictConfig, heads: TargetHeads) -> tuple[DSparkDrafter, l
     return model, [captured.index(i) for i in ctx_ids], len(captured) - 1
 
 
-def loss_config(cfg: DictConfig) -> LossConfig:
+def loss_config(cfg: RunConfig) -> LossConfig:
     t = cfg.train
-    zero3 = int(cfg.deepspeed.zero_optimization.stage) == 3
-    return LossConfig(float(t.ce_weight), float(t.tv_weight), float(t.confidence_weight), float(t.position_decay),
-                      recompute_chunks=not zero3)
+    zero3 = cfg.deepspeed.zero_optimization.stage == 3
+    return LossConfig(ce_weight=t.ce_weight, tv_weight=t.tv_weight, confidence_weight=t.confidence_weight,
+                      position_decay=t.position_decay, recompute_chunks=not zero3)
 
 
 class DrafterWithLoss(torch.nn.Module):
@@ -163,7 +161,7 @@ def expected_calibration_error(p: torch.Tensor, y: torch.Tensor, bins: int = 10)
     return ece
 
 
-def provenance(cfg: DictConfig) -> dict[str, Any]:
+def provenance(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint was made by: resolved config, git SHA, versions, argv."""
     import deepspeed
     import transformers
@@ -172,20 +170,21 @@ def provenance(cfg: DictConfig) -> dict[str, Any]:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
     except OSError:
         sha = ""
-    return {"config": OmegaConf.to_container(cfg, resolve=True), "git_sha": sha, "argv": sys.argv,
+    return {"config": cfg.to_dict(), "git_sha": sha, "argv": sys.argv,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "deepspeed": deepspeed.__version__, "transformers": transformers.__version__}}
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, heads: TargetHeads):
+    def __init__(self, cfg: RunConfig | DictConfig, heads: TargetHeads):
         import deepspeed
 
+        cfg = load_config(cfg)
         self.cfg, self.t = cfg, cfg.train
         self.rank, self.world = init_distributed()
-        torch.manual_seed(int(cfg.seed))
-        random.seed(int(cfg.seed))
-        target = to_object(cfg.target, TargetConfig)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        target = cfg.target
         shards = Path(cfg.data.shards_dir).expanduser()
         self.train_ds = ShardDataset(shards, "train")
         check_shards_match_target(self.train_ds, target, heads)
@@ -196,17 +195,17 @@ class Trainer:
         self.ckpt_dir = Path(self.t.checkpoint_dir).expanduser()
         model = DrafterWithLoss(model, self.lcfg)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=float(self.t.lr), weight_decay=float(self.t.weight_decay), betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(params, lr=self.t.lr, weight_decay=self.t.weight_decay, betas=(0.9, 0.95))
         sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(
-            s, warmup=int(self.t.warmup_steps), total=int(self.t.max_steps), min_ratio=float(self.t.min_lr_ratio)))
+            s, warmup=self.t.warmup_steps, total=self.t.max_steps, min_ratio=self.t.min_lr_ratio))
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=sched,
                                                     model_parameters=params, config=deepspeed_config(cfg))
         self.state = TrainState()
-        self.anchor_gen = torch.Generator().manual_seed(int(cfg.seed) * 7919 + self.rank)
+        self.anchor_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.rank)
         self._maybe_resume()
-        self.batches = RankBatches(self.train_ds, rank=self.rank, world_size=self.world, micro_batch=int(self.t.micro_batch_size),
-                                   seed=int(cfg.seed), context_index=self.ctx_index, final_index=self.final_index,
-                                   max_len=int(self.t.max_seq_len), position=self.state.data)
+        self.batches = RankBatches(self.train_ds, rank=self.rank, world_size=self.world, micro_batch=self.t.micro_batch_size,
+                                   seed=cfg.seed, context_index=self.ctx_index, final_index=self.final_index,
+                                   max_len=self.t.max_seq_len, position=self.state.data)
         self.wandb = self._init_wandb() if self.rank == 0 else None
         log.info("drafter: %.2fM trainable parameters, %d train / %d val sequences, %d rank(s), ZeRO %d, %s",
                  self.model.num_trainable_parameters() / 1e6, len(self.train_ds), len(self.val_ds or []), self.world,
@@ -223,11 +222,11 @@ class Trainer:
         t0 = time.perf_counter()
         metrics: dict[str, float] = {"data_s": 0.0, "tokens": 0.0}
         seq_ids: list[str] = []
-        for _ in range(int(self.t.grad_accum_steps)):
+        for _ in range(self.t.grad_accum_steps):
             td = time.perf_counter()
             batch = self.batches.next()
             seq_ids += batch.seq_ids
-            anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, int(self.t.anchors_per_seq), self.anchor_gen)
+            anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, self.t.anchors_per_seq, self.anchor_gen)
             batch = batch.to(self.engine.device, self.dtype)
             metrics["data_s"] += time.perf_counter() - td
             out = self.engine(batch, anchors.to(self.engine.device), valid.to(self.engine.device))
@@ -261,17 +260,17 @@ class Trainer:
     # --- the loop -----------------------------------------------------------------------------
     def train(self, *, until: Optional[int] = None) -> TrainState:
         """Train to ``train.max_steps`` (or stop early at step ``until``, as a preempted job would)."""
-        max_steps, t_start = int(self.t.max_steps), time.perf_counter()
+        max_steps, t_start = self.t.max_steps, time.perf_counter()
         while self.state.step < min(max_steps, until or max_steps):
             m, seq_ids = self.train_step()
             self.state.step += 1
             self.state.data = self.batches.pos
             self.state.history.append({"step": self.state.step, "loss": m["loss"], "seq_ids": seq_ids})
-            if self.state.step % int(self.t.log_every) == 0 or self.state.step == max_steps:
+            if self.state.step % self.t.log_every == 0 or self.state.step == max_steps:
                 self._log_train(m, time.perf_counter() - t_start)
-            if self.val_ds is not None and (self.state.step % int(self.t.eval_every) == 0 or self.state.step == max_steps):
+            if self.val_ds is not None and (self.state.step % self.t.eval_every == 0 or self.state.step == max_steps):
                 self._log({f"eval/{k}": v for k, v in self.evaluate().items()})
-            if self.state.step % int(self.t.save_every) == 0 or self.state.step == max_steps:
+            if self.state.step % self.t.save_every == 0 or self.state.step == max_steps:
                 self.save()
         if self.wandb is not None and self.state.step >= max_steps:
             self.wandb.finish()
@@ -280,7 +279,7 @@ class Trainer:
     def _log_train(self, m: dict[str, float], elapsed: float) -> None:
         tok_s = m["tokens"] / m["step_s"]
         log.info("step %d/%d | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s | data %.1f%% | mem %.2f GB",
-                 self.state.step, int(self.t.max_steps), m["loss"], m["ce"], m["tv"], m["confidence_bce"], m["tau"], m["lr"],
+                 self.state.step, self.t.max_steps, m["loss"], m["ce"], m["tv"], m["confidence_bce"], m["tau"], m["lr"],
                  m["grad_norm"], tok_s * self.world, 100 * m["data_s"] / m["step_s"], peak_memory_gb())
         scalars = {k: v for k, v in m.items() if k not in ("tokens", "data_s", "step_s")}
         scalars.update(tokens_per_s=tok_s * self.world, data_wait_frac=m["data_s"] / m["step_s"], peak_mem_gb=peak_memory_gb(), elapsed_s=elapsed)
@@ -300,10 +299,10 @@ class Trainer:
         gen = torch.Generator().manual_seed(12345)
         sums: dict[str, float] = {}
         conf_p, conf_y, n = [], [], 0
-        for i in range(0, len(ds), int(self.t.micro_batch_size)):
-            seqs = [ds[j] for j in range(i, min(i + int(self.t.micro_batch_size), len(ds)))]
-            batch = collate(seqs, context_index=self.ctx_index, final_index=self.final_index, max_len=int(self.t.max_seq_len))
-            anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, int(self.t.anchors_per_seq), gen)
+        for i in range(0, len(ds), self.t.micro_batch_size):
+            seqs = [ds[j] for j in range(i, min(i + self.t.micro_batch_size, len(ds)))]
+            batch = collate(seqs, context_index=self.ctx_index, final_index=self.final_index, max_len=self.t.max_seq_len)
+            anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, self.t.anchors_per_seq, gen)
             out = self.engine(batch.to(self.engine.device, self.dtype), anchors.to(self.engine.device), valid.to(self.engine.device))
             for k, v in self._scalars("eval", out).items():
                 sums[k] = sums.get(k, 0.0) + v * out.num_positions
@@ -315,7 +314,7 @@ class Trainer:
         res["tau"] = 1.0 + sum(v for k, v in res.items() if k.startswith("accept_uncond_pos_"))
         res["confidence_ece"] = expected_calibration_error(torch.cat(conf_p), torch.cat(conf_y))
         log.info("eval step %d | loss %.4f | tau %.3f | acceptance %s | confidence ECE %.3f", self.state.step, res["loss"], res["tau"],
-                 " ".join(f"{res[f'accept_uncond_pos_{k}']:.2f}" for k in range(1, int(self.cfg.drafter.block_size) + 1)), res["confidence_ece"])
+                 " ".join(f"{res[f'accept_uncond_pos_{k}']:.2f}" for k in range(1, self.cfg.drafter.block_size + 1)), res["confidence_ece"])
         return res
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -331,7 +330,7 @@ class Trainer:
         return self.ckpt_dir / tag
 
     def _maybe_resume(self) -> None:
-        mode = str(self.t.resume)
+        mode = self.t.resume
         if mode == "never":
             return
         path, tag = (self.ckpt_dir, None) if mode == "auto" else (Path(mode).parent, Path(mode).name)
@@ -360,6 +359,6 @@ class Trainer:
         return init_wandb(self.cfg, Path(self.cfg.paths.output_dir), job_type="train")
 
 
-def train(cfg: DictConfig, heads: TargetHeads) -> TrainState:
+def train(cfg: RunConfig, heads: TargetHeads) -> TrainState:
     trainer = Trainer(cfg, heads)
     return trainer.train()

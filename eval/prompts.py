@@ -509,14 +509,17 @@ def _table(prompts: Sequence[EvalPrompt], bins: Sequence[int]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from dspark.core.config import EvalConfig
+
+    defaults = EvalConfig()  # one home for the eval defaults: the config schema
     parser = argparse.ArgumentParser(description="Build AA-LCR-style eval prompts per context bin.")
     parser.add_argument("--tokenizer", type=Path, required=True, help="target model directory")
-    parser.add_argument("--bins", type=int, nargs="+", default=[1024, 2048, 4096, 7168])
-    parser.add_argument("--per-bin", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--bins", type=int, nargs="+", default=defaults.context_bins)
+    parser.add_argument("--per-bin", type=int, default=defaults.prompts_per_bin)
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--window", type=int,
                         help="the target's max positions; default: config.json's")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--aa-lcr-csv", type=Path)
     parser.add_argument("--aa-lcr-texts", type=Path)
     parser.add_argument("--out", type=Path, help="write the set here as JSONL")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+
+from dspark.core.config import RunConfig, config_fingerprint, load_config, load_or_exit
 
 from dspark.checkpoint import CheckpointError, checkpoint_model_file, load_training_checkpoint
 from dspark.export import ExportSummary, export
@@ -45,7 +47,7 @@ def _per_bin(prompt_bins: list[int], counts: list[AcceptanceCounts], gamma: int)
     return total.summary(), per
 
 
-def reference_eval(name: str, export_dir: Path, heads: Any, target_model: torch.nn.Module, prompts: list, cfg: DictConfig,
+def reference_eval(name: str, export_dir: Path, heads: Any, target_model: torch.nn.Module, prompts: list, cfg: RunConfig,
                    plain_tps: Optional[float]) -> DrafterResult:
     """Our drafter, read back from its export, in the PyTorch reference loop."""
     from tqdm import tqdm
@@ -60,9 +62,9 @@ def reference_eval(name: str, export_dir: Path, heads: Any, target_model: torch.
 
     exp = read_export(export_dir)
     drafter = load_drafter(exp, heads)
-    dcfg = DecodeConfig(gamma=int(cfg.eval.gamma), temperature=float(cfg.eval.temperature),
-                        max_new_tokens=int(cfg.eval.max_new_tokens), confidence_threshold=cfg.eval.confidence_threshold,
-                        seed=int(cfg.eval.seed))
+    dcfg = DecodeConfig(gamma=cfg.eval.gamma, temperature=cfg.eval.temperature,
+                        max_new_tokens=cfg.eval.max_new_tokens, confidence_threshold=cfg.eval.confidence_threshold,
+                        seed=cfg.eval.seed)
     if dcfg.gamma > exp.drafter.block_size:
         raise ValueError(f"eval.gamma={dcfg.gamma} exceeds the drafter's block_size {exp.drafter.block_size}")
     tr, dr = TargetRunner(target_model, exp.context_layer_ids), DraftRunner(drafter)
@@ -91,13 +93,13 @@ def _eos_ids(heads: Any) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos]) - {None}
 
 
-def plain_tokens_per_s(heads: Any, target_model: torch.nn.Module, prompts: list, cfg: DictConfig) -> float:
+def plain_tokens_per_s(heads: Any, target_model: torch.nn.Module, prompts: list, cfg: RunConfig) -> float:
     from tqdm import tqdm
 
     from eval.reference import DecodeConfig, TargetRunner, plain_generate
 
     tr = TargetRunner(target_model, [])
-    dcfg = DecodeConfig(temperature=float(cfg.eval.temperature), max_new_tokens=int(cfg.eval.max_new_tokens))
+    dcfg = DecodeConfig(temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens)
     tokens, secs, eos = 0, 0.0, _eos_ids(heads)
     for p in tqdm(prompts, desc="plain decoding", unit="prompt"):
         g = plain_generate(tr, p.prompt_token_ids, dcfg, eos, torch.Generator().manual_seed(0))
@@ -105,14 +107,15 @@ def plain_tokens_per_s(heads: Any, target_model: torch.nn.Module, prompts: list,
     return tokens / secs if secs else float("nan")
 
 
-def vllm_eval(name: str, method: str, draft: Optional[Path], target_dir: Path, prompts_file: Path, cfg: DictConfig,
+def vllm_eval(name: str, method: str, draft: Optional[Path], target_dir: Path, prompts_file: Path, cfg: RunConfig,
               out_dir: Path, max_model_len: int) -> DrafterResult:
     from eval.serve import run_in_subprocess
 
-    gamma = int(cfg.eval.gamma)
+    gamma = cfg.eval.gamma
     run = run_in_subprocess(target_dir, method, prompts_file, out_dir / f"vllm_{name}.json", draft=draft, gamma=gamma,
-                            max_new_tokens=int(cfg.eval.max_new_tokens), temperature=float(cfg.eval.temperature),
-                            max_model_len=max_model_len, dtype=str(cfg.target.dtype), timeout=int(cfg.eval.vllm_timeout_s),
+                            max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature,
+                            max_model_len=max_model_len, cpu_kvcache_gib=cfg.eval.vllm_cpu_kvcache_gib,
+                            dtype=cfg.target.dtype, timeout=cfg.eval.vllm_timeout_s,
                             engine_kwargs=engine_kwargs(cfg))
     total, per = AcceptanceCounts(gamma), {}
     for b, d in run.per_bin.items():
@@ -123,37 +126,36 @@ def vllm_eval(name: str, method: str, draft: Optional[Path], target_dir: Path, p
                          notes=f"vLLM {method}{' ' + str(draft) if draft else ''}; engine start {run.engine_start_s:.0f}s")
 
 
-def vllm_max_model_len(cfg: DictConfig, prompts: Optional[list] = None) -> int:
+def vllm_max_model_len(cfg: RunConfig, prompts: Optional[list] = None) -> int:
     """The engine window: the longest prompt (or bin) + answer + one draft block. Headless
     workers of a multi-node engine compute it from the config alone, so it must not depend on
     the prompts unless a prepared set is given."""
     e = cfg.eval
     if e.vllm_max_model_len:
-        return int(e.vllm_max_model_len)
-    longest = max(p.num_tokens for p in prompts) if (e.prompts_file and prompts) else max(int(b) for b in e.context_bins)
-    return longest + int(e.max_new_tokens) + int(e.gamma) + 1
+        return e.vllm_max_model_len
+    longest = max(p.num_tokens for p in prompts) if (e.prompts_file and prompts) else max(e.context_bins)
+    return longest + e.max_new_tokens + e.gamma + 1
 
 
-def engine_kwargs(cfg: DictConfig) -> dict[str, Any]:
+def engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """The target's parallel layout plus eval.vllm_engine_kwargs (multi-node: nnodes, master_addr...)."""
     kw: dict[str, Any] = {}
-    if int(cfg.target.tensor_parallel_size) > 1:
-        kw["tensor_parallel_size"] = int(cfg.target.tensor_parallel_size)
-    if int(cfg.target.pipeline_parallel_size) > 1:
-        kw["pipeline_parallel_size"] = int(cfg.target.pipeline_parallel_size)
+    if cfg.target.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = cfg.target.tensor_parallel_size
+    if cfg.target.pipeline_parallel_size > 1:
+        kw["pipeline_parallel_size"] = cfg.target.pipeline_parallel_size
     if cfg.target.trust_remote_code:
         kw["trust_remote_code"] = True
-    extra = OmegaConf.to_container(cfg.eval.vllm_engine_kwargs, resolve=True) or {}
-    return {**kw, **extra}
+    return {**kw, **cfg.eval.vllm_engine_kwargs}
 
 
-def export_path(cfg: DictConfig, prefix: str, layout: str) -> Path:
+def export_path(cfg: RunConfig, prefix: str, layout: str) -> Path:
     """Where ``export_all`` writes the ``layout`` export of ``prefix`` ("dspark": this run's
     drafter, "ablation": its Markov-off ablation); multi-node serving nodes wait for it."""
     return Path(cfg.eval.export_dir).expanduser() / f"{prefix}-{layout}"
 
 
-def export_all(cfg: DictConfig, ckpt_path: Path, target_dir: Path, prefix: str) -> dict[str, ExportSummary]:
+def export_all(cfg: RunConfig, ckpt_path: Path, target_dir: Path, prefix: str) -> dict[str, ExportSummary]:
     """The dspark export always; the dflash export too when the drafter has that layout."""
     from dspark.export_validate import validate
 
@@ -164,25 +166,23 @@ def export_all(cfg: DictConfig, ckpt_path: Path, target_dir: Path, prefix: str) 
         d = export_path(cfg, prefix, layout)
         s = export(ckpt_path, d, layout=layout, dtype=cfg.eval.export_dtype, target_dir=target_dir)
         log.info("%s", s.render())
-        log.info("%s", validate(d, target_dir=target_dir, num_speculative_tokens=int(cfg.eval.gamma)).render())
+        log.info("%s", validate(d, target_dir=target_dir, num_speculative_tokens=cfg.eval.gamma).render())
         out[layout] = s
     return out
 
 
-def ablation_checkpoint(cfg: DictConfig) -> Optional[Path]:
+def ablation_checkpoint(cfg: RunConfig) -> Optional[Path]:
     """``eval.ablation_checkpoint``: a path, null, or auto = the Markov-off run of this very
-    config: the ``train.checkpoint_dir`` it gets with ``drafter.markov_rank=0`` (what
-    ``python train.py +experiment=... drafter.markov_rank=0`` trains; run name ``markov0`` by
-    default, ``lcr-markov0`` in smollm2_cpu_quality)."""
+    config (``RunConfig.ablation_dir``: what ``python train.py +experiment=...
+    drafter.markov_rank=0`` trains), when it has been trained."""
     value = cfg.eval.ablation_checkpoint
-    if value is None or str(value) in ("", "null", "none"):
+    if value is None or value in ("", "null", "none"):
         return None
-    if str(value) != "auto":
-        return Path(str(value)).expanduser()
-    if int(cfg.drafter.markov_rank) == 0:
+    if value != "auto":
+        return Path(value).expanduser()
+    if cfg.ablation_dir is None:
         return None  # this run is the ablation
-    off = OmegaConf.merge(cfg, {"drafter": {"markov_rank": 0}})
-    path = Path(str(off.train.checkpoint_dir)).expanduser()
+    path = Path(cfg.ablation_dir).expanduser()
     return path if (path / "latest").is_file() else None
 
 
@@ -211,29 +211,26 @@ def quality_checks(results: EvalResults) -> list:
     return checks
 
 
-def fingerprint(cfg: DictConfig, checkpoints: list[Path]) -> str:
-    """What an eval report depends on: the eval settings, the target, and which checkpoint
-    files it read (path, size, mtime). Equal fingerprints: the report is up to date."""
-    import hashlib
-    import json
-
+def fingerprint(cfg: RunConfig, checkpoints: list[Path]) -> str:
+    """What an eval report depends on: the eval settings (not how it is run: ``force``,
+    ``vllm_timeout_s``), the target, and which checkpoint files it read (path, size, mtime).
+    Equal fingerprints: the report is up to date."""
     files = []
     for c in checkpoints:
         f = checkpoint_model_file(c)
         st = f.stat()
         files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
-    e = OmegaConf.to_container(cfg.eval, resolve=True)
-    key = {"eval": {k: v for k, v in e.items() if k not in ("vllm_timeout_s",)}, "target": OmegaConf.to_container(cfg.target, resolve=True),
-           "files": files}
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    settings = {k: v for k, v in asdict(cfg.eval).items() if k not in ("force", "vllm_timeout_s")}
+    return config_fingerprint({"eval": settings, "target": asdict(cfg.target), "files": files})
 
 
-def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
+def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     from transformers import AutoModelForCausalLM
 
     from eval.prompts import build_eval_set, eval_set_sha256, load_eval_set, save_eval_set
     from eval.report import write_report
 
+    cfg = load_config(cfg)
     e = cfg.eval
     out_dir = Path(e.out_dir).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -254,9 +251,9 @@ def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     if e.prompts_file:  # a prepared set (eval.prompts.save_eval_set), e.g. your own traffic
         prompts = load_eval_set(Path(e.prompts_file).expanduser())
     else:
-        prompts = build_eval_set(heads.tokenizer, context_bins=list(e.context_bins), prompts_per_bin=int(e.prompts_per_bin),
-                                 max_new_tokens=int(e.max_new_tokens), window=window, source=str(e.source),
-                                 aa_lcr_csv=e.aa_lcr_csv, aa_lcr_texts=e.aa_lcr_texts, seed=int(e.seed))
+        prompts = build_eval_set(heads.tokenizer, context_bins=list(e.context_bins), prompts_per_bin=e.prompts_per_bin,
+                                 max_new_tokens=e.max_new_tokens, window=window, source=e.source,
+                                 aa_lcr_csv=e.aa_lcr_csv, aa_lcr_texts=e.aa_lcr_texts, seed=e.seed)
     bins = sorted({p.bin for p in prompts})
     prompts_file = out_dir / "eval_set.jsonl"
     save_eval_set(prompts, prompts_file)
@@ -273,7 +270,7 @@ def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     max_len = vllm_max_model_len(cfg, prompts)
     for method in e.baselines:
         drafters.append(vllm_eval(str(method), str(method), None, target_dir, prompts_file, cfg, out_dir, max_len))
-    if str(e.serve_export) != "never":
+    if e.serve_export != "never":
         on_gpu = torch.cuda.is_available()
         for who, ex in exports.items():
             if on_gpu:
@@ -284,8 +281,8 @@ def run_eval(cfg: DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
                 log.info("vLLM on CPU serves only the dflash layout; the %s export is measured by the reference loop "
                          "(serve it on a GPU: python -m eval.serve --method dspark --draft %s)", who, ex["dspark"].out_dir)
     conditions = EvalConditions(
-        target=str(cfg.target.name), target_path=str(target_dir), gamma=int(e.gamma), temperature=float(e.temperature),
-        max_new_tokens=int(e.max_new_tokens), prompt_source=str(e.prompts_file or e.source), context_bins=bins,
+        target=cfg.target.name, target_path=str(target_dir), gamma=e.gamma, temperature=e.temperature,
+        max_new_tokens=e.max_new_tokens, prompt_source=str(e.prompts_file or e.source), context_bins=bins,
         prompts_per_bin={str(b): sum(p.bin == b for p in prompts) for b in bins}, checkpoint=str(ckpt),
         export_dir=str(exports["ours"]["dspark"].out_dir), dtype=f"reference loop float32, vLLM {cfg.target.dtype}",
         device="cuda" if torch.cuda.is_available() else "cpu",
@@ -319,7 +316,7 @@ def _up_to_date(out_dir: Path, fp: str) -> Optional[EvalOutcome]:
     return EvalOutcome(results, out_dir, checks=load_checks(path) or [])
 
 
-def _wandb(cfg: DictConfig, out_dir: Path):  # noqa: ANN202
+def _wandb(cfg: RunConfig, out_dir: Path):  # noqa: ANN202
     from dspark.core.wandb_run import init_wandb
 
     return init_wandb(cfg, out_dir, job_type="eval")
@@ -332,7 +329,8 @@ def main() -> None:
     from dspark.core.target import prepare_target
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-    def _main(cfg: DictConfig) -> None:
+    def _main(raw: DictConfig) -> None:
+        cfg = load_or_exit(raw)
         heads, target_dir = prepare_target(cfg)
         try:
             run_eval(cfg, heads, target_dir)

@@ -4,6 +4,7 @@ arguments eval.run gives it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -15,14 +16,15 @@ log = logging.getLogger(__name__)
 def main() -> None:
     import hydra
 
-    import dspark.core.config  # noqa: F401
+    from dspark.core.config import load_or_exit
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-    def _main(cfg: DictConfig) -> None:
+    def _main(raw: DictConfig) -> None:
         from dspark.core.target import prepare_target
         from eval.run import engine_kwargs, export_path, vllm_max_model_len
         from eval.serve import main as serve_main
 
+        cfg = load_or_exit(raw)
         _, target_dir = prepare_target(cfg)
         export = export_path(cfg, "dspark", "dspark")
         deadline = time.time() + 3600
@@ -30,11 +32,9 @@ def main() -> None:
             if time.time() > deadline:
                 raise SystemExit(f"error: {export} did not appear within an hour; did node 0 fail?")
             time.sleep(10)
-        import json
-
         serve_main(["--headless", "--target", str(target_dir), "--method", "dspark", "--draft", str(export),
                     "--gamma", str(cfg.eval.gamma), "--max-model-len", str(vllm_max_model_len(cfg)),
-                    "--dtype", str(cfg.target.dtype), "--prompts", "unused", "--engine-kwargs", json.dumps(engine_kwargs(cfg))])
+                    "--dtype", cfg.target.dtype, "--prompts", "unused", "--engine-kwargs", json.dumps(engine_kwargs(cfg))])
 
     _main()
 

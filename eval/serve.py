@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -22,6 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from dspark.core.config import ExtractEngineConfig
+from dspark.core.files import atomic_write_json
+from dspark.core.vllm_engine import make_llm
 from eval.results import AcceptanceCounts
 
 log = logging.getLogger(__name__)
@@ -71,18 +73,18 @@ def speculative_config(method: str, draft: Optional[Path], gamma: int) -> dict[s
 
 
 def serve(target: Path, method: str, prompts_file: Path, *, draft: Optional[Path], gamma: int, max_new_tokens: int,
-          temperature: float, max_model_len: int, dtype: str = "float32", seed: int = 0,
+          temperature: float, max_model_len: int, cpu_kvcache_gib: float, dtype: str = "float32", seed: int = 0,
           engine_kwargs: Optional[dict[str, Any]] = None) -> ServeRun:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from eval.prompts import load_eval_set
 
     prompts = load_eval_set(prompts_file)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     t0 = time.perf_counter()
-    llm = LLM(model=str(target), dtype=dtype, max_model_len=max_model_len, enforce_eager=True, seed=seed,
-              disable_log_stats=False, speculative_config=speculative_config(method, draft, gamma), **(engine_kwargs or {}))
+    llm = make_llm(dict(model=str(target), dtype=dtype, max_model_len=max_model_len, enforce_eager=True, seed=seed,
+                        disable_log_stats=False, speculative_config=speculative_config(method, draft, gamma),
+                        **(engine_kwargs or {})), cpu_kvcache_gib=cpu_kvcache_gib)
     start_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=False)
     warm = prompts[0].prompt_token_ids[-64:]
@@ -102,12 +104,14 @@ def serve(target: Path, method: str, prompts_file: Path, *, draft: Optional[Path
 
 
 def run_in_subprocess(target: Path, method: str, prompts_file: Path, out: Path, *, draft: Optional[Path], gamma: int,
-                      max_new_tokens: int, temperature: float, max_model_len: int, dtype: str = "float32",
-                      timeout: int = 3600, engine_kwargs: Optional[dict[str, Any]] = None) -> ServeRun:
+                      max_new_tokens: int, temperature: float, max_model_len: int, cpu_kvcache_gib: float,
+                      dtype: str = "float32", timeout: int = 3600,
+                      engine_kwargs: Optional[dict[str, Any]] = None) -> ServeRun:
     """Run :func:`serve` in a fresh process (vLLM wants its own main module) and read its JSON."""
     cmd = [sys.executable, "-m", "eval.serve", "--target", str(target), "--method", method, "--prompts", str(prompts_file),
            "--gamma", str(gamma), "--max-new-tokens", str(max_new_tokens), "--temperature", str(temperature),
-           "--max-model-len", str(max_model_len), "--dtype", dtype, "--out", str(out)]
+           "--max-model-len", str(max_model_len), "--cpu-kvcache-gib", str(cpu_kvcache_gib), "--dtype", dtype,
+           "--out", str(out)]
     if draft is not None:
         cmd += ["--draft", str(draft)]
     if engine_kwargs:
@@ -134,10 +138,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--draft", type=Path, default=None, help="export directory (dflash/dspark)")
     p.add_argument("--prompts", type=Path, required=True, help="eval set JSONL (eval.prompts.save_eval_set)")
-    p.add_argument("--gamma", type=int, default=7, help="num_speculative_tokens")
+    p.add_argument("--gamma", type=int, required=True, help="num_speculative_tokens (eval.gamma)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, required=True, help="the engine window (eval.run.vllm_max_model_len)")
+    p.add_argument("--cpu-kvcache-gib", type=float, default=ExtractEngineConfig().cpu_kvcache_gib,
+                   help="VLLM_CPU_KVCACHE_SPACE on CPU unless already set (eval.vllm_cpu_kvcache_gib)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--engine-kwargs", type=json.loads, default={},
                    help='JSON for vllm.LLM, e.g. \'{"tensor_parallel_size": 16, "nnodes": 4, "node_rank": 0, '
@@ -157,11 +163,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.out is None:
         p.error("--out is required (except with --headless)")
     run = serve(a.target, a.method, a.prompts, draft=a.draft, gamma=a.gamma, max_new_tokens=a.max_new_tokens,
-                temperature=a.temperature, max_model_len=a.max_model_len, dtype=a.dtype, engine_kwargs=extra)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(run)))
-    tmp.rename(a.out)
+                temperature=a.temperature, max_model_len=a.max_model_len, cpu_kvcache_gib=a.cpu_kvcache_gib,
+                dtype=a.dtype, engine_kwargs=extra)
+    atomic_write_json(a.out, asdict(run))
     total = AcceptanceCounts(a.gamma)
     for b in run.per_bin.values():
         total.merge(AcceptanceCounts(a.gamma, b["num_drafts"], b["num_draft_tokens"], b["num_accepted"], b["accepted_per_pos"]))

@@ -22,13 +22,17 @@ def smollm2_dir() -> Path:
     return resolve_target(TargetConfig()).path
 
 
-@pytest.fixture
-def compose_config():
-    """Compose the real conf/config.yaml with overrides, as `python train.py ...` would."""
+def compose_raw(*overrides: str):
+    """The composed conf/config.yaml with overrides (a DictConfig), as Hydra hands it to a command."""
     from hydra import compose, initialize_config_dir
 
-    def _compose(*overrides: str):
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides))
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
 
-    return _compose
+
+@pytest.fixture
+def compose_config():
+    """The typed, validated RunConfig that `python train.py OVERRIDES...` hands to its stages."""
+    from dspark.core.config import load_config
+
+    return lambda *overrides: load_config(compose_raw(*overrides))

@@ -1,16 +1,20 @@
-"""The Hydra tree: every experiment composes, presets hold the agreed values, bad configs fail."""
+"""The Hydra tree: every experiment and group option composes into the typed RunConfig, presets
+hold the agreed values and repeat no default, and a bad value fails before any stage starts,
+naming the key, the value and what is allowed."""
 
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ValidationError
+from omegaconf import OmegaConf
 
-from dspark.core.config import DSparkConfig, TargetConfig, to_object
+from dspark.core.config import (
+    _TAG_NAMES, _TAG_SPELLED, ConfigError, DSparkConfig, RunConfig, TargetConfig, drafter_tag, load_config,
+)
+from tests.conftest import compose_raw
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -18,9 +22,8 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 GROUPS = ["target", "data", "drafter", "deepspeed", "eval", "logging", "paths"]
 
 
-def _compose(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+def _load(*overrides: str) -> RunConfig:
+    return load_config(compose_raw(*overrides))
 
 
 def test_expected_experiments_exist():
@@ -28,28 +31,72 @@ def test_expected_experiments_exist():
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_experiment_composes(experiment):
-    cfg = _compose(f"+experiment={experiment}", "target.path=/models/x")
-    assert set(GROUPS) <= set(cfg)
-    target = to_object(cfg.target, TargetConfig)
-    drafter = to_object(cfg.drafter, DSparkConfig)
-    assert drafter.block_size >= 2 and target.layer_ids
-    # every value resolves (no dangling interpolations)
-    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    assert cfg.deepspeed.zero_optimization.stage in (0, 1, 2, 3)
+def test_experiment_builds_the_typed_config(experiment):
+    cfg = _load(f"+experiment={experiment}")
+    assert isinstance(cfg, RunConfig) and isinstance(cfg.drafter, DSparkConfig) and isinstance(cfg.target, TargetConfig)
+    assert isinstance(cfg.train.max_steps, int) and isinstance(cfg.eval.context_bins, list)
+    assert "${" not in str(cfg.to_dict())  # every interpolation resolved once, here
+    assert cfg.eval.gamma <= cfg.drafter.block_size
 
 
 @pytest.mark.parametrize("group", GROUPS)
-def test_every_group_option_composes(group):
+def test_every_group_option_builds(group):
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-        cfg = _compose(f"{group}={option}")
-        assert cfg[group] is not None
+        cfg = _load(f"{group}={option}")
+        raw = OmegaConf.load(CONF / group / f"{option}.yaml")
+        section = getattr(cfg, group)
+        for key, value in (OmegaConf.to_container(raw, resolve=False) or {}).items():
+            if isinstance(value, (int, float, str, bool)) and "${" not in str(value):
+                assert getattr(section, key) == value, (group, option, key)  # the option's values arrive typed
+
+
+def test_dflash_drafter_is_dspark_without_markov_and_confidence():
+    d = _load("drafter=dflash").drafter
+    assert (d.markov_rank, d.sample_from_anchor, d.enable_confidence_head) == (0, False, False)
+    assert d.num_layers == 5 and d.block_size == 7  # the rest is DSpark's
+
+
+def _redundant(preset: Path, base: RunConfig) -> list[str]:
+    """Keys a preset sets to the value its base already has."""
+    body = OmegaConf.to_container(OmegaConf.load(preset), resolve=False)
+    body.pop("defaults", None)
+    found = []
+
+    def walk(node, obj, prefix):
+        for k, v in node.items():
+            cur = getattr(obj, k) if hasattr(obj, k) else (obj.get(k) if isinstance(obj, dict) else None)
+            if isinstance(v, dict):
+                walk(v, cur, f"{prefix}{k}.")
+            elif "${" not in str(v) and cur == v:
+                found.append(f"{prefix}{k}: {v!r}")
+
+    walk(body, base, "")
+    return found
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_presets_list_only_what_they_change(experiment):
+    raw = OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml")
+    parents, groups = [], []
+    for entry in raw.get("defaults", []):
+        if isinstance(entry, str):
+            parents.append(f"+experiment={entry}")
+        else:
+            (key, option), = entry.items()
+            groups.append(f"{key.removeprefix('override /')}={option}")
+    base = _load(*parents, *groups)
+    assert not _redundant(CONF / "experiment" / f"{experiment}.yaml", base)
+
+
+def test_redundancy_check_finds_a_repeated_default(tmp_path):
+    preset = tmp_path / "x.yaml"
+    preset.write_text("train:\n  lr: 6.0e-4\n  max_steps: 5\n")
+    assert _redundant(preset, _load()) == ["train.lr: 0.0006"]
 
 
 def test_kimi_k3_preset():
-    cfg = _compose("+experiment=kimi_k3_gb300")
-    target = to_object(cfg.target, TargetConfig)
-    drafter = to_object(cfg.drafter, DSparkConfig)
+    cfg = _load("+experiment=kimi_k3_gb300")
+    target, drafter = cfg.target, cfg.drafter
     assert target.hidden_size == 7168
     assert target.layer_ids == [2, 23, 47, 71, 89]
     assert target.num_hidden_layers is None  # read from the checkpoint's config.json
@@ -58,60 +105,102 @@ def test_kimi_k3_preset():
     assert cfg.train.dtype == "bfloat16" and cfg.data.store_dtype == "bfloat16"
     assert drafter.block_size == 7 and drafter.markov_rank == 256 and drafter.num_layers == 5
     assert cfg.deepspeed.zero_optimization.stage == 2
-    assert list(cfg.eval.context_bins) == [16384, 65536, 131072]
+    assert cfg.deepspeed.to_dict()["zero_optimization"]["reduce_bucket_size"] == 5e8
+    assert cfg.eval.context_bins == [16384, 65536, 131072]
 
 
 def test_smollm2_demo_preset():
-    cfg = _compose("+experiment=smollm2_cpu_demo")
-    target = to_object(cfg.target, TargetConfig)
-    assert target.source == "embedded_smollm2" and target.hidden_size == 576
-    assert target.capture_layer_ids(30) == [1, 8, 15, 22, 29, 30]
+    cfg = _load("+experiment=smollm2_cpu_demo")
+    assert cfg.target.source == "embedded_smollm2" and cfg.target.hidden_size == 576
+    assert cfg.target.capture_layer_ids(30) == [1, 8, 15, 22, 29, 30]
     assert cfg.train.dtype == "float32" and cfg.deepspeed.zero_optimization.stage == 0
+    assert cfg.deepspeed.to_dict() == {"zero_optimization": {"stage": 0}}  # unset knobs stay DeepSpeed's
 
 
 def test_smollm2_quality_preset_keeps_its_own_data_and_checkpoints():
-    demo, quality = _compose("+experiment=smollm2_cpu_demo"), _compose("+experiment=smollm2_cpu_quality")
+    demo, quality = _load("+experiment=smollm2_cpu_demo"), _load("+experiment=smollm2_cpu_quality")
     assert quality.data.source == "bundled_lcr" and demo.data.source == "bundled"
     assert quality.data.shards_dir != demo.data.shards_dir  # another prompt set: its own dataset
     assert quality.train.checkpoint_dir != demo.train.checkpoint_dir
-    ablation = _compose("+experiment=smollm2_cpu_quality", "drafter.markov_rank=0")
+    ablation = _load("+experiment=smollm2_cpu_quality", "drafter.markov_rank=0")
     assert ablation.train.checkpoint_dir.endswith("/lcr-markov0") and ablation.data.shards_dir == quality.data.shards_dir
+    assert quality.ablation_dir == ablation.train.checkpoint_dir
     assert quality.train.max_seq_len >= quality.data.max_seq_len  # train on whole conversations
-    assert list(quality.eval.context_bins) == list(demo.eval.context_bins)  # the demo's own eval set
+    assert quality.eval.context_bins == demo.eval.context_bins  # the demo's own eval set
 
 
-def test_zero_presets_are_stages_0_to_3():
-    stages = [_compose(f"deepspeed=zero{s}").deepspeed.zero_optimization.stage for s in range(4)]
-    assert stages == [0, 1, 2, 3]
+def test_run_names_tell_drafters_apart():
+    names = {o: _load(*o).train.run_name for o in [(), ("drafter.markov_rank=0",), ("drafter=dflash",),
+                                                     ("drafter=tiny",), ("drafter.markov_head_type=gated",),
+                                                     ("drafter.block_size=5",)]}
+    assert names[()] == "markov256" and names[("drafter.markov_rank=0",)] == "markov0"
+    assert names[("drafter=dflash",)] == "markov0-fillin-noconf"  # not the Markov-off ablation's directory
+    assert names[("drafter=tiny",)] == "markov16-L1-i256"
+    assert len(set(names.values())) == len(names)
 
 
-def test_typo_in_drafter_key_fails_at_compose():
-    with pytest.raises(ConfigCompositionException, match="markov_rnak"):
-        _compose("drafter.markov_rnak=8")
+def test_every_drafter_field_has_a_place_in_the_run_name():
+    """A new DSparkConfig field must get a short name, or two drafters differing in it would share
+    a checkpoint directory."""
+    assert {f.name for f in fields(DSparkConfig)} == set(_TAG_NAMES) | set(_TAG_SPELLED)
+    assert drafter_tag(DSparkConfig(target_layer_ids=[1, 15])) == "markov256-ctx1_15"
 
 
-def test_wrong_type_fails_at_compose():
-    with pytest.raises((ConfigCompositionException, ValidationError), match="markov_rank"):
-        _compose("drafter.markov_rank=abc")
+def test_typo_in_a_key_fails_at_compose():
+    for key in ("drafter.markov_rnak=8", "train.max_stpes=8", "eval.gama=3"):
+        with pytest.raises(ConfigCompositionException, match=key.split("=")[0].split(".")[1]):
+            compose_raw(key)
+
+
+@pytest.mark.parametrize("override, key", [("drafter.markov_rank=abc", "drafter.markov_rank"),
+                                           ("train.max_steps=abc", "train.max_steps"),
+                                           ("data.num_prompts=1.5", "data.num_prompts")])
+def test_wrong_type_fails_at_compose_naming_the_key(override, key):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_raw(override)
+    text = f"{err.value} {err.value.__cause__}"
+    assert key in text and override.split("=")[1] in text
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
+        ("train.anchors_per_seq=0", r"train.anchors_per_seq=0: expected a number >= 1"),
+        ("train.micro_batch_size=0", r"train.micro_batch_size=0: expected a number >= 1"),
+        ("stages=[trian]", r"stages\[\]='trian': expected one of \['extract', 'train', 'eval'\]"),
+        ("drafter.num_layers=0", r"drafter.num_layers must be >= 1, got 0"),
         ("drafter.markov_head_type=lstm", r"drafter.markov_head_type must be one of \('vanilla', 'gated', 'rnn'\), got 'lstm'"),
         ("drafter.block_size=1", r"drafter.block_size must be >= 2, got 1"),
         ("drafter.num_key_value_heads=5", r"must be a multiple of num_key_value_heads \(5\)"),
+        ("data.on_overlong=drop", r"data.on_overlong='drop': expected one of \['skip', 'truncate'\]"),
+        ("data.store_dtype=int8", r"data.store_dtype='int8': expected one of"),
+        ("data.val_fraction=1.0", r"data.val_fraction=1.0: expected a fraction in \[0, 1\)"),
+        ("eval.gamma=8", r"eval.gamma=8: expected at most drafter.block_size=7"),
+        ("eval.baselines=[suffix]", r"eval.baselines\[\]='suffix': expected one of \['ngram'\]"),
+        ("logging.mode=loud", r"logging.mode='loud'"),
+        ("deepspeed.zero_optimization.stage=4", r"deepspeed.zero_optimization.stage=4: expected one of \[0, 1, 2, 3\]"),
+        ("drafter.target_layer_ids=[2]", r"drafter.target_layer_ids=\[2\]: expected a subset of target.layer_ids"),
     ],
 )
-def test_bad_drafter_values_fail_with_clear_message(override, message):
-    cfg = _compose(override)
-    with pytest.raises(ValueError, match=message):
-        to_object(cfg.drafter, DSparkConfig)
+def test_bad_values_fail_naming_key_value_and_what_is_allowed(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(override)
 
 
-def test_missing_k3_path_is_reported():
-    cfg = _compose("+experiment=kimi_k3_gb300", "paths.models_dir=/nonexistent")
-    assert cfg.target.path == "/nonexistent/moonshotai/Kimi-K3"
+def test_a_bad_value_stops_the_main_job_before_any_stage(tmp_path):
+    out = subprocess.run([sys.executable, "train.py", "train.anchors_per_seq=0", f"paths.output_dir={tmp_path}",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == "error: train.anchors_per_seq=0: expected a number >= 1"
+    assert "Traceback" not in out.stderr and "target smollm2" not in out.stdout + out.stderr  # no stage ran
+
+
+def test_missing_k3_checkpoint_is_reported_with_its_path():
+    from dspark.core.target import TargetError, resolve_target
+
+    cfg = _load("+experiment=kimi_k3_gb300", "paths.models_dir=/nonexistent")
+    with pytest.raises(TargetError, match="/nonexistent/moonshotai/Kimi-K3: target.path is not a directory"):
+        resolve_target(cfg.target)
 
 
 def test_train_py_prints_resolved_config():
@@ -129,12 +218,12 @@ def test_auto_ablation_is_this_configs_markov_off_run(tmp_path):
     from eval.run import ablation_checkpoint
 
     for experiment, run_name in (("smollm2_cpu_demo", "markov0"), ("smollm2_cpu_quality", "lcr-markov0")):
-        cfg = _compose(f"+experiment={experiment}", f"paths.output_dir={tmp_path}")
+        cfg = _load(f"+experiment={experiment}", f"paths.output_dir={tmp_path}")
         assert ablation_checkpoint(cfg) is None  # not trained yet
         ckpt = tmp_path / "checkpoints" / "smollm2-135m" / run_name
         ckpt.mkdir(parents=True)
         (ckpt / "latest").write_text("step00000002")
         assert ablation_checkpoint(cfg) == ckpt
-        assert ablation_checkpoint(_compose(f"+experiment={experiment}", f"paths.output_dir={tmp_path}",
-                                            "drafter.markov_rank=0")) is None  # that run is the ablation itself
-        assert ablation_checkpoint(_compose(f"+experiment={experiment}", "eval.ablation_checkpoint=null")) is None
+        assert ablation_checkpoint(_load(f"+experiment={experiment}", f"paths.output_dir={tmp_path}",
+                                         "drafter.markov_rank=0")) is None  # that run is the ablation itself
+        assert ablation_checkpoint(_load(f"+experiment={experiment}", "eval.ablation_checkpoint=null")) is None

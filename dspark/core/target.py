@@ -32,7 +32,7 @@ import torch
 from filelock import FileLock
 from safetensors import safe_open
 
-from dspark.core.config import TORCH_DTYPES, TargetConfig, to_object
+from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ ARCHITECTURES: dict[str, ArchLayout] = {
 
 
 def cache_root() -> Path:
-    """``$DSPARK_CACHE`` or ``~/.cache/dspark``."""
-    return Path(os.environ.get("DSPARK_CACHE", "~/.cache/dspark")).expanduser()
+    """``$DSPARK_CACHE`` or ``~/.cache/dspark`` (``paths.cache_dir``'s default)."""
+    return Path(default_cache_dir()).expanduser()
 
 
 def embedded_gguf_path() -> Path:
@@ -329,10 +329,10 @@ def load_target_heads(
     )
 
 
-def prepare_target(cfg: Any) -> tuple[TargetHeads, Path]:
-    """Resolve the composed config's target to a directory and load its frozen heads (in
-    ``train.dtype``): what every stage's entry point does first."""
-    spec = to_object(cfg.target, TargetConfig)
+def prepare_target(cfg: RunConfig) -> tuple[TargetHeads, Path]:
+    """Resolve the run's target to a directory and load its frozen heads (in ``train.dtype``):
+    what every entry point does once, handing both to the stages."""
+    spec = cfg.target
     t0 = time.perf_counter()
     resolved = resolve_target(spec, cache_dir=Path(cfg.paths.cache_dir).expanduser())
     heads = load_target_heads(resolved.path, dtype=TORCH_DTYPES[cfg.train.dtype], spec=spec)

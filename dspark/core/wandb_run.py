@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from dspark.core.config import RunConfig
 
 
 def wandb_mode(mode: str) -> str:
@@ -17,7 +17,7 @@ def wandb_mode(mode: str) -> str:
     return mode
 
 
-def init_wandb(cfg: DictConfig, out_dir: Path, job_type: str) -> Optional[Any]:
+def init_wandb(cfg: RunConfig, out_dir: Path, job_type: str) -> Optional[Any]:
     """A W&B run for ``job_type`` ("train", "eval") writing under ``out_dir``/wandb, or None when
     ``logging.wandb`` is off."""
     lg = cfg.logging
@@ -29,5 +29,5 @@ def init_wandb(cfg: DictConfig, out_dir: Path, job_type: str) -> Optional[Any]:
     out_dir.mkdir(parents=True, exist_ok=True)  # wandb adds its own wandb/ below
     suffix = "" if job_type == "train" else f"-{job_type}"
     return wandb.init(project=lg.project, entity=lg.entity, mode=wandb_mode(lg.mode), dir=str(out_dir), job_type=job_type,
-                      tags=list(cfg.tags), config=OmegaConf.to_container(cfg, resolve=True),
+                      tags=list(cfg.tags), config=cfg.to_dict(),
                       name=f"{cfg.target.name}{suffix}-{int(time.time())}")

@@ -2,10 +2,7 @@
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from data_tools.extract import assign, default_rank_world, engine_kwargs
-from dspark.core.config import TargetConfig, to_object
 
 
 def test_shards_are_split_across_ranks_without_overlap():
@@ -27,7 +24,7 @@ def test_rank_and_world_come_from_the_slurm_array(monkeypatch):
 def test_engine_kwargs_capture_every_layer_and_the_final_state(compose_config):
     cfg = compose_config("+experiment=kimi_k3_gb300", "+data.vllm.engine_kwargs.nnodes=4",
                          "+data.vllm.engine_kwargs.node_rank=1")
-    target = to_object(cfg.target, TargetConfig)
+    target = cfg.target
     ids = target.capture_layer_ids(93)
     kw = engine_kwargs(target, Path("/models/k3"), ids, cfg.data, Path("/tmp/w"))
     assert kw["tensor_parallel_size"] == 16 and kw["dtype"] == "bfloat16" and kw["trust_remote_code"]
@@ -39,4 +36,3 @@ def test_engine_kwargs_capture_every_layer_and_the_final_state(compose_config):
     assert conn["kv_connector_extra_config"]["shared_storage_path"] == "/tmp/w"
     # no CUDA here: the CPU connector subclass is loaded by module path
     assert conn["kv_connector"] == "CPUHiddenStatesConnector" and conn["kv_connector_module_path"] == "data_tools.cpu_connector"
-    OmegaConf.to_container(cfg.data, resolve=True)

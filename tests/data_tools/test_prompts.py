@@ -5,8 +5,8 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from omegaconf import OmegaConf
 
+from dspark.core.config import DataConfig
 from data_tools.prompts import (
     LCR_TRAIN_QUESTIONS, Conversation, PromptFileError, bundled_conversations, bundled_lcr_conversations,
     dedupe_and_split, load_source,
@@ -113,7 +113,7 @@ def test_overlong_prompts_are_skipped_or_truncated(smollm2_dir):
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     convs = [Conversation((("user", "short question"),)), Conversation((("user", "word " * 400),))]
-    data = OmegaConf.create({"max_seq_len": 128, "max_new_tokens": 32, "regenerate": True, "on_overlong": "skip"})
+    data = DataConfig(max_seq_len=128, max_new_tokens=32, regenerate=True, on_overlong="skip")
     reqs, skipped = plan_requests(convs, tok, data)
     assert [r.seq_id for r in reqs] == [convs[0].seq_id] and skipped == {"prompt longer than window": 1}
     assert reqs[0].max_new_tokens == 32

@@ -72,5 +72,6 @@ def test_positions_outside_the_answer_do_not_count():
     out = DraftOutput(hidden=torch.randn(1, 1, 3, H), markov_embed=None, confidence_logits=None)
     mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)  # labels x_3, x_4 in the answer, x_5 not
     res = dspark_loss(m, out, input_ids=ids, final_states=torch.randn(1, 7, H), anchor_positions=torch.tensor([[2]]),
-                      valid_anchors=torch.tensor([[True]]), loss_mask=mask, lengths=torch.tensor([8]), cfg=LossConfig())
+                      valid_anchors=torch.tensor([[True]]), loss_mask=mask, lengths=torch.tensor([8]),
+                      cfg=LossConfig(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0))
     assert res.num_positions == 2

@@ -51,12 +51,12 @@ def test_dflash_export_served_by_vllm_matches_the_reference_loop(tmp_path, smoll
                 "eval.gamma=4", "eval.max_new_tokens=64", "eval.baselines=[]", "eval.measure_plain=false",
                 f"hydra.run.dir={tmp_path}/run2"])
     assert "validated" in log and "method dflash" in log
-    results = json.loads((tmp_path / "eval" / "smollm2-135m" / "markov0" / "results.json").read_text())
+    results = json.loads((tmp_path / "eval" / "smollm2-135m" / "markov0-fillin-noconf-L1-b4-i256" / "results.json").read_text())
     by_name = {d["name"]: d for d in results["drafters"]}
     ref, served = by_name["dspark"]["overall"], by_name["vllm-dflash-ours"]["overall"]
     assert ref["tau"] > 1.5, ref  # the drafter really drafts (1.79 when this was written)
     assert served["tau"] == pytest.approx(ref["tau"], rel=0.02), (served, ref)
     assert served["num_drafts"] == pytest.approx(ref["num_drafts"], rel=0.02)
     # the export that vLLM served is the one the reference loop read
-    cfg = json.loads((tmp_path / "exports" / "smollm2-135m" / "markov0" / "dspark-dflash" / "config.json").read_text())
+    cfg = json.loads((tmp_path / "exports" / "smollm2-135m" / "markov0-fillin-noconf-L1-b4-i256" / "dspark-dflash" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [0, 7, 14, 21, 28]

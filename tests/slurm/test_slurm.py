@@ -136,12 +136,12 @@ def test_smoke_pipeline_through_slurm_then_resume_and_requeue(slurm, tmp_path, s
     m = Manifest.load(data)
     assert m.complete and sum(s.rows for s in m.shards) == 4
     assert all((data / s.split / f"{s.name}.parquet").is_file() for s in m.shards)
-    ckpt = out / "checkpoints" / "smollm2-135m" / "markov16"
+    ckpt = out / "checkpoints" / "smollm2-135m" / "markov16-L1-i256"
     assert (ckpt / "step00000002" / "run.json").is_file()
-    export = out / "exports" / "smollm2-135m" / "markov16" / "dspark-dspark"
+    export = out / "exports" / "smollm2-135m" / "markov16-L1-i256" / "dspark-dspark"
     assert json.loads((export / "config.json").read_text())["target_layer_ids"] == [0, 7, 14, 21, 28]
     assert (export / "model.safetensors").stat().st_size > 1000
-    results = json.loads((out / "eval" / "smollm2-135m" / "markov16" / "results.json").read_text())
+    results = json.loads((out / "eval" / "smollm2-135m" / "markov16-L1-i256" / "results.json").read_text())
     assert {d["name"] for d in results["drafters"]} >= {"dspark", "ngram"}
 
     logs = {s: batch_log(out, j) for s, j in ids.items()}
