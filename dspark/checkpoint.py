@@ -14,6 +14,9 @@ The trainer writes and resumes checkpoints; export and eval read them through th
 from __future__ import annotations
 
 import json
+import os
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -21,16 +24,55 @@ from typing import Any, Optional
 import torch
 
 from dspark.core.config import DSparkConfig, RunConfig
+from dspark.core.files import atomic_write_json, atomic_write_text
 from dspark.model import DrafterDims, trainable_parameter_shapes
 
 RUN_FILE = "run.json"
 LATEST_FILE = "latest"
+LOCK_FILE, OWNER_FILE = ".lock", ".owner.json"
 SHARED_FROM_TARGET = ("embed_tokens.", "lm_head.", "target_norm.")  # frozen, the target's own
 
 
 class CheckpointError(ValueError):
     """A checkpoint (or an export made from one) that cannot be read or served; the message says
     which file, field or tensor, and what was expected."""
+
+
+class CheckpointInUseError(CheckpointError):
+    """Another live run holds the checkpoint directory."""
+
+
+def lock_checkpoint_dir(checkpoint_dir: Path) -> Any:
+    """Hold ``checkpoint_dir`` for this run (an OS file lock, released when the process ends, so
+    a killed run leaves no stale lock). A second run pointed at it (a requeued job and a manual
+    rerun) is refused with the holder's host and pid instead of writing into the same tags."""
+    from filelock import FileLock, Timeout
+
+    checkpoint_dir = Path(checkpoint_dir).expanduser()
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(checkpoint_dir / LOCK_FILE))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            owner = json.loads((checkpoint_dir / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            owner = {}
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner["since"])) if "since" in owner else "?"
+        raise CheckpointInUseError(
+            f"{checkpoint_dir}: in use by another training run (host {owner.get('host', '?')}, pid "
+            f"{owner.get('pid', '?')}, since {since}); two runs writing one checkpoint directory would "
+            "interleave their tags. Wait for it or stop it, or give this run its own train.checkpoint_dir") from None
+    atomic_write_json(checkpoint_dir / OWNER_FILE, {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
+    return lock
+
+
+def publish_tag(checkpoint_dir: Path, tag: str, run_config: dict[str, Any]) -> None:
+    """Finish a tag DeepSpeed saved with ``save_latest=False``: write its ``run.json``, then move
+    ``latest`` to it. A kill in between leaves ``latest`` on the previous, complete tag."""
+    checkpoint_dir = Path(checkpoint_dir).expanduser()
+    atomic_write_json(checkpoint_dir / tag / RUN_FILE, run_config, indent=2, default=str)
+    atomic_write_text(checkpoint_dir / LATEST_FILE, tag)
 
 
 def tag_name(step: int) -> str:

@@ -47,9 +47,9 @@ class LossOutput:
     ce: torch.Tensor  # scalar, detached (weighted mean)
     tv: torch.Tensor
     confidence_bce: torch.Tensor
-    accept_per_position: torch.Tensor  # [K] greedy match rate at each position (conditional, teacher-forced)
+    accept_per_position: torch.Tensor  # [K] P(first k drafts all match): acceptance as vLLM counts it
+    accept_cond_per_position: torch.Tensor  # [K] greedy match rate at each position given a correct prefix (teacher-forced)
     accept_prob_per_position: torch.Tensor  # [K] mean 1 - TV = expected acceptance under sampling
-    accept_unconditional: torch.Tensor  # [K] P(first k drafts all match), as vLLM counts acceptance
     confidence: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [P] predicted acceptance of valid positions
     confidence_target: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [P] 1 - TV
     num_positions: int = 0
@@ -57,7 +57,7 @@ class LossOutput:
     @property
     def tau(self) -> float:
         """Expected accepted length per draft step incl. the bonus token (greedy, teacher-forced)."""
-        return 1.0 + float(self.accept_unconditional.sum())
+        return 1.0 + float(self.accept_per_position.sum())
 
 
 def _chunk_terms(model: DSparkDrafter, hidden, markov, target_final, labels):  # noqa: ANN001 - internal
@@ -141,6 +141,6 @@ def dspark_loss(
     run = torch.cumprod(torch.where(valid, match_full, torch.zeros_like(match_full)), dim=-1)
     uncond = (run * first_ok[:, :, None]).sum((0, 1)) / first_ok.sum().clamp_min(1)
     return LossOutput(loss=loss, ce=ce.detach(), tv=tv.detach(), confidence_bce=bce.detach(),
-                      accept_per_position=acc, accept_prob_per_position=acc_prob, accept_unconditional=uncond,
+                      accept_per_position=uncond, accept_cond_per_position=acc, accept_prob_per_position=acc_prob,
                       confidence=conf_p, confidence_target=conf_t, num_positions=int(len(idx)))
 

@@ -277,10 +277,7 @@ class DSparkDrafter(nn.Module):
         prev_pos = (anchor_positions[:, :, None] + torch.arange(k_pred, device=ctx.device)).clamp(max=input_ids.shape[1] - 1)
         prev_ids = input_ids.gather(1, prev_pos.reshape(b, a * k_pred)).view(b, a, k_pred)
         markov = self.markov_head.embed(prev_ids, hidden) if self.markov_head is not None else None
-        conf = None
-        if self.confidence_head is not None:
-            feats = torch.cat([hidden, markov], dim=-1) if (markov is not None and self.cfg.confidence_head_with_markov) else hidden
-            conf = self.confidence_head["proj"](feats.float()).squeeze(-1)
+        conf = self.confidence_logits(hidden, markov) if self.confidence_head is not None else None
         return DraftOutput(hidden=hidden, markov_embed=markov, confidence_logits=conf)
 
     @torch.no_grad()
@@ -308,6 +305,12 @@ class DSparkDrafter(nn.Module):
         if markov_embed is not None:
             logits = logits + self.markov_head.markov_w2(markov_embed).float()
         return logits
+
+    def confidence_logits(self, hidden: torch.Tensor, markov_embed: Optional[torch.Tensor]) -> torch.Tensor:
+        """[..., H] (+ [..., R]) -> [...]: the confidence head's logit, sigmoid(.) = P(accept)."""
+        use_markov = markov_embed is not None and self.cfg.confidence_head_with_markov
+        feats = torch.cat([hidden, markov_embed], dim=-1) if use_markov else hidden
+        return self.confidence_head["proj"](feats.float()).squeeze(-1)
 
     def target_logits(self, final_states: torch.Tensor) -> torch.Tensor:
         """[..., Ht] target final pre-norm states -> [..., V] target logits (frozen norm + head)."""

@@ -7,7 +7,7 @@ and clipping; this module owns the cadence: step, log, validate, checkpoint.
 
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
 import math
 import os
@@ -25,8 +25,10 @@ import torch
 from omegaconf import DictConfig
 
 from dspark.batching import Batch, DataPosition, RankBatches, collate
-from dspark.checkpoint import RUN_FILE, checkpoint_config_differences, tag_name
+from dspark.calibration import calibration_sums, expected_calibration_error
+from dspark.checkpoint import checkpoint_config_differences, lock_checkpoint_dir, publish_tag, tag_name
 from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, load_config
+from dspark.core.files import file_sha256, free_port
 from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
 from dspark.shards import ShardDataset, check_dataset
@@ -40,8 +42,6 @@ def init_distributed() -> tuple[int, int]:
     """Join the launcher's process group (torchrun/deepspeed/srun set RANK etc.), or create a
     one-process group for a plain ``python train.py`` on a free port, which is not exported:
     child processes must not inherit a port this process holds."""
-    import socket
-
     import deepspeed
     import torch.distributed as dist
 
@@ -50,9 +50,7 @@ def init_distributed() -> tuple[int, int]:
         if "RANK" in os.environ:
             deepspeed.init_distributed(dist_backend=backend)
         else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; harmless for children
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{port}",
                                        rank=0, world_size=1)
@@ -83,18 +81,27 @@ def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+HISTORY_WINDOW = 1000
+"""Steps of per-step history (loss, sequence ids) a checkpoint keeps: an audit trail of bounded
+size (the K3 preset consumes about 1.9M sequences); the whole data order is in ``data_digest``."""
+
+
 @dataclass
 class TrainState:
     step: int = 0
     data: DataPosition = field(default_factory=DataPosition)
-    anchor_rng: Optional[torch.Tensor] = None
     history: list[dict] = field(default_factory=list)
+    """The last HISTORY_WINDOW steps: {"step", "loss", "seq_ids"}."""
+    data_digest: str = ""
+    """Hash chain over every consumed sequence id in order: equal digests, equal data order."""
+
+    def record(self, loss: float, seq_ids: list[str]) -> None:
+        self.history = [*self.history[-(HISTORY_WINDOW - 1):], {"step": self.step, "loss": loss, "seq_ids": seq_ids}]
+        self.data_digest = hashlib.sha256((self.data_digest + "|" + ",".join(seq_ids)).encode()).hexdigest()
 
 
 def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: TargetHeads) -> None:
     """Refuse shards made for another target before the first step."""
-    from dspark.core.files import file_sha256
-
     m, where = ds.manifest, ds.directory / "manifest.json"
     expected = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
     check_dataset(ds, expect_layer_ids=expected, expect_hidden_size=heads.hidden_size)
@@ -148,19 +155,6 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def expected_calibration_error(p: torch.Tensor, y: torch.Tensor, bins: int = 10) -> float:
-    """ECE of predicted acceptance p against realised acceptance y (both in [0, 1])."""
-    if len(p) == 0:
-        return float("nan")
-    edges = torch.linspace(0, 1, bins + 1)
-    ece = 0.0
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        sel = (p >= lo) & ((p < hi) if hi < 1 else (p <= hi))
-        if sel.any():
-            ece += float(sel.float().mean()) * abs(float(p[sel].mean()) - float(y[sel].mean()))
-    return ece
-
-
 def provenance(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint was made by: resolved config, git SHA, versions, argv."""
     import deepspeed
@@ -177,11 +171,20 @@ def provenance(cfg: RunConfig) -> dict[str, Any]:
 
 class Trainer:
     def __init__(self, cfg: RunConfig | DictConfig, heads: TargetHeads):
-        import deepspeed
-
         cfg = load_config(cfg)
         self.cfg, self.t = cfg, cfg.train
         self.rank, self.world = init_distributed()
+        self.ckpt_dir = Path(self.t.checkpoint_dir).expanduser()
+        self._lock = lock_checkpoint_dir(self.ckpt_dir) if self.rank == 0 else None
+        try:
+            self._build(cfg, heads)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: RunConfig, heads: TargetHeads) -> None:
+        import deepspeed
+
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         target = cfg.target
@@ -192,7 +195,6 @@ class Trainer:
         model, self.ctx_index, self.final_index = build_drafter(cfg, heads)
         self.dtype = TORCH_DTYPES[self.t.dtype]
         self.lcfg = loss_config(cfg)
-        self.ckpt_dir = Path(self.t.checkpoint_dir).expanduser()
         model = DrafterWithLoss(model, self.lcfg)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=self.t.lr, weight_decay=self.t.weight_decay, betas=(0.9, 0.95))
@@ -217,27 +219,31 @@ class Trainer:
 
     # --- one optimizer step -------------------------------------------------------------------
     def train_step(self) -> tuple[dict[str, float], list[str]]:
-        """One optimizer step over grad_accum_steps micro batches; returns scalars and the ids
-        of the sequences it consumed."""
+        """One optimizer step over grad_accum_steps micro batches; returns the step's scalars (loss
+        terms averaged over its micro batches) and the ids of the sequences it consumed."""
         t0 = time.perf_counter()
-        metrics: dict[str, float] = {"data_s": 0.0, "tokens": 0.0}
+        timing = {"data_s": 0.0, "tokens": 0.0}
+        per_micro: list[dict[str, float]] = []
         seq_ids: list[str] = []
+        norm = None
         for _ in range(self.t.grad_accum_steps):
             td = time.perf_counter()
             batch = self.batches.next()
             seq_ids += batch.seq_ids
             anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, self.t.anchors_per_seq, self.anchor_gen)
             batch = batch.to(self.engine.device, self.dtype)
-            metrics["data_s"] += time.perf_counter() - td
+            timing["data_s"] += time.perf_counter() - td
             out = self.engine(batch, anchors.to(self.engine.device), valid.to(self.engine.device))
             if not torch.isfinite(out.loss):
                 raise FloatingPointError(f"non-finite loss {out.loss.item()} at step {self.state.step + 1}, sequences {batch.seq_ids}")
             self.engine.backward(out.loss)
             norm = self._grad_norm_before_step()
             self.engine.step()
-            metrics["tokens"] += batch.num_tokens
+            timing["tokens"] += batch.num_tokens
+            per_micro.append(self._scalars(out))
         norm = self.engine.get_global_grad_norm() if norm is None else norm
-        metrics.update(self._scalars("train", out), lr=self.engine.get_lr()[0], grad_norm=float(norm) if norm is not None else float("nan"))
+        metrics = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
+        metrics.update(timing, lr=self.engine.get_lr()[0], grad_norm=float(norm) if norm is not None else float("nan"))
         metrics["step_s"] = time.perf_counter() - t0
         return metrics, seq_ids
 
@@ -249,27 +255,44 @@ class Trainer:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
-    def _scalars(self, prefix: str, out: LossOutput) -> dict[str, float]:
+    @staticmethod
+    def _scalars(out: LossOutput) -> dict[str, float]:
+        """Loss terms and acceptance per position. ``accept_pos_k``: the first k drafts all match
+        (unconditional, as vLLM counts acceptance; tau = 1 + their sum); ``accept_cond_pos_k``:
+        draft k matches given a correct prefix (teacher-forced); ``accept_prob_pos_k``: 1 - TV."""
         d = {"loss": out.loss.item(), "ce": float(out.ce), "tv": float(out.tv), "confidence_bce": float(out.confidence_bce), "tau": out.tau}
         for k in range(len(out.accept_per_position)):
             d[f"accept_pos_{k + 1}"] = float(out.accept_per_position[k])
+            d[f"accept_cond_pos_{k + 1}"] = float(out.accept_cond_per_position[k])
             d[f"accept_prob_pos_{k + 1}"] = float(out.accept_prob_per_position[k])
-            d[f"accept_uncond_pos_{k + 1}"] = float(out.accept_unconditional[k])
         return d
 
     # --- the loop -----------------------------------------------------------------------------
     def train(self, *, until: Optional[int] = None) -> TrainState:
-        """Train to ``train.max_steps`` (or stop early at step ``until``, as a preempted job would)."""
+        """Train to ``train.max_steps`` (or stop early at step ``until``, as a preempted job would);
+        the checkpoint directory is released at the end."""
+        try:
+            return self._train(until)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the checkpoint directory (the OS would at process exit anyway)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _train(self, until: Optional[int]) -> TrainState:
         max_steps, t_start = self.t.max_steps, time.perf_counter()
         while self.state.step < min(max_steps, until or max_steps):
             m, seq_ids = self.train_step()
             self.state.step += 1
             self.state.data = self.batches.pos
-            self.state.history.append({"step": self.state.step, "loss": m["loss"], "seq_ids": seq_ids})
+            self.state.record(m["loss"], seq_ids)
             if self.state.step % self.t.log_every == 0 or self.state.step == max_steps:
                 self._log_train(m, time.perf_counter() - t_start)
             if self.val_ds is not None and (self.state.step % self.t.eval_every == 0 or self.state.step == max_steps):
-                self._log({f"eval/{k}": v for k, v in self.evaluate().items()})
+                self._log({f"val/{k}": v for k, v in self.evaluate().items()})
             if self.state.step % self.t.save_every == 0 or self.state.step == max_steps:
                 self.save()
         if self.wandb is not None and self.state.step >= max_steps:
@@ -292,40 +315,58 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, ds: Optional[ShardDataset] = None) -> dict[str, float]:
         """Every sequence of ``ds`` (default: validation) with fixed anchors: loss terms,
-        per-position acceptance, tau estimate and confidence calibration (ECE)."""
+        per-position acceptance, tau estimate and confidence calibration (ECE). Each rank takes
+        every world_size-th sequence; the sums are all-reduced, so every rank gets the result."""
+        import torch.distributed as dist
+
         ds = ds or self.val_ds
         assert ds is not None
         self.engine.eval()
-        gen = torch.Generator().manual_seed(12345)
-        sums: dict[str, float] = {}
-        conf_p, conf_y, n = [], [], 0
-        for i in range(0, len(ds), self.t.micro_batch_size):
-            seqs = [ds[j] for j in range(i, min(i + self.t.micro_batch_size, len(ds)))]
+        gen = torch.Generator().manual_seed(12345 + self.rank)
+        mine = list(range(self.rank, len(ds), self.world))
+        names = self._scalar_names()
+        sums, n = torch.zeros(len(names), dtype=torch.float64), 0.0
+        calib = calibration_sums(torch.empty(0), torch.empty(0))
+        for i in range(0, len(mine), self.t.micro_batch_size):
+            seqs = [ds[j] for j in mine[i:i + self.t.micro_batch_size]]
             batch = collate(seqs, context_index=self.ctx_index, final_index=self.final_index, max_len=self.t.max_seq_len)
             anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, self.t.anchors_per_seq, gen)
             out = self.engine(batch.to(self.engine.device, self.dtype), anchors.to(self.engine.device), valid.to(self.engine.device))
-            for k, v in self._scalars("eval", out).items():
-                sums[k] = sums.get(k, 0.0) + v * out.num_positions
+            scalars = self._scalars(out)
+            sums += torch.tensor([scalars[k] * out.num_positions for k in names], dtype=torch.float64)
             n += out.num_positions
-            conf_p.append(out.confidence.cpu())
-            conf_y.append(out.confidence_target.cpu())
+            calib += calibration_sums(out.confidence, out.confidence_target)
         self.engine.train()
-        res = {k: v / max(n, 1) for k, v in sums.items()}
-        res["tau"] = 1.0 + sum(v for k, v in res.items() if k.startswith("accept_uncond_pos_"))
-        res["confidence_ece"] = expected_calibration_error(torch.cat(conf_p), torch.cat(conf_y))
-        log.info("eval step %d | loss %.4f | tau %.3f | acceptance %s | confidence ECE %.3f", self.state.step, res["loss"], res["tau"],
-                 " ".join(f"{res[f'accept_uncond_pos_{k}']:.2f}" for k in range(1, self.cfg.drafter.block_size + 1)), res["confidence_ece"])
+        flat = torch.cat([sums, torch.tensor([n], dtype=torch.float64), calib.flatten()]).to(self.engine.device)
+        if self.world > 1:
+            dist.all_reduce(flat)
+        flat = flat.cpu()
+        total = float(flat[len(names)])
+        res = {k: float(v) / max(total, 1) for k, v in zip(names, flat[:len(names)])}
+        res["tau"] = 1.0 + sum(res[f"accept_pos_{k}"] for k in range(1, self.cfg.drafter.block_size + 1))
+        res["confidence_ece"] = expected_calibration_error(flat[len(names) + 1:].view(-1, 3))
+        log.info("val step %d | loss %.4f | tau %.3f | acceptance %s | confidence ECE %.3f", self.state.step, res["loss"], res["tau"],
+                 " ".join(f"{res[f'accept_pos_{k}']:.2f}" for k in range(1, self.cfg.drafter.block_size + 1)), res["confidence_ece"])
         return res
+
+    def _scalar_names(self) -> list[str]:
+        """The keys of :meth:`_scalars`, in the order ranks all-reduce them."""
+        ks = range(1, self.cfg.drafter.block_size + 1)
+        return ["loss", "ce", "tv", "confidence_bce", "tau", *(f"accept_{w}pos_{k}" for k in ks for w in ("", "cond_", "prob_"))]
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
+        import torch.distributed as dist
+
         tag = tag_name(self.state.step)
         client = {"step": self.state.step, "data": asdict(self.state.data), "anchor_rng": self.anchor_gen.get_state(),
                   "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "history": self.state.history,
-                  "drafter": asdict(self.model.cfg), "dims": asdict(self.model.dims)}
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client)
+                  "data_digest": self.state.data_digest, "drafter": asdict(self.model.cfg), "dims": asdict(self.model.dims)}
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        dist.barrier()  # every rank's shards are written
         if self.rank == 0:
-            (self.ckpt_dir / tag / RUN_FILE).write_text(json.dumps(provenance(self.cfg), indent=2, default=str))
+            publish_tag(self.ckpt_dir, tag, provenance(self.cfg))
+        dist.barrier()
         log.info("saved checkpoint %s", self.ckpt_dir / tag)
         return self.ckpt_dir / tag
 
@@ -340,7 +381,8 @@ class Trainer:
         loaded, client = self.engine.load_checkpoint(str(path), tag=tag)
         if loaded is None:
             raise FileNotFoundError(f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from")
-        self.state = TrainState(step=client["step"], data=DataPosition(**client["data"]), history=client["history"])
+        self.state = TrainState(step=client["step"], data=DataPosition(**client["data"]), history=client["history"],
+                                data_digest=client.get("data_digest", ""))
         self.anchor_gen.set_state(client["anchor_rng"])
         torch.set_rng_state(client["torch_rng"])
         random.setstate(client["python_rng"])

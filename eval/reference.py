@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from dspark.calibration import NUM_BINS, calibration_sums, expected_calibration_error
 from eval.results import AcceptanceCounts, Calibration
 
 log = logging.getLogger(__name__)
@@ -111,18 +112,16 @@ class DraftRunner:
         block = torch.full((1, q), d.dims.mask_token_id, dtype=torch.long)
         block[0, 0] = anchor
         hidden = d.forward_block(block, torch.arange(a, a + q)[None], self.kv)[0]  # [gamma, H]
-        base = d.lm_head(hidden).float()
         tokens: list[int] = []
         probs, confs = [], []
         prev = [anchor]
         for k in range(gamma):
             markov = None
-            if d.markov_head is not None:
+            if d.markov_head is not None:  # sequential: the previous token is the one just drafted
                 markov = d.markov_head.embed(torch.tensor(prev), hidden[: k + 1])[-1]
-            logits = base[k] + (d.markov_head.markov_w2(markov).float() if markov is not None else 0)
+            logits = d.draft_logits(hidden[k], markov)
             if d.confidence_head is not None:
-                feats = torch.cat([hidden[k], markov]) if (markov is not None and d.cfg.confidence_head_with_markov) else hidden[k]
-                conf = float(torch.sigmoid(d.confidence_head["proj"](feats.float())))
+                conf = float(torch.sigmoid(d.confidence_logits(hidden[k], markov)))
                 if confidence_threshold is not None and k > 0 and conf < confidence_threshold:
                     break
                 confs.append(conf)
@@ -241,18 +240,14 @@ def plain_generate(target: TargetRunner, prompt: Sequence[int], cfg: DecodeConfi
     return res
 
 
-def calibration(records: list[tuple[float, bool]], num_bins: int = 10) -> Optional[Calibration]:
-    """Expected calibration error over equal-width confidence bins, and the reliability curve."""
+def calibration(records: list[tuple[float, bool]], num_bins: int = NUM_BINS) -> Optional[Calibration]:
+    """Expected calibration error over equal-width confidence bins (:mod:`dspark.calibration`, the
+    trainer's definition), and the reliability curve."""
     if not records:
         return None
-    edges = [i / num_bins for i in range(num_bins + 1)]
-    conf_sum, acc_sum, count = [0.0] * num_bins, [0.0] * num_bins, [0] * num_bins
-    for c, ok in records:
-        b = min(int(c * num_bins), num_bins - 1)
-        conf_sum[b] += c
-        acc_sum[b] += float(ok)
-        count[b] += 1
-    total = len(records)
-    ece = sum(abs(conf_sum[b] - acc_sum[b]) for b in range(num_bins)) / total
-    return Calibration(ece, edges, [conf_sum[b] / count[b] if count[b] else None for b in range(num_bins)],
-                       [acc_sum[b] / count[b] if count[b] else None for b in range(num_bins)], count)
+    sums = calibration_sums(torch.tensor([c for c, _ in records], dtype=torch.float64),
+                            torch.tensor([float(ok) for _, ok in records], dtype=torch.float64), num_bins)
+    count, conf_sum, acc_sum = sums[:, 0].tolist(), sums[:, 1].tolist(), sums[:, 2].tolist()
+    return Calibration(expected_calibration_error(sums), [i / num_bins for i in range(num_bins + 1)],
+                       [conf_sum[b] / count[b] if count[b] else None for b in range(num_bins)],
+                       [acc_sum[b] / count[b] if count[b] else None for b in range(num_bins)], [int(c) for c in count])

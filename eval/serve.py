@@ -73,7 +73,7 @@ def speculative_config(method: str, draft: Optional[Path], gamma: int) -> dict[s
 
 
 def serve(target: Path, method: str, prompts_file: Path, *, draft: Optional[Path], gamma: int, max_new_tokens: int,
-          temperature: float, max_model_len: int, cpu_kvcache_gib: float, dtype: str = "float32", seed: int = 0,
+          temperature: float, max_model_len: int, cpu_kvcache_gib: int, dtype: str = "float32", seed: int = 0,
           engine_kwargs: Optional[dict[str, Any]] = None) -> ServeRun:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -104,7 +104,7 @@ def serve(target: Path, method: str, prompts_file: Path, *, draft: Optional[Path
 
 
 def run_in_subprocess(target: Path, method: str, prompts_file: Path, out: Path, *, draft: Optional[Path], gamma: int,
-                      max_new_tokens: int, temperature: float, max_model_len: int, cpu_kvcache_gib: float,
+                      max_new_tokens: int, temperature: float, max_model_len: int, cpu_kvcache_gib: int,
                       dtype: str = "float32", timeout: int = 3600,
                       engine_kwargs: Optional[dict[str, Any]] = None) -> ServeRun:
     """Run :func:`serve` in a fresh process (vLLM wants its own main module) and read its JSON."""
@@ -142,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, required=True, help="the engine window (eval.run.vllm_max_model_len)")
-    p.add_argument("--cpu-kvcache-gib", type=float, default=ExtractEngineConfig().cpu_kvcache_gib,
+    p.add_argument("--cpu-kvcache-gib", type=int, default=ExtractEngineConfig().cpu_kvcache_gib,
                    help="VLLM_CPU_KVCACHE_SPACE on CPU unless already set (eval.vllm_cpu_kvcache_gib)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--engine-kwargs", type=json.loads, default={},

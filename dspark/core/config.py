@@ -219,8 +219,8 @@ class PathsConfig:
 
 @dataclass
 class ExtractEngineConfig:
-    cpu_kvcache_gib: float = 4
-    """``VLLM_CPU_KVCACHE_SPACE`` unless already set (4 GiB holds a 6k-token prompt batch)."""
+    cpu_kvcache_gib: int = 4
+    """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) unless already set; 4 holds a 6k-token prompt batch."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to ``vllm.LLM``, e.g. ``{nnodes: 4, node_rank: 0, master_addr: ...}``."""
 
@@ -267,7 +267,7 @@ class DataConfig:
             _at_least(f"data.{key}", getattr(self, key), 1)
         _at_least("data.max_seq_len", self.max_seq_len, 2)
         _at_least("data.temperature", self.temperature, 0)
-        _at_least("data.vllm.cpu_kvcache_gib", self.vllm.cpu_kvcache_gib, 0)
+        _at_least("data.vllm.cpu_kvcache_gib", self.vllm.cpu_kvcache_gib, 1)
         if self.rank is not None:
             _check(0 <= self.rank < self.world_size, "data.rank", self.rank, f"expected 0 <= rank < data.world_size={self.world_size}")
 
@@ -394,7 +394,8 @@ class EvalConfig:
     vllm_max_model_len: Optional[int] = None
     """None = the largest bin + max_new_tokens + a draft block."""
     vllm_timeout_s: int = 7200
-    vllm_cpu_kvcache_gib: float = II("data.vllm.cpu_kvcache_gib")
+    vllm_cpu_kvcache_gib: int = II("data.vllm.cpu_kvcache_gib")
+    """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) for the served engines, on CPU."""
     force: bool = False
     """Rerun even when results.json matches the checkpoint and these settings."""
     vllm_engine_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -13,7 +13,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def make_llm(kwargs: dict[str, Any], *, cpu_kvcache_gib: float):
+def make_llm(kwargs: dict[str, Any], *, cpu_kvcache_gib: int):
     """``vllm.LLM(**kwargs)``; on CPU its KV cache is ``cpu_kvcache_gib`` GiB unless
     ``VLLM_CPU_KVCACHE_SPACE`` is already set."""
     from vllm import LLM

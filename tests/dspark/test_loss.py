@@ -56,8 +56,8 @@ def test_loss_matches_hand_computation():
     assert math.isclose(res.tv.item(), tv, rel_tol=1e-5)
     assert math.isclose(res.confidence_bce.item(), bce, rel_tol=1e-5)
     assert math.isclose(res.loss.item(), 0.1 * ce + 0.9 * tv + 1.0 * bce, rel_tol=1e-5)
-    assert res.accept_per_position.tolist() == matches
-    assert res.accept_unconditional.tolist() == [matches[0], matches[0] * matches[1]]
+    assert res.accept_cond_per_position.tolist() == matches
+    assert res.accept_per_position.tolist() == [matches[0], matches[0] * matches[1]]
     assert res.num_positions == 2
 
 

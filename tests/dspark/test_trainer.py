@@ -99,12 +99,13 @@ def test_tiny_run_overfits_to_near_full_acceptance(compose_config, tiny, tmp_pat
                       "train.anchors_per_seq=16")
     tr.train()
     res = tr.evaluate(tr.train_ds)  # acceptance on the sequences it was fitted to
-    assert res["accept_uncond_pos_1"] > 0.9 and res["accept_prob_pos_1"] > 0.85 and res["tau"] > 4.3, res  # tau <= 1 + gamma = 5
+    assert res["accept_pos_1"] > 0.9 and res["accept_prob_pos_1"] > 0.85 and res["tau"] > 4.3, res  # tau <= 1 + gamma = 5
     assert res["loss"] < tr.state.history[0]["loss"] / 2
     # W&B (offline, no key) recorded the stable metric names in its run file
     record = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
     for k in ("train/loss", "train/ce", "train/tv", "train/confidence_bce", "train/lr", "train/grad_norm", "train/tokens_per_s",
-              "train/peak_mem_gb", "train/accept_pos_1", "eval/tau", "eval/confidence_ece", "drafter"):
+              "train/peak_mem_gb", "train/accept_pos_1", "train/accept_cond_pos_1", "val/tau", "val/confidence_ece",
+              "val/accept_pos_1", "drafter"):
         assert k.encode() in record, k
 
 
@@ -113,8 +114,10 @@ def test_resume_continues_the_same_loss_curve(compose_config, tiny, tmp_path):
     make_trainer(compose_config, tiny, tmp_path / "b", "train.max_steps=6", "train.save_every=3").train(until=3)
     resumed = make_trainer(compose_config, tiny, tmp_path / "b", "train.max_steps=6", "train.save_every=3")
     assert resumed.state.step == 3
-    hist = resumed.train().history
+    state = resumed.train()
+    hist = state.history
     assert [h["seq_ids"] for h in hist] == [h["seq_ids"] for h in full.history]
+    assert state.data_digest == full.data_digest != ""
     for a, b in zip(hist, full.history):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
@@ -185,9 +188,12 @@ def test_kill_9_then_resume_neither_skips_nor_repeats(tiny, tmp_path, compose_co
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=600).returncode == 0
-    resumed = torch.load(tmp_path / "ckpt" / "step00000010" / "mp_rank_00_model_states.pt", weights_only=False)["history"]
-    full = make_trainer(compose_config, tiny, tmp_path / "full", "train.max_steps=10").train().history
+    client = torch.load(tmp_path / "ckpt" / "step00000010" / "mp_rank_00_model_states.pt", weights_only=False)
+    resumed = client["history"]
+    full_state = make_trainer(compose_config, tiny, tmp_path / "full", "train.max_steps=10").train()
+    full = full_state.history
     assert [h["seq_ids"] for h in resumed] == [h["seq_ids"] for h in full]
+    assert client["data_digest"] == full_state.data_digest
     seen = Counter(s for h in resumed for s in h["seq_ids"])
     assert max(seen.values()) - min(seen.values()) <= 1  # 40 draws over 12 sequences: balanced epochs
 
@@ -272,3 +278,58 @@ def test_validate_refuses_an_export_for_another_target(compose_config, tiny, tmp
     check_target(read_export(tmp_path / "e"), tiny[0])  # its own target passes
     with pytest.raises(ExportError, match="target states of width 64.*hidden_size is 576"):
         validate(tmp_path / "e", target_dir=smollm2_dir)
+
+
+def test_logged_loss_is_the_mean_over_the_steps_micro_batches(compose_config, tiny, tmp_path):
+    tr = make_trainer(compose_config, tiny, tmp_path, "train.grad_accum_steps=2", "train.micro_batch_size=2",
+                      "train.max_steps=2")
+    seen, scalars = [], tr._scalars
+    tr._scalars = lambda out: seen.append(scalars(out)) or seen[-1]
+    m, seq_ids = tr.train_step()
+    tr.close()
+    assert len(seen) == 2 and seen[0]["loss"] != seen[1]["loss"] and len(seq_ids) == 4
+    for key in ("loss", "ce", "tv", "accept_pos_1"):
+        assert m[key] == pytest.approx((seen[0][key] + seen[1][key]) / 2)
+
+
+def test_checkpoint_history_is_bounded_and_the_digest_covers_all_steps():
+    from dspark.trainer import HISTORY_WINDOW, TrainState
+
+    a, b = TrainState(), TrainState()
+    for step in range(HISTORY_WINDOW + 5):
+        a.step = b.step = step + 1
+        a.record(1.0, [f"s{step}", "x"])
+        b.record(1.0, [f"s{step}", "x"] if step != 2 else ["x", "s2"])  # one early step in another order
+    assert len(a.history) == HISTORY_WINDOW and a.history[0]["step"] == 6 and a.history[-1]["step"] == HISTORY_WINDOW + 5
+    assert [h["seq_ids"] for h in a.history] == [h["seq_ids"] for h in b.history]  # the window cannot tell them apart
+    assert a.data_digest != b.data_digest  # the digest can
+
+
+def test_a_second_run_on_the_same_checkpoint_dir_is_refused(compose_config, tiny, tmp_path):
+    import socket
+
+    from dspark.checkpoint import CheckpointInUseError
+
+    first = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1")
+    with pytest.raises(CheckpointInUseError, match=rf"ckpt: in use by another training run \(host {socket.gethostname()}, pid {os.getpid()}"):
+        make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1")
+    first.train()  # releases the directory
+    make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1").close()
+
+
+def test_latest_moves_only_after_the_tag_has_its_run_json(compose_config, tiny, tmp_path):
+    tr = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=2", "train.save_every=1")
+    tr.train(until=1)
+    tr = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=2", "train.save_every=1")
+    latest = tmp_path / "ckpt" / "latest"
+    seen, save = [], tr.engine.save_checkpoint
+
+    def spy(*args, **kwargs):  # DeepSpeed writes the tag's shards; latest must not move yet
+        out = save(*args, **kwargs)
+        seen.append((latest.read_text(), (tmp_path / "ckpt" / "step00000002" / "run.json").exists()))
+        return out
+
+    tr.engine.save_checkpoint = spy
+    tr.train()
+    assert seen == [("step00000001", False)]
+    assert latest.read_text() == "step00000002" and (tmp_path / "ckpt" / "step00000002" / "run.json").is_file()
