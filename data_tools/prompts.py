@@ -20,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
+from dspark.core.files import read_jsonl
 from dspark.core.prompt_format import format_lcr_prompt
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -81,16 +82,15 @@ def _conversation(record: Any, where: str) -> Conversation:
     return Conversation(tuple(out))
 
 
-def read_jsonl(path: Path) -> Iterator[Conversation]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptFileError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from e
+def read_conversations(path: Path) -> Iterator[Conversation]:
+    """Conversations from a JSONL file, one per line; errors name the file and line."""
+    try:
+        for n, record in read_jsonl(path):
             yield _conversation(record, f"{path}:{n}")
+    except PromptFileError:
+        raise
+    except ValueError as e:  # bad JSON
+        raise PromptFileError(str(e)) from None
 
 
 def read_records(records: Iterable[dict[str, Any]], where: str) -> Iterator[Conversation]:
@@ -108,7 +108,7 @@ def load_source(source: str, *, split: str = "train") -> Iterator[Conversation]:
         return
     path = Path(source).expanduser()
     if path.suffix in (".jsonl", ".json") and path.is_file():
-        yield from read_jsonl(path)
+        yield from read_conversations(path)
     elif path.suffix == ".parquet" and path.is_file():
         import pyarrow.parquet as pq
 

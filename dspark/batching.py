@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.shards import Sequence, ShardDataset
+from dspark.shards import ShardSequence, ShardDataset
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Batch:
         return int(self.lengths.sum())
 
 
-def collate(seqs: list[Sequence], *, context_index: list[int], final_index: int, max_len: int) -> Batch:
+def collate(seqs: list[ShardSequence], *, context_index: list[int], final_index: int, max_len: int) -> Batch:
     """Keep the last ``max_len`` tokens of each sequence and pad to the longest in the batch.
 
     The answer (the loss region) is at the end of a sequence, so a long prompt loses its

@@ -23,6 +23,7 @@ from dspark.checkpoint import CheckpointError, TrainingCheckpoint, load_training
 from dspark.core.config import TORCH_DTYPES, TargetConfig
 from dspark.core.files import atomic_path
 from dspark.core.layer_ids import CONVENTION
+from dspark.core.target import read_text_config
 from dspark.serving_format import (
     ARCHITECTURES, CONFIG_FILE, EXPORT_FORMAT_VERSION, LAYOUTS, PROVENANCE_FILE, WEIGHTS_FILE, ExportError, check_layout,
     draft_config, serving_weights,
@@ -73,8 +74,7 @@ def _target_config(ckpt: TrainingCheckpoint, target_dir: Optional[Path]) -> tupl
     cfg_file = Path(target_dir) / "config.json"
     if not cfg_file.is_file():
         raise ExportError(f"{cfg_file}: target config missing (pass --target-dir)")
-    cfg = json.loads(cfg_file.read_text())
-    return cfg.get("text_config", cfg), Path(target_dir)
+    return read_text_config(Path(target_dir)), Path(target_dir)
 
 
 def export(checkpoint: Path, out_dir: Path, *, layout: str = "dspark", dtype: Optional[str] = None,

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from dspark.core.files import free_port
+from dspark.core.target import read_text_config
 from dspark.serving_format import ARCHITECTURES, ExportError, read_export
 
 SHARED_IN_VLLM = ("model.embed_tokens.", "lm_head.", "model.mask_embedding", "draft_id_to_target_id")
@@ -75,10 +76,7 @@ def _expected_fused(ours: dict[str, torch.Tensor], layer: int) -> dict[str, torc
 def check_target(exp: Any, target_dir: Path) -> None:
     """The export was trained for this target: width, vocabulary and depth. vLLM itself only finds
     a mismatch at the first request (or never, if the widths happen to multiply out)."""
-    import json
-
-    tcfg = json.loads((target_dir / "config.json").read_text())
-    tcfg = tcfg.get("text_config", tcfg)
+    tcfg = read_text_config(target_dir)
     where = f"{exp.path} vs target {target_dir}"
     if int(tcfg["hidden_size"]) != exp.dims.target_hidden_size:
         raise ExportError(f"{where}: the drafter reads target states of width {exp.dims.target_hidden_size} "

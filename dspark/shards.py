@@ -9,7 +9,6 @@ few pointer lookups and its hidden states are a zero-copy torch view of the page
 from __future__ import annotations
 
 import bisect
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +19,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from dspark.core.files import atomic_path
 from dspark.core.shard_format import SCHEMA, Manifest, ShardInfo, decode_hidden_states
 
 
 @dataclass
-class Sequence:
+class ShardSequence:
     """One training sequence. Shape symbols: T tokens, L captured layers, H target hidden."""
 
     seq_id: str
@@ -60,17 +60,15 @@ class ShardDataset:
         if not cache.is_file():
             cache.parent.mkdir(parents=True, exist_ok=True)
             table = pq.read_table(self.directory / info.path, schema=SCHEMA)
-            tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+            with atomic_path(cache) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
                 writer.write_table(table, max_chunksize=16)
-            os.replace(tmp, cache)
         reader = pa.ipc.open_file(pa.memory_map(str(cache), "r"))
         return [reader.get_batch(i) for i in range(reader.num_record_batches)]
 
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, index: int) -> Sequence:
+    def __getitem__(self, index: int) -> ShardSequence:
         if not 0 <= index < self._len:
             raise IndexError(f"sequence {index} out of range for {self._len} in {self.directory}/{self.split}")
         b = bisect.bisect_right(self._starts, index) - 1
@@ -81,7 +79,7 @@ class ShardDataset:
         start, end = int(offsets[row]), int(offsets[row + 1])
         ids = batch.column(2)[row].values.to_numpy(zero_copy_only=True)
         mask = batch.column(3)[row].values.to_numpy(zero_copy_only=True)
-        return Sequence(
+        return ShardSequence(
             seq_id=batch.column(0)[row].as_py(),
             input_ids=torch.from_numpy(ids.astype(np.int64)),
             loss_mask=torch.from_numpy(mask.astype(bool)),
@@ -101,7 +99,7 @@ class ShardDataset:
         usable = (self._len // world_size) * world_size
         return order[:usable][rank::world_size]
 
-    def iter_rank(self, *, rank: int, world_size: int, seed: int = 0, epoch: int = 0, start: int = 0) -> Iterator[Sequence]:
+    def iter_rank(self, *, rank: int, world_size: int, seed: int = 0, epoch: int = 0, start: int = 0) -> Iterator[ShardSequence]:
         """Sequences for one rank and epoch, from position ``start`` (resume mid-epoch)."""
         for i in self.rank_indices(rank=rank, world_size=world_size, seed=seed, epoch=epoch)[start:]:
             yield self[i]

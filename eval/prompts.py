@@ -35,7 +35,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dspark.core.prompt_format import format_lcr_prompt  # the AA-LCR message, shared with the training prompts
+from dspark.core.files import read_jsonl, write_jsonl
+from dspark.core.prompt_format import format_lcr_prompt
+from dspark.core.target import read_text_config  # the AA-LCR message, shared with the training prompts
 
 log = logging.getLogger(__name__)
 
@@ -442,33 +444,25 @@ def build_eval_set(
 
 def save_eval_set(prompts: Sequence[EvalPrompt], path: PathLike) -> None:
     """One JSON object per prompt; written to a temporary name and renamed when complete."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(asdict(p)) + "\n" for p in prompts)
-    tmp.replace(path)
+    write_jsonl(path, [asdict(p) for p in prompts])
 
 
 def load_eval_set(path: PathLike) -> list[EvalPrompt]:
     names = sorted(f.name for f in fields(EvalPrompt))
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EvalPromptError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+    try:
+        for n, record in read_jsonl(path):
             if not isinstance(record, dict) or sorted(record) != names:
                 found = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise EvalPromptError(
-                    f"{path}:{n}: expected an object with fields {names}, got {found}")
+                raise EvalPromptError(f"{path}:{n}: expected an object with fields {names}, got {found}")
             try:
                 prompts.append(EvalPrompt(**record))
             except EvalPromptError as e:
                 raise EvalPromptError(f"{path}:{n}: {e}") from e
+    except EvalPromptError:
+        raise
+    except ValueError as e:  # bad JSON, named by file and line
+        raise EvalPromptError(str(e)) from None
     return prompts
 
 
@@ -486,9 +480,7 @@ def eval_set_sha256(prompts: Sequence[EvalPrompt]) -> str:
 
 def _window_from_config(model_dir: Path) -> int:
     """``max_position_embeddings`` from config.json (or its text_config, for wrapper models)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    window = config.get("max_position_embeddings") or config.get("text_config", {}).get(
-        "max_position_embeddings")
+    window = read_text_config(model_dir).get("max_position_embeddings")
     if not window:
         raise EvalPromptError(
             f"{model_dir / 'config.json'}: no max_position_embeddings; pass --window")

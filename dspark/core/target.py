@@ -22,7 +22,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from filelock import FileLock
 from safetensors import safe_open
 
 from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, default_cache_dir
+from dspark.core.files import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -152,18 +152,11 @@ def convert_gguf_once(gguf: Path, out_dir: Path) -> ResolvedTarget:
     with FileLock(str(out_dir) + ".lock"):
         if (out_dir / COMPLETE_MARKER).is_file():  # another process finished while we waited
             return ResolvedTarget(path=out_dir, converted=False)
-        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(out_dir, ignore_errors=True)  # incomplete leftovers from a killed run
         t0 = time.perf_counter()
         log.info("converting %s -> %s (fp32 transformers directory, once)", gguf, out_dir)
-        try:
+        with atomic_path(out_dir) as tmp:  # replaces incomplete leftovers of a killed run
             _convert_gguf(gguf, tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"gguf": str(gguf), "seconds": time.perf_counter() - t0}))
-        os.replace(tmp, out_dir)
+            (tmp / COMPLETE_MARKER).write_text(json.dumps({"gguf": str(gguf), "seconds": time.perf_counter() - t0}))
         log.info("converted in %.1fs", time.perf_counter() - t0)
         return ResolvedTarget(path=out_dir, converted=True)
 
@@ -232,6 +225,12 @@ def read_config(path: Path) -> tuple[str, ArchLayout, dict[str, Any], dict[str, 
     if layout.text_config_key and not text:
         raise TargetError(f"{cfg_file}: field {layout.text_config_key!r} missing; {arch} keeps its text model config there")
     return arch, layout, config, text
+
+
+def read_text_config(path: Path) -> dict[str, Any]:
+    """The text model's fields of a target directory's config.json (its ``text_config`` for
+    wrapper architectures such as Kimi K3): the one parser of that nesting."""
+    return read_config(Path(path))[3]
 
 
 def check_against_spec(spec: TargetConfig, path: Path, text_config: dict[str, Any]) -> None:

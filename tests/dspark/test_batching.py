@@ -3,14 +3,14 @@
 import torch
 
 from dspark.batching import collate
-from dspark.shards import Sequence
+from dspark.shards import ShardSequence
 
 
-def seq(seq_id: str, t: int, answer: int) -> Sequence:
+def seq(seq_id: str, t: int, answer: int) -> ShardSequence:
     ids = torch.arange(t)
     hs = torch.arange(t - 1, dtype=torch.float32)[:, None, None].expand(t - 1, 3, 2).clone()
     hs[:, 2] += 1000  # the final-state layer
-    return Sequence(seq_id, ids, torch.arange(t) >= t - answer, hs)
+    return ShardSequence(seq_id, ids, torch.arange(t) >= t - answer, hs)
 
 
 def test_pads_to_the_longest_and_splits_context_from_final_states():

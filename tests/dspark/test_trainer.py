@@ -145,7 +145,9 @@ def test_zero_1_and_2_match_zero_0(compose_config, tiny, tmp_path, stage):
 @pytest.mark.slow
 def test_two_process_gloo_run(tiny, tmp_path):
     target, data = tiny
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29731", "train.py",
+    from dspark.core.files import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "train.py",
            *overrides(target, data, tmp_path, "train.max_steps=3", "train.micro_batch_size=2"), f"hydra.run.dir={tmp_path}/run"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     log = out.stdout + out.stderr
