@@ -235,42 +235,29 @@ def build_manifest(target: TargetConfig, target_path: Path, tokenizer: Any, chat
 
 def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
     """Capture the run's prompt set into ``data.shards_dir``; ``target_dir`` is the resolved
-    target (resolved here when not given)."""
+    target (resolved here when not given). Shards already complete are skipped."""
     from transformers import AutoTokenizer
 
     data, target = cfg.data, cfg.target
     rank, world = (data.rank, data.world_size) if data.rank is not None else default_rank_world()
     out = Path(data.shards_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-
     if target_dir is None:
         target_dir = resolve_target(target, cache_dir=Path(cfg.paths.cache_dir).expanduser()).path
     arch, _, _, text_cfg = read_config(target_dir)
     capture_ids = target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=target.trust_remote_code)
-
     splits = dedupe_and_split(load_source(data.source, split=data.hf_split),
                               val_fraction=data.val_fraction, limit=data.num_prompts)
-    prompt_set = text_sha256(",".join(f"{s}:{c.seq_id}" for s in SPLITS for c in splits[s]) + f"|{data.regenerate}|{data.max_new_tokens}|{data.max_seq_len}|{data.temperature}|{data.seed}|{data.on_overlong}")
-    manifest = build_manifest(target, target_dir, tokenizer, tokenizer.chat_template, capture_ids, text_cfg, arch, data, prompt_set)
-    with FileLock(str(out / ".manifest.lock")):
-        if (out / "manifest.json").is_file():
-            diffs = manifest.header_differences(Manifest.load(out))
-            if diffs:
-                raise ValueError(f"{out}: refusing to resume into a dataset made differently: " + "; ".join(diffs))
-        else:
-            manifest.save(out)
-
+    manifest = build_manifest(target, target_dir, tokenizer, tokenizer.chat_template, capture_ids, text_cfg, arch, data,
+                              prompt_set_sha256(splits, data))
+    open_dataset_dir(out, manifest)
     per = data.rows_per_shard
     units = [(s, k) for s in SPLITS for k in range((len(splits[s]) + per - 1) // per)]
     mine = assign(units, rank, world)
-    summary = Summary(raw_bytes_per_token=len(capture_ids) * manifest.hidden_size * manifest.bytes_per_value)
-    todo = []
-    for split, k in mine:
-        if complete_shard(out, split, k) is not None:
-            summary.shards_resumed += 1
-        else:
-            todo.append((split, k))
+    todo = [(split, k) for split, k in mine if complete_shard(out, split, k) is None]
+    summary = Summary(raw_bytes_per_token=len(capture_ids) * manifest.hidden_size * manifest.bytes_per_value,
+                      shards_resumed=len(mine) - len(todo))
     log.info("extract rank %d/%d: %d shards, %d already complete, %d to do -> %s", rank, world, len(mine),
              summary.shards_resumed, len(todo), out)
     work = out / "_work" / f"rank{rank}"
@@ -279,38 +266,64 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
         run_headless_workers(kwargs)
         return summary
     if todo:
-        shutil.rmtree(work, ignore_errors=True)  # request files of a killed run
-        for split, k in todo:  # partial files of this rank's shards from a killed run (not other ranks')
-            for stale in (out / split).glob(f".{shard_name(k)}.parquet.tmp-*"):
-                stale.unlink()
-        llm = make_engine(kwargs, data)
-        t0 = time.perf_counter()
-        bar = tqdm(total=sum(len(splits[s][k * per:(k + 1) * per]) for s, k in todo), unit="seq", desc="extract", dynamic_ncols=True)
-        batch = data.batch_size
-        for split, k in todo:
-            requests, skipped = plan_requests(splits[split][k * per:(k + 1) * per], tokenizer, data)
-            bar.update(sum(skipped.values()))
-            writer = ShardWriter(out, split, k, data.compression)
-            for b in range(0, len(requests), batch):
-                writer.write(capture_rows(llm, requests[b:b + batch], data, n_layers=len(capture_ids), hidden=manifest.hidden_size))
-                bar.update(len(requests[b:b + batch]))
-                bar.set_postfix(tok_s=f"{(summary.tokens + writer.tokens) / (time.perf_counter() - t0):.0f}", shard=f"{split}/{k}")
-            info = writer.finish(skipped)
-            summary.rows += info.rows
-            summary.tokens += info.tokens
-            summary.bytes += info.bytes
-            summary.skipped.update(skipped)
-            summary.shards_written += 1
-            summary.seconds = time.perf_counter() - t0
-        bar.close()
-        del llm  # shuts the engine down before later stages run in this process
-        gc.collect()
-        shutil.rmtree(work, ignore_errors=True)
-        if not any(work.parent.iterdir()):
-            work.parent.rmdir()
+        capture_shards(todo, splits, tokenizer, data, kwargs, out=out, work=work, n_layers=len(capture_ids),
+                       hidden=manifest.hidden_size, summary=summary)
     finalize(out, units)
     summary.log()
     return summary
+
+
+def prompt_set_sha256(splits: dict[str, list[Conversation]], data: DataConfig) -> str:
+    """The ordered prompt ids per split and the generation settings: a resume with other prompts
+    would assign different prompts to the same shard names."""
+    ids = ",".join(f"{s}:{c.seq_id}" for s in SPLITS for c in splits[s])
+    return text_sha256(f"{ids}|{data.regenerate}|{data.max_new_tokens}|{data.max_seq_len}|{data.temperature}|"
+                       f"{data.seed}|{data.on_overlong}")
+
+
+def open_dataset_dir(out: Path, manifest: Manifest) -> None:
+    """Start ``out`` with this manifest, or check a resumed directory was made the same way."""
+    with FileLock(str(out / ".manifest.lock")):
+        if (out / "manifest.json").is_file():
+            diffs = manifest.header_differences(Manifest.load(out))
+            if diffs:
+                raise ValueError(f"{out}: refusing to resume into a dataset made differently: " + "; ".join(diffs))
+        else:
+            manifest.save(out)
+
+
+def capture_shards(todo: list[tuple[str, int]], splits: dict[str, list[Conversation]], tokenizer: Any, data: DataConfig,
+                   kwargs: dict[str, Any], *, out: Path, work: Path, n_layers: int, hidden: int, summary: Summary) -> None:
+    """Start one engine and write this rank's missing shards, one batch of sequences at a time."""
+    per = data.rows_per_shard
+    shutil.rmtree(work, ignore_errors=True)  # request files of a killed run
+    for split, k in todo:  # partial files of this rank's shards from a killed run (not other ranks')
+        for stale in (out / split).glob(f".{shard_name(k)}.parquet.tmp-*"):
+            stale.unlink()
+    llm = make_engine(kwargs, data)
+    t0 = time.perf_counter()
+    bar = tqdm(total=sum(len(splits[s][k * per:(k + 1) * per]) for s, k in todo), unit="seq", desc="extract", dynamic_ncols=True)
+    for split, k in todo:
+        requests, skipped = plan_requests(splits[split][k * per:(k + 1) * per], tokenizer, data)
+        bar.update(sum(skipped.values()))
+        writer = ShardWriter(out, split, k, data.compression)
+        for b in range(0, len(requests), data.batch_size):
+            writer.write(capture_rows(llm, requests[b:b + data.batch_size], data, n_layers=n_layers, hidden=hidden))
+            bar.update(len(requests[b:b + data.batch_size]))
+            bar.set_postfix(tok_s=f"{(summary.tokens + writer.tokens) / (time.perf_counter() - t0):.0f}", shard=f"{split}/{k}")
+        info = writer.finish(skipped)
+        summary.rows += info.rows
+        summary.tokens += info.tokens
+        summary.bytes += info.bytes
+        summary.skipped.update(skipped)
+        summary.shards_written += 1
+        summary.seconds = time.perf_counter() - t0
+    bar.close()
+    del llm  # shuts the engine down before later stages run in this process
+    gc.collect()
+    shutil.rmtree(work, ignore_errors=True)
+    if not any(work.parent.iterdir()):
+        work.parent.rmdir()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

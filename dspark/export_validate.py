@@ -89,11 +89,8 @@ def check_target(exp: Any, target_dir: Path) -> None:
 
 
 def validate(export_dir: Path, *, target_dir: Optional[Path] = None, num_speculative_tokens: Optional[int] = None) -> ValidationReport:
+    """Steps 1-4 of the module docstring; the first failure raises :class:`ExportError`."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
-    from vllm.model_executor.models.registry import ModelRegistry
-    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
-
     exp = read_export(export_dir)  # our own reading: files, fields, shapes
     target_dir = Path(target_dir or exp.provenance["target"]["path"]).expanduser()
     if not (target_dir / "config.json").is_file():
@@ -103,19 +100,34 @@ def validate(export_dir: Path, *, target_dir: Optional[Path] = None, num_specula
     n_spec = num_speculative_tokens or exp.drafter.block_size
     rep = ValidationReport(exp.path, target_dir, method, ARCHITECTURES[method], [], exp.context_layer_ids,
                            exp.drafter.sample_from_anchor, n_spec, 0)
+    mc, pc, sc = _speculative_config(exp, target_dir, n_spec, rep)
+    _check_layers_and_layout(exp, sc, n_spec, rep)
+    _check_weights_in_vllm(exp, mc, pc, sc, rep)
+    return rep
+
+
+def _speculative_config(exp: Any, target_dir: Path, n_spec: int, rep: ValidationReport) -> tuple[Any, Any, Any]:
+    """1. vLLM's own SpeculativeConfig parses the export against the target."""
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
 
     dtype = exp.config.get("torch_dtype", "float32")
     mc = ModelConfig(model=str(target_dir), dtype=dtype, max_model_len=min(2048, int(exp.config["max_position_embeddings"])),
                      enforce_eager=True)
     pc = ParallelConfig()
     try:
-        sc = SpeculativeConfig(method=method, model=str(exp.path), num_speculative_tokens=n_spec,
+        sc = SpeculativeConfig(method=exp.layout, model=str(exp.path), num_speculative_tokens=n_spec,
                                target_model_config=mc, target_parallel_config=pc)
     except Exception as e:  # noqa: BLE001 - pydantic/vLLM raise many types; the message is what matters
         raise ExportError(f"{exp.path}: vLLM's SpeculativeConfig rejects the export: {e}") from e
     rep.checks.append(f"vLLM SpeculativeConfig accepts it as method {sc.method!r}")
-    if sc.method != method:
-        raise ExportError(f"{exp.path}: vLLM resolves method {sc.method!r}, expected {method!r}")
+    if sc.method != exp.layout:
+        raise ExportError(f"{exp.path}: vLLM resolves method {sc.method!r}, expected {exp.layout!r}")
+    return mc, pc, sc
+
+
+def _check_layers_and_layout(exp: Any, sc: Any, n_spec: int, rep: ValidationReport) -> None:
+    """2-3. The target layers vLLM captures and the block layout it serves are the trained ones."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
     aux = list(get_eagle3_aux_layers_from_config(sc) or [])
     rep.vllm_aux_layer_ids = aux
@@ -123,9 +135,8 @@ def validate(export_dir: Path, *, target_dir: Optional[Path] = None, num_specula
         raise ExportError(f"{exp.path / 'config.json'}: vLLM will capture target layers {aux}, but the drafter was "
                           f"trained on {exp.context_layer_ids} (off by {aux[0] - exp.context_layer_ids[0] if aux else '?'})")
     rep.checks.append(f"vLLM captures target layers {aux} = the trained context layers")
-
     hf = sc.draft_model_config.hf_config
-    if method == "dspark":
+    if exp.layout == "dspark":
         served = bool(getattr(hf, "sample_from_anchor", True))  # what DSparkSpeculator reads
     else:
         served = bool((getattr(hf, "dflash_config", None) or {}).get("sample_from_anchor", False))
@@ -133,21 +144,25 @@ def validate(export_dir: Path, *, target_dir: Optional[Path] = None, num_specula
         raise ExportError(f"{exp.path / 'config.json'}: vLLM would serve sample_from_anchor={served}, the drafter was "
                           f"trained with {exp.drafter.sample_from_anchor}")
     rep.checks.append(f"vLLM serves the trained block layout (sample_from_anchor={served})")
-    if method == "dspark" and n_spec > exp.drafter.block_size:
+    if exp.layout == "dspark" and n_spec > exp.drafter.block_size:
         raise ExportError(f"num_speculative_tokens {n_spec} exceeds the trained block_size {exp.drafter.block_size}")
 
+
+def _check_weights_in_vllm(exp: Any, mc: Any, pc: Any, sc: Any, rep: ValidationReport) -> None:
+    """4. vLLM's model class loads every drafter parameter from the export, and its fused tensors
+    equal ours."""
+    from safetensors.torch import load_file
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.models.registry import ModelRegistry
+
     vc = VllmConfig(model_config=mc, parallel_config=pc)
-    # VllmConfig refuses dspark on CPU (its runner needs Triton); the model class does not.
-    vc.speculative_config = sc
-    cls, _ = ModelRegistry.resolve_model_cls(hf.architectures, sc.draft_model_config)
+    vc.speculative_config = sc  # VllmConfig refuses dspark on CPU (its runner needs Triton); the model class does not
+    cls, _ = ModelRegistry.resolve_model_cls(sc.draft_model_config.hf_config.architectures, sc.draft_model_config)
     model = _vllm_model(vc, cls)
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point():
                 p.fill_(float("nan"))
-    from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-
     served_weights = load_file(str(exp.path / "model.safetensors"))
     try:
         with set_current_vllm_config(vc):
@@ -170,5 +185,4 @@ def validate(export_dir: Path, *, target_dir: Optional[Path] = None, num_specula
                 raise ExportError(f"{exp.path}: vLLM's {name} differs from the exported q/k/v or gate/up tensors")
     fc_in = params["model.fc.weight"].shape[1]
     rep.checks.append(f"fused qkv/gate_up tensors equal the exported ones; fc reads {fc_in} = "
-                      f"{len(aux)} layers x {exp.dims.target_hidden_size}")
-    return rep
+                      f"{len(rep.vllm_aux_layer_ids)} layers x {exp.dims.target_hidden_size}")

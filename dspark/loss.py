@@ -18,6 +18,7 @@ recomputed in backward (activation checkpointing), so thousands of positions nev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,68 @@ def _chunk_terms(model: DSparkDrafter, hidden, markov, target_final, labels):  #
     return ce, tv, match
 
 
+@dataclass
+class _Targets:
+    """Where each of the B*A*K predictions is supervised. P = number of valid predictions."""
+
+    idx: torch.Tensor  # [P] flat indices of the valid predictions in [B*A*K]
+    valid: torch.Tensor  # [B, A, K] bool: anchor valid, label inside the sequence and in the answer
+    labels: torch.Tensor  # [P] x_{a+k}
+    weights: torch.Tensor  # [P] exp(-(k-1)/decay)
+    state_pos: torch.Tensor  # [B, A*K] position of the target state that predicts each label
+
+
+def _targets(out: DraftOutput, *, input_ids: torch.Tensor, anchor_positions: torch.Tensor, valid_anchors: torch.Tensor,
+             loss_mask: torch.Tensor, lengths: torch.Tensor, num_states: int, position_decay: float) -> _Targets:
+    b, a, k, _ = out.hidden.shape
+    steps = torch.arange(k, device=input_ids.device)
+    label_pos = anchor_positions[:, :, None] + steps + 1  # [B, A, K]: x_{a+k}
+    in_seq = label_pos < lengths[:, None, None]
+    label_pos_c = label_pos.clamp(max=input_ids.shape[1] - 1)
+    labels = input_ids.gather(1, label_pos_c.view(b, -1)).view(b, a, k)
+    valid = valid_anchors[:, :, None] & in_seq & loss_mask.gather(1, label_pos_c.view(b, -1)).view(b, a, k)
+    state_pos = (label_pos_c - 1).clamp(max=num_states - 1)  # the state predicting x_{a+k} is s_{a+k-1}
+    weights = torch.exp(-steps.float() / position_decay)[None, None, :] * valid  # [B, A, K]
+    idx = valid.view(-1).nonzero().squeeze(-1)
+    return _Targets(idx, valid, labels.view(-1)[idx], weights.view(-1)[idx], state_pos.view(b, -1))
+
+
+def _vocab_terms(model: DSparkDrafter, hidden: torch.Tensor, markov: Optional[torch.Tensor], target_final: torch.Tensor,
+                 labels: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CE, TV and greedy match per prediction, ``chunk_rows`` rows of vocabulary-wide logits at a
+    time (recomputed in backward unless ``recompute_chunks`` is off)."""
+    parts = []
+    for s in range(0, len(labels), cfg.chunk_rows):
+        sl = slice(s, s + cfg.chunk_rows)
+        args = (model, hidden[sl], markov[sl] if markov is not None else None, target_final[sl], labels[sl])
+        recompute = cfg.recompute_chunks and torch.is_grad_enabled()
+        parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args))
+    if not parts:
+        empty = hidden.new_zeros(0)
+        return empty, empty, empty
+    return tuple(torch.cat(p) for p in zip(*parts))  # type: ignore[return-value]
+
+
+def _acceptance(tg: _Targets, match: torch.Tensor, tv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position k: P(first k drafts all match) over anchors whose first label is valid (as
+    vLLM counts), the conditional match rate, and the mean 1 - TV."""
+    b, a, k = tg.valid.shape
+
+    def spread(values: torch.Tensor) -> torch.Tensor:  # [P] -> [B, A, K], zero where invalid
+        full = torch.zeros(b * a * k, device=values.device)
+        full[tg.idx] = values.detach().float()
+        return full.view(b, a, k)
+
+    n = tg.valid.sum((0, 1)).clamp_min(1)
+    match_full = spread(match)
+    cond = (match_full * tg.valid).sum((0, 1)) / n
+    prob = (spread(1.0 - tv) * tg.valid).sum((0, 1)) / n
+    first_ok = tg.valid[:, :, 0]
+    run = torch.cumprod(torch.where(tg.valid, match_full, torch.zeros_like(match_full)), dim=-1)
+    uncond = (run * first_ok[:, :, None]).sum((0, 1)) / first_ok.sum().clamp_min(1)
+    return uncond, cond, prob
+
+
 def dspark_loss(
     model: DSparkDrafter,
     out: DraftOutput,
@@ -85,62 +148,26 @@ def dspark_loss(
     cfg: LossConfig,
 ) -> LossOutput:
     b, a, k, _ = out.hidden.shape
-    steps = torch.arange(k, device=input_ids.device)
-    label_pos = anchor_positions[:, :, None] + steps + 1  # [B, A, K]: x_{a+k}
-    in_seq = label_pos < lengths[:, None, None]
-    label_pos_c = label_pos.clamp(max=input_ids.shape[1] - 1)
-    labels = input_ids.gather(1, label_pos_c.view(b, -1)).view(b, a, k)
-    valid = valid_anchors[:, :, None] & in_seq & loss_mask.gather(1, label_pos_c.view(b, -1)).view(b, a, k)
-    # the state predicting x_{a+k} is s_{a+k-1}
-    state_pos = (label_pos_c - 1).clamp(max=final_states.shape[1] - 1)
-    weights = torch.exp(-steps.float() / cfg.position_decay)[None, None, :] * valid  # [B, A, K]
-
-    idx = valid.view(-1).nonzero().squeeze(-1)
-    hidden = out.hidden.reshape(b * a * k, -1)[idx]
-    markov = out.markov_embed.reshape(b * a * k, -1)[idx] if out.markov_embed is not None else None
-    tfinal = final_states.gather(1, state_pos.view(b, -1, 1).expand(-1, -1, final_states.shape[-1])).view(b * a * k, -1)[idx]
-    lab = labels.view(-1)[idx]
-    ce_parts, tv_parts, match_parts = [], [], []
-    for s in range(0, len(idx), cfg.chunk_rows):
-        sl = slice(s, s + cfg.chunk_rows)
-        args = (model, hidden[sl], markov[sl] if markov is not None else None, tfinal[sl], lab[sl])
-        ce_c, tv_c, m_c = checkpoint(_chunk_terms, *args, use_reentrant=False) if (cfg.recompute_chunks and torch.is_grad_enabled()) else _chunk_terms(*args)
-        ce_parts.append(ce_c)
-        tv_parts.append(tv_c)
-        match_parts.append(m_c)
-    empty = hidden.new_zeros(0)
-    ce_v = torch.cat(ce_parts) if ce_parts else empty
-    tv_v = torch.cat(tv_parts) if tv_parts else empty
-    match_v = torch.cat(match_parts) if match_parts else empty
-    w = weights.view(-1)[idx]
-    wsum = w.sum().clamp_min(1e-8)
+    tg = _targets(out, input_ids=input_ids, anchor_positions=anchor_positions, valid_anchors=valid_anchors,
+                  loss_mask=loss_mask, lengths=lengths, num_states=final_states.shape[1], position_decay=cfg.position_decay)
+    hidden = out.hidden.reshape(b * a * k, -1)[tg.idx]
+    markov = out.markov_embed.reshape(b * a * k, -1)[tg.idx] if out.markov_embed is not None else None
+    tfinal = final_states.gather(1, tg.state_pos[..., None].expand(-1, -1, final_states.shape[-1])).view(b * a * k, -1)[tg.idx]
+    ce_v, tv_v, match_v = _vocab_terms(model, hidden, markov, tfinal, tg.labels, cfg)
+    w, wsum = tg.weights, tg.weights.sum().clamp_min(1e-8)
     ce = (w * ce_v).sum() / wsum
     tv = (w * tv_v).sum() / wsum
     loss = cfg.ce_weight * ce + cfg.tv_weight * tv
     bce = torch.zeros((), device=ce.device)
-    conf_p = conf_t = empty
+    conf_p = conf_t = hidden.new_zeros(0)
     if out.confidence_logits is not None:
-        logit = out.confidence_logits.reshape(-1)[idx]
+        logit = out.confidence_logits.reshape(-1)[tg.idx]
         conf_t = (1.0 - tv_v).detach()
         bce = (w * F.binary_cross_entropy_with_logits(logit, conf_t, reduction="none")).sum() / wsum
         loss = loss + cfg.confidence_weight * bce
         conf_p = torch.sigmoid(logit).detach()
-
-    # acceptance statistics per position
-    def per_pos(values: torch.Tensor) -> torch.Tensor:
-        full = torch.zeros(b * a * k, device=values.device)
-        full[idx] = values.detach().float()
-        full = full.view(b, a, k)
-        n = valid.sum((0, 1)).clamp_min(1)
-        return (full * valid).sum((0, 1)) / n, full
-
-    acc, match_full = per_pos(match_v)
-    acc_prob, _ = per_pos(1.0 - tv_v)
-    # unconditional: the first k drafts all match, over anchors whose first label is valid
-    first_ok = valid[:, :, 0]
-    run = torch.cumprod(torch.where(valid, match_full, torch.zeros_like(match_full)), dim=-1)
-    uncond = (run * first_ok[:, :, None]).sum((0, 1)) / first_ok.sum().clamp_min(1)
+    uncond, cond, prob = _acceptance(tg, match_v, tv_v)
     return LossOutput(loss=loss, ce=ce.detach(), tv=tv.detach(), confidence_bce=bce.detach(),
-                      accept_per_position=uncond, accept_cond_per_position=acc, accept_prob_per_position=acc_prob,
-                      confidence=conf_p, confidence_target=conf_t, num_positions=int(len(idx)))
+                      accept_per_position=uncond, accept_cond_per_position=cond, accept_prob_per_position=prob,
+                      confidence=conf_p, confidence_target=conf_t, num_positions=int(len(tg.idx)))
 

@@ -225,11 +225,8 @@ def fingerprint(cfg: RunConfig, checkpoints: list[Path]) -> str:
 
 
 def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
-    from transformers import AutoModelForCausalLM
-
-    from eval.prompts import build_eval_set, eval_set_sha256, load_eval_set, save_eval_set
-    from eval.report import write_report
-
+    """Export (and validate) the checkpoints, build the eval set, measure every drafter, report.
+    Skipped when results.json already holds this fingerprint (same checkpoint files, settings)."""
     cfg = load_config(cfg)
     e = cfg.eval
     out_dir = Path(e.out_dir).expanduser()
@@ -247,49 +244,82 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     if ablation is not None:
         log.info("Markov-off ablation: %s", ablation)
         exports["ablation"] = export_all(cfg, ablation, target_dir, "ablation")
-    window = int(heads.config.get("max_position_embeddings") or 0)
-    if e.prompts_file:  # a prepared set (eval.prompts.save_eval_set), e.g. your own traffic
+    prompts, prompts_file = eval_set(cfg, heads, out_dir)
+    drafters = reference_results(cfg, heads, target_dir, prompts, exports) if e.reference else []
+    drafters += vllm_results(cfg, target_dir, prompts, prompts_file, out_dir, exports)
+    conditions = _conditions(cfg, target_dir, prompts, ckpt, exports, extra={
+        "eval_seconds": round(time.perf_counter() - t0, 1), "fingerprint": fp,
+        "ablation_checkpoint": str(ablation) if ablation else None})
+    return _report(cfg, EvalResults(conditions, drafters), out_dir, exports)
+
+
+def eval_set(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[list, Path]:
+    """The prompts (a prepared set, e.g. your own traffic, or one built per context bin), saved
+    as ``out_dir/eval_set.jsonl`` for the vLLM engines."""
+    from eval.prompts import build_eval_set, eval_set_sha256, load_eval_set, save_eval_set
+
+    e = cfg.eval
+    if e.prompts_file:
         prompts = load_eval_set(Path(e.prompts_file).expanduser())
     else:
-        prompts = build_eval_set(heads.tokenizer, context_bins=list(e.context_bins), prompts_per_bin=e.prompts_per_bin,
-                                 max_new_tokens=e.max_new_tokens, window=window, source=e.source,
-                                 aa_lcr_csv=e.aa_lcr_csv, aa_lcr_texts=e.aa_lcr_texts, seed=e.seed)
-    bins = sorted({p.bin for p in prompts})
+        prompts = build_eval_set(heads.tokenizer, context_bins=e.context_bins, prompts_per_bin=e.prompts_per_bin,
+                                 max_new_tokens=e.max_new_tokens, window=int(heads.config.get("max_position_embeddings") or 0),
+                                 source=e.source, aa_lcr_csv=e.aa_lcr_csv, aa_lcr_texts=e.aa_lcr_texts, seed=e.seed)
     prompts_file = out_dir / "eval_set.jsonl"
     save_eval_set(prompts, prompts_file)
-    log.info("eval set: %d prompts in bins %s -> %s (sha256 %s)", len(prompts), bins, prompts_file,
-             eval_set_sha256(prompts)[:12])
-    drafters: list[DrafterResult] = []
-    if e.reference:
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-        plain = plain_tokens_per_s(heads, model, prompts, cfg) if e.measure_plain else None
-        drafters.append(reference_eval("dspark", exports["ours"]["dspark"].out_dir, heads, model, prompts, cfg, plain))
-        if "ablation" in exports:
-            drafters.append(reference_eval("markov-off", exports["ablation"]["dspark"].out_dir, heads, model, prompts, cfg, plain))
-        del model
+    log.info("eval set: %d prompts in bins %s -> %s (sha256 %s)", len(prompts), sorted({p.bin for p in prompts}),
+             prompts_file, eval_set_sha256(prompts)[:12])
+    return prompts, prompts_file
+
+
+def reference_results(cfg: RunConfig, heads: Any, target_dir: Path, prompts: list,
+                      exports: dict[str, dict[str, ExportSummary]]) -> list[DrafterResult]:
+    """Our drafter (and its ablation), read back from their exports, in the PyTorch reference
+    loop, with plain decoding of the same target timed for the wall-clock speedup."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    plain = plain_tokens_per_s(heads, model, prompts, cfg) if cfg.eval.measure_plain else None
+    names = {"ours": "dspark", "ablation": "markov-off"}
+    return [reference_eval(names[who], ex["dspark"].out_dir, heads, model, prompts, cfg, plain) for who, ex in exports.items()]
+
+
+def vllm_results(cfg: RunConfig, target_dir: Path, prompts: list, prompts_file: Path, out_dir: Path,
+                 exports: dict[str, dict[str, ExportSummary]]) -> list[DrafterResult]:
+    """The baselines (ngram) and our exports as vLLM serves them: ``dspark`` on a GPU, the
+    ``dflash`` export on CPU when the drafter has that layout."""
     max_len = vllm_max_model_len(cfg, prompts)
-    for method in e.baselines:
-        drafters.append(vllm_eval(str(method), str(method), None, target_dir, prompts_file, cfg, out_dir, max_len))
-    if e.serve_export != "never":
-        on_gpu = torch.cuda.is_available()
-        for who, ex in exports.items():
-            if on_gpu:
-                drafters.append(vllm_eval(f"vllm-dspark-{who}", "dspark", ex["dspark"].out_dir, target_dir, prompts_file, cfg, out_dir, max_len))
-            elif "dflash" in ex:
-                drafters.append(vllm_eval(f"vllm-dflash-{who}", "dflash", ex["dflash"].out_dir, target_dir, prompts_file, cfg, out_dir, max_len))
-            else:
-                log.info("vLLM on CPU serves only the dflash layout; the %s export is measured by the reference loop "
-                         "(serve it on a GPU: python -m eval.serve --method dspark --draft %s)", who, ex["dspark"].out_dir)
-    conditions = EvalConditions(
+    out = [vllm_eval(m, m, None, target_dir, prompts_file, cfg, out_dir, max_len) for m in cfg.eval.baselines]
+    if cfg.eval.serve_export == "never":
+        return out
+    for who, ex in exports.items():
+        if torch.cuda.is_available():
+            out.append(vllm_eval(f"vllm-dspark-{who}", "dspark", ex["dspark"].out_dir, target_dir, prompts_file, cfg, out_dir, max_len))
+        elif "dflash" in ex:
+            out.append(vllm_eval(f"vllm-dflash-{who}", "dflash", ex["dflash"].out_dir, target_dir, prompts_file, cfg, out_dir, max_len))
+        else:
+            log.info("vLLM on CPU serves only the dflash layout; the %s export is measured by the reference loop "
+                     "(serve it on a GPU: python -m eval.serve --method dspark --draft %s)", who, ex["dspark"].out_dir)
+    return out
+
+
+def _conditions(cfg: RunConfig, target_dir: Path, prompts: list, ckpt: Path, exports: dict, extra: dict) -> EvalConditions:
+    from eval.prompts import eval_set_sha256
+
+    e, bins = cfg.eval, sorted({p.bin for p in prompts})
+    return EvalConditions(
         target=cfg.target.name, target_path=str(target_dir), gamma=e.gamma, temperature=e.temperature,
         max_new_tokens=e.max_new_tokens, prompt_source=str(e.prompts_file or e.source), context_bins=bins,
         prompts_per_bin={str(b): sum(p.bin == b for p in prompts) for b in bins}, checkpoint=str(ckpt),
         export_dir=str(exports["ours"]["dspark"].out_dir), dtype=f"reference loop float32, vLLM {cfg.target.dtype}",
         device="cuda" if torch.cuda.is_available() else "cpu",
-        extra={"eval_set_sha256": eval_set_sha256(prompts), "eval_seconds": round(time.perf_counter() - t0, 1),
-               "confidence_threshold": e.confidence_threshold, "fingerprint": fp,
-               "ablation_checkpoint": str(ablation) if ablation else None})
-    results = EvalResults(conditions, drafters)
+        extra={"eval_set_sha256": eval_set_sha256(prompts), "confidence_threshold": e.confidence_threshold, **extra})
+
+
+def _report(cfg: RunConfig, results: EvalResults, out_dir: Path, exports: dict) -> EvalOutcome:
+    """The quality checks, results.json, report.md, plots and the W&B run."""
+    from eval.report import write_report
+
     checks = quality_checks(results)
     for c in checks:
         log.info("target %-48s %s  %s", c.name, "PASS" if c.passed else "MISS", c.detail)
