@@ -42,8 +42,11 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
 
         s = extract(cfg, target_dir)
         stages_run.append("extract")
-        what = (f"up to date ({s.shards_resumed} complete shards), skipped" if s.shards_written == 0
-                else f"{s.rows} sequences, {s.tokens} tokens in {s.shards_written} new shards")
+        what = (
+            f"up to date ({s.shards_resumed} complete shards), skipped"
+            if s.shards_written == 0
+            else f"{s.rows} sequences, {s.tokens} tokens in {s.shards_written} new shards"
+        )
         lines.append(f"extract  {what} -> {cfg.data.shards_dir}")
     if "train" in cfg.stages:
         from dspark.checkpoint import finished_checkpoint

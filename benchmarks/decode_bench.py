@@ -94,20 +94,26 @@ def main() -> None:
             dr.kv = [(k[:, :, :base_len], v[:, :, :base_len]) for k, v in dr.kv]
             dr.length = base_len
 
-        row = {"context": n,
-               "plain_ms": _median_ms(lambda: step(plain, 1), args.repeats),
-               "verify_ms": _median_ms(lambda: step(spec, 1 + g), args.repeats),
-               "verify_1_with_states_ms": _median_ms(lambda: step(spec, 1), args.repeats),
-               "draft_ms": _median_ms(propose, args.repeats),
-               "extend_ms": _median_ms(extend, args.repeats)}
+        row = {
+            "context": n,
+            "plain_ms": _median_ms(lambda: step(plain, 1), args.repeats),
+            "verify_ms": _median_ms(lambda: step(spec, 1 + g), args.repeats),
+            "verify_1_with_states_ms": _median_ms(lambda: step(spec, 1), args.repeats),
+            "draft_ms": _median_ms(propose, args.repeats),
+            "extend_ms": _median_ms(extend, args.repeats),
+        }
         row["verify_over_plain"] = row["verify_ms"] / row["plain_ms"]
         row["r"] = row["draft_ms"] / row["verify_ms"]
         step_ms = row["draft_ms"] + row["verify_ms"] + row["extend_ms"]
-        row["predicted_speedup"] = {str(tau): (tau / (1 + row["r"]), tau * row["plain_ms"] / step_ms) for tau in (1.5, 2.0, 3.0, 4.0)}
+        row["predicted_speedup"] = {
+            str(tau): (tau / (1 + row["r"]), tau * row["plain_ms"] / step_ms) for tau in (1.5, 2.0, 3.0, 4.0)
+        }
         rows.append(row)
-        print(f"context {n:5d}: plain {row['plain_ms']:.1f} ms | verify {1 + g} tokens {row['verify_ms']:.1f} ms "
-              f"({row['verify_over_plain']:.2f}x plain) | draft {row['draft_ms']:.1f} ms (r {row['r']:.2f}) | "
-              f"extend {row['extend_ms']:.1f} ms")
+        print(
+            f"context {n:5d}: plain {row['plain_ms']:.1f} ms | verify {1 + g} tokens {row['verify_ms']:.1f} ms "
+            f"({row['verify_over_plain']:.2f}x plain) | draft {row['draft_ms']:.1f} ms (r {row['r']:.2f}) | "
+            f"extend {row['extend_ms']:.1f} ms"
+        )
         for tau, (iid, real) in row["predicted_speedup"].items():
             print(f"    tau {tau}: tau/(1+r) = {iid:.2f}x, with measured step costs = {real:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)

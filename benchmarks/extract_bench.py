@@ -49,13 +49,12 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from data_tools.extract import Request, capture_rows, engine_kwargs, make_engine
-    from data_tools.shard_writer import write_shard
     from data_tools.prompts import bundled_conversations, dedupe_and_split
+    from data_tools.shard_writer import finalize, write_shard
     from dspark.core.config import DataConfig, TargetConfig
-    from dspark.shards import ShardDataset
     from dspark.core.shard_format import Manifest
-    from data_tools.shard_writer import finalize
     from dspark.core.target import resolve_target
+    from dspark.shards import ShardDataset
 
     spec = TargetConfig()
     path = resolve_target(spec).path
@@ -63,7 +62,9 @@ def main() -> None:
     convs = dedupe_and_split(bundled_conversations(), val_fraction=0.0)["train"][: args.prompts]
     seqs = []
     for c in convs:
-        text = tok.apply_chat_template([{"role": r, "content": t} for r, t in c.messages], tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": r, "content": t} for r, t in c.messages], tokenize=False, add_generation_prompt=True
+        )
         seqs.append(tok(text, add_special_tokens=False).input_ids[:1024])
     n_tokens = sum(len(s) for s in seqs)
     capture_ids = spec.capture_layer_ids(30)
@@ -71,7 +72,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dspark-bench-"))
     kw = engine_kwargs(spec, path, capture_ids, data, work / "req")
     plain_kw = {k: v for k, v in kw.items() if k not in ("speculative_config", "kv_transfer_config")}
-    results: dict = {"prompts": len(seqs), "prompt_tokens": n_tokens, "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}}
+    results: dict = {
+        "prompts": len(seqs),
+        "prompt_tokens": n_tokens,
+        "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")},
+    }
 
     # 1. plain prefill
     llm = LLM(**plain_kw)
@@ -106,21 +111,45 @@ def main() -> None:
     stored_tokens = sum(r["num_tokens"] for r in rows)
     results["bytes_per_token"] = {}
     for dtype, nbytes in (("float32", 4), ("float16", 2), ("bfloat16", 2)):
-        conv = rows if dtype == "float32" else [
-            {**r, "hidden_states": torch.frombuffer(bytearray(r["hidden_states"]), dtype=torch.float32).to(
-                {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]).view(torch.uint8).numpy().tobytes()}
-            for r in rows]
+        conv = (
+            rows
+            if dtype == "float32"
+            else [
+                {
+                    **r,
+                    "hidden_states": torch.frombuffer(bytearray(r["hidden_states"]), dtype=torch.float32)
+                    .to({"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype])
+                    .view(torch.uint8)
+                    .numpy()
+                    .tobytes(),
+                }
+                for r in rows
+            ]
+        )
         for comp in ("none", "zstd"):
             d = work / f"b-{dtype}-{comp}"
             info = write_shard(conv, d, "train", 0, comp, Counter())
             floor = len(capture_ids) * 576 * nbytes
-            results["bytes_per_token"][f"{dtype}/{comp}"] = {"bytes_per_token": info.bytes / stored_tokens, "raw_floor": floor,
-                                                             "ratio": info.bytes / stored_tokens / floor}
+            results["bytes_per_token"][f"{dtype}/{comp}"] = {
+                "bytes_per_token": info.bytes / stored_tokens,
+                "raw_floor": floor,
+                "ratio": info.bytes / stored_tokens / floor,
+            }
 
     # 3. reads on one core, from the default format (float32, zstd)
-    Manifest(target="smollm2-135m", target_path=str(path), revision=None, architecture="LlamaForCausalLM",
-             tokenizer_sha256="", chat_template_sha256="", layer_ids=capture_ids, num_hidden_layers=30, hidden_size=576,
-             dtype="float32", compression="zstd").save(ds_dir)
+    Manifest(
+        target="smollm2-135m",
+        target_path=str(path),
+        revision=None,
+        architecture="LlamaForCausalLM",
+        tokenizer_sha256="",
+        chat_template_sha256="",
+        layer_ids=capture_ids,
+        num_hidden_layers=30,
+        hidden_size=576,
+        dtype="float32",
+        compression="zstd",
+    ).save(ds_dir)
     finalize(ds_dir, [("train", 0)])
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -138,9 +167,14 @@ def main() -> None:
     for i in order:
         ds[i]
     lookup_s = time.perf_counter() - t0
-    results["read"].update({"MB_s": nbytes / read_s / 1e6, "ms_per_random_sequence": read_s / len(order) * 1e3,
-                            "ms_per_lookup_zero_copy": lookup_s / len(order) * 1e3,
-                            "mean_sequence_MB": nbytes / len(order) / 1e6})
+    results["read"].update(
+        {
+            "MB_s": nbytes / read_s / 1e6,
+            "ms_per_random_sequence": read_s / len(order) * 1e3,
+            "ms_per_lookup_zero_copy": lookup_s / len(order) * 1e3,
+            "mean_sequence_MB": nbytes / len(order) / 1e6,
+        }
+    )
     shutil.rmtree(work, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))

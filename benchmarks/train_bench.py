@@ -36,12 +36,29 @@ def synthetic_shards(out: Path, heads, *, n: int, seq_len: int) -> None:
     from dspark.core.shard_format import Manifest
 
     g = torch.Generator().manual_seed(0)
-    Manifest(target="smollm2-135m", target_path=str(heads.path), revision=None, architecture=heads.architecture,
-             tokenizer_sha256=file_sha256(heads.path / "tokenizer.json"), chat_template_sha256="", layer_ids=[1, 8, 15, 22, 29, 30],
-             num_hidden_layers=30, hidden_size=576, dtype="float32", compression="none").save(out)
-    rows = [{"seq_id": f"s{i}", "num_tokens": seq_len, "input_ids": torch.randint(0, 49152, (seq_len,), generator=g).tolist(),
-             "loss_mask": [0] * 64 + [1] * (seq_len - 64),
-             "hidden_states": torch.randn(seq_len - 1, 6, 576, generator=g).numpy().tobytes()} for i in range(n)]
+    Manifest(
+        target="smollm2-135m",
+        target_path=str(heads.path),
+        revision=None,
+        architecture=heads.architecture,
+        tokenizer_sha256=file_sha256(heads.path / "tokenizer.json"),
+        chat_template_sha256="",
+        layer_ids=[1, 8, 15, 22, 29, 30],
+        num_hidden_layers=30,
+        hidden_size=576,
+        dtype="float32",
+        compression="none",
+    ).save(out)
+    rows = [
+        {
+            "seq_id": f"s{i}",
+            "num_tokens": seq_len,
+            "input_ids": torch.randint(0, 49152, (seq_len,), generator=g).tolist(),
+            "loss_mask": [0] * 64 + [1] * (seq_len - 64),
+            "hidden_states": torch.randn(seq_len - 1, 6, 576, generator=g).numpy().tobytes(),
+        }
+        for i in range(n)
+    ]
     write_shard(rows, out, "train", 0, "none", Counter())
     finalize(out, [("train", 0)])
 
@@ -56,22 +73,39 @@ def main() -> None:
 
     import dspark.core.config  # noqa: F401 - registers the schemas
     from dspark.core.config import TargetConfig
-    from dspark.model import sample_anchors
     from dspark.core.target import load_target_heads, resolve_target
+    from dspark.model import sample_anchors
     from dspark.trainer import Trainer
 
     heads = load_target_heads(resolve_target(TargetConfig()).path)
     work = Path(tempfile.mkdtemp(prefix="dspark-train-bench-"))
     synthetic_shards(work / "shards", heads, n=16, seq_len=args.seq_len)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "+experiment=smollm2_cpu_demo", f"data.shards_dir={work / 'shards'}", f"train.checkpoint_dir={work / 'ckpt'}",
-            f"paths.output_dir={work}", "logging.wandb=false", "train.micro_batch_size=2", "train.anchors_per_seq=16",
-            f"train.max_steps={10**6}", "train.log_every=1000000", "stages=[train]"])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "+experiment=smollm2_cpu_demo",
+                f"data.shards_dir={work / 'shards'}",
+                f"train.checkpoint_dir={work / 'ckpt'}",
+                f"paths.output_dir={work}",
+                "logging.wandb=false",
+                "train.micro_batch_size=2",
+                "train.anchors_per_seq=16",
+                f"train.max_steps={10**6}",
+                "train.log_every=1000000",
+                "stages=[train]",
+            ],
+        )
     tr = Trainer(cfg, heads)
     plain_model = copy.deepcopy(tr.engine.module)  # same weights, no DeepSpeed
-    results: dict = {"seq_len": args.seq_len, "micro_batch": 2, "anchors_per_seq": 16, "gamma": 7,
-                     "trainable_params_M": tr.model.num_trainable_parameters() / 1e6, "threads": torch.get_num_threads()}
+    results: dict = {
+        "seq_len": args.seq_len,
+        "micro_batch": 2,
+        "anchors_per_seq": 16,
+        "gamma": 7,
+        "trainable_params_M": tr.model.num_trainable_parameters() / 1e6,
+        "threads": torch.get_num_threads(),
+    }
 
     # 1+2. DeepSpeed steps (the trainer's own step) with the data wait measured inside
     for _ in range(2):
@@ -102,8 +136,11 @@ def main() -> None:
             torch_times.append(time.perf_counter() - t0)
     torch_step = sorted(torch_times)[len(torch_times) // 2]
     results["deepspeed_vs_torch"] = {
-        "deepspeed_step_s": ds_step, "torch_step_s": torch_step, "overhead": ds_step / torch_step - 1,
-        "deepspeed_tokens_per_s": tokens / sum(ds_times), "torch_tokens_per_s": tokens / sum(ds_times) * ds_step / torch_step,
+        "deepspeed_step_s": ds_step,
+        "torch_step_s": torch_step,
+        "overhead": ds_step / torch_step - 1,
+        "deepspeed_tokens_per_s": tokens / sum(ds_times),
+        "torch_tokens_per_s": tokens / sum(ds_times) * ds_step / torch_step,
     }
     results["data_wait_fraction"] = sum(data_times) / sum(ds_times)
     results["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -128,9 +165,13 @@ def main() -> None:
         return time.perf_counter() - t0
 
     batched = timed(lambda: fwd_bwd(anchors, valid))
-    per_anchor = timed(lambda: [fwd_bwd(anchors[:, j:j + 1], valid[:, j:j + 1]) for j in range(anchors.shape[1])])
+    per_anchor = timed(lambda: [fwd_bwd(anchors[:, j : j + 1], valid[:, j : j + 1]) for j in range(anchors.shape[1])])
     model.zero_grad(set_to_none=True)
-    results["anchor_batching"] = {"batched_fwd_bwd_s": batched, "per_anchor_fwd_bwd_s": per_anchor, "speedup": per_anchor / batched}
+    results["anchor_batching"] = {
+        "batched_fwd_bwd_s": batched,
+        "per_anchor_fwd_bwd_s": per_anchor,
+        "speedup": per_anchor / batched,
+    }
     shutil.rmtree(work, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))

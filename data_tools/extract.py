@@ -71,8 +71,14 @@ class Summary:
         log.info(
             "extract: %d rows, %d tokens, %.0f bytes/token (raw floor %d, ratio %.3f), %.1f tok/s; "
             "shards written %d, already complete %d; skipped prompts: %s",
-            self.rows, self.tokens, bpt, self.raw_bytes_per_token, bpt / max(self.raw_bytes_per_token, 1),
-            self.tokens / max(self.seconds, 1e-9), self.shards_written, self.shards_resumed,
+            self.rows,
+            self.tokens,
+            bpt,
+            self.raw_bytes_per_token,
+            bpt / max(self.raw_bytes_per_token, 1),
+            self.tokens / max(self.seconds, 1e-9),
+            self.shards_written,
+            self.shards_resumed,
             dict(self.skipped) or "none",
         )
 
@@ -89,12 +95,10 @@ def tokenize(conv: Conversation, tokenizer: Any, *, regenerate: bool) -> tuple[l
     full_text = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": answer}], tokenize=False)
     if not full_text.startswith(prompt_text):
         raise ValueError(f"chat template renders the answer of {conv.seq_id} without the generation prompt as prefix")
-    return prompt_ids, tokenizer(full_text[len(prompt_text):], add_special_tokens=False).input_ids
+    return prompt_ids, tokenizer(full_text[len(prompt_text) :], add_special_tokens=False).input_ids
 
 
-def plan_requests(
-    convs: list[Conversation], tokenizer: Any, data: DataConfig
-) -> tuple[list[Request], Counter]:
+def plan_requests(convs: list[Conversation], tokenizer: Any, data: DataConfig) -> tuple[list[Request], Counter]:
     """Tokenise and fit each conversation to the window; overlong ones are skipped or
     truncated (``data.on_overlong``), never fatal."""
     window, max_new = data.max_seq_len, data.max_new_tokens
@@ -110,7 +114,7 @@ def plan_requests(
                 if data.on_overlong == "skip":
                     skipped["prompt longer than window"] += 1
                     continue
-                prompt = prompt[-(window - min(max_new, window // 2)):]  # keep the end: question + generation prompt
+                prompt = prompt[-(window - min(max_new, window // 2)) :]  # keep the end: question + generation prompt
             requests.append(Request(conv.seq_id, prompt, None, min(max_new, window - len(prompt))))
         else:
             if len(prompt) + len(answer) > window:
@@ -125,7 +129,9 @@ def plan_requests(
 # --- the vLLM engine -------------------------------------------------------------------------
 
 
-def engine_kwargs(target: TargetConfig, target_path: Path, capture_ids: list[int], data: DataConfig, work_dir: Path) -> dict[str, Any]:
+def engine_kwargs(
+    target: TargetConfig, target_path: Path, capture_ids: list[int], data: DataConfig, work_dir: Path
+) -> dict[str, Any]:
     """Arguments for ``vllm.LLM``/``EngineArgs``: the target plus hidden-state capture."""
     on_cpu = not torch.cuda.is_available()
     connector: dict[str, Any] = {
@@ -166,7 +172,8 @@ def capture_rows(llm: Any, requests: list[Request], data: DataConfig, *, n_layer
     """Run one batch through vLLM and return finished shard rows in request order."""
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        cleanup_hidden_states, load_hidden_states,
+        cleanup_hidden_states,
+        load_hidden_states,
     )
 
     params = [
@@ -193,15 +200,20 @@ def capture_rows(llm: Any, requests: list[Request], data: DataConfig, *, n_layer
         saved = load_hidden_states(path)
         states = saved["hidden_states"][: len(ids) - 1]  # [T-1, n_layers, H]
         if saved["token_ids"][: len(ids) - 1].tolist() != ids[:-1] or states.shape != (len(ids) - 1, n_layers, hidden):
-            raise RuntimeError(f"vLLM returned states {tuple(states.shape)} for {req.seq_id}, expected ({len(ids) - 1}, {n_layers}, {hidden})")
+            raise RuntimeError(
+                f"vLLM returned states {tuple(states.shape)} for {req.seq_id}, expected ({len(ids) - 1}, {n_layers}, "
+                f"{hidden})"
+            )
         cleanup_hidden_states(path)
-        rows.append({
-            "seq_id": req.seq_id,
-            "num_tokens": len(ids),
-            "input_ids": ids,
-            "loss_mask": mask,
-            "hidden_states": states.to(store).contiguous().view(torch.uint8).numpy().tobytes(),
-        })
+        rows.append(
+            {
+                "seq_id": req.seq_id,
+                "num_tokens": len(ids),
+                "input_ids": ids,
+                "loss_mask": mask,
+                "hidden_states": states.to(store).contiguous().view(torch.uint8).numpy().tobytes(),
+            }
+        )
     return rows
 
 
@@ -220,16 +232,34 @@ def default_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def build_manifest(target: TargetConfig, target_path: Path, tokenizer: Any, chat_template: Optional[str],
-                   capture_ids: list[int], text_cfg: dict, arch: str, data: DataConfig, prompt_set: str) -> Manifest:
+def build_manifest(
+    target: TargetConfig,
+    target_path: Path,
+    tokenizer: Any,
+    chat_template: Optional[str],
+    capture_ids: list[int],
+    text_cfg: dict,
+    arch: str,
+    data: DataConfig,
+    prompt_set: str,
+) -> Manifest:
     tok_file = target_path / "tokenizer.json"
     tok_hash = file_sha256(tok_file) if tok_file.is_file() else text_sha256(str(sorted(tokenizer.get_vocab().items())))
     return Manifest(
-        target=target.name, target_path=str(target_path), revision=target.revision, architecture=arch,
-        tokenizer_sha256=tok_hash, chat_template_sha256=text_sha256(chat_template),
-        layer_ids=capture_ids, layer_id_convention=CONVENTION, num_hidden_layers=int(text_cfg["num_hidden_layers"]),
-        hidden_size=int(text_cfg["hidden_size"]), dtype=data.store_dtype, compression=data.compression,
-        prompt_set_sha256=prompt_set, rows_per_shard=data.rows_per_shard,
+        target=target.name,
+        target_path=str(target_path),
+        revision=target.revision,
+        architecture=arch,
+        tokenizer_sha256=tok_hash,
+        chat_template_sha256=text_sha256(chat_template),
+        layer_ids=capture_ids,
+        layer_id_convention=CONVENTION,
+        num_hidden_layers=int(text_cfg["num_hidden_layers"]),
+        hidden_size=int(text_cfg["hidden_size"]),
+        dtype=data.store_dtype,
+        compression=data.compression,
+        prompt_set_sha256=prompt_set,
+        rows_per_shard=data.rows_per_shard,
     )
 
 
@@ -247,27 +277,56 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
     arch, _, _, text_cfg = read_config(target_dir)
     capture_ids = target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=target.trust_remote_code)
-    splits = dedupe_and_split(load_source(data.source, split=data.hf_split),
-                              val_fraction=data.val_fraction, limit=data.num_prompts)
-    manifest = build_manifest(target, target_dir, tokenizer, tokenizer.chat_template, capture_ids, text_cfg, arch, data,
-                              prompt_set_sha256(splits, data))
+    splits = dedupe_and_split(
+        load_source(data.source, split=data.hf_split), val_fraction=data.val_fraction, limit=data.num_prompts
+    )
+    manifest = build_manifest(
+        target,
+        target_dir,
+        tokenizer,
+        tokenizer.chat_template,
+        capture_ids,
+        text_cfg,
+        arch,
+        data,
+        prompt_set_sha256(splits, data),
+    )
     open_dataset_dir(out, manifest)
     per = data.rows_per_shard
     units = [(s, k) for s in SPLITS for k in range((len(splits[s]) + per - 1) // per)]
     mine = assign(units, rank, world)
     todo = [(split, k) for split, k in mine if complete_shard(out, split, k) is None]
-    summary = Summary(raw_bytes_per_token=len(capture_ids) * manifest.hidden_size * manifest.bytes_per_value,
-                      shards_resumed=len(mine) - len(todo))
-    log.info("extract rank %d/%d: %d shards, %d already complete, %d to do -> %s", rank, world, len(mine),
-             summary.shards_resumed, len(todo), out)
+    summary = Summary(
+        raw_bytes_per_token=len(capture_ids) * manifest.hidden_size * manifest.bytes_per_value,
+        shards_resumed=len(mine) - len(todo),
+    )
+    log.info(
+        "extract rank %d/%d: %d shards, %d already complete, %d to do -> %s",
+        rank,
+        world,
+        len(mine),
+        summary.shards_resumed,
+        len(todo),
+        out,
+    )
     work = out / "_work" / f"rank{rank}"
     kwargs = engine_kwargs(target, target_dir, capture_ids, data, work)
     if int(kwargs.get("node_rank", 0)) > 0:  # multi-node engine: node 0 drives, we host workers
         run_headless_workers(kwargs)
         return summary
     if todo:
-        capture_shards(todo, splits, tokenizer, data, kwargs, out=out, work=work, n_layers=len(capture_ids),
-                       hidden=manifest.hidden_size, summary=summary)
+        capture_shards(
+            todo,
+            splits,
+            tokenizer,
+            data,
+            kwargs,
+            out=out,
+            work=work,
+            n_layers=len(capture_ids),
+            hidden=manifest.hidden_size,
+            summary=summary,
+        )
     finalize(out, units)
     summary.log()
     return summary
@@ -277,8 +336,10 @@ def prompt_set_sha256(splits: dict[str, list[Conversation]], data: DataConfig) -
     """The ordered prompt ids per split and the generation settings: a resume with other prompts
     would assign different prompts to the same shard names."""
     ids = ",".join(f"{s}:{c.seq_id}" for s in SPLITS for c in splits[s])
-    return text_sha256(f"{ids}|{data.regenerate}|{data.max_new_tokens}|{data.max_seq_len}|{data.temperature}|"
-                       f"{data.seed}|{data.on_overlong}")
+    return text_sha256(
+        f"{ids}|{data.regenerate}|{data.max_new_tokens}|{data.max_seq_len}|{data.temperature}|"
+        f"{data.seed}|{data.on_overlong}"
+    )
 
 
 def open_dataset_dir(out: Path, manifest: Manifest) -> None:
@@ -292,8 +353,19 @@ def open_dataset_dir(out: Path, manifest: Manifest) -> None:
             manifest.save(out)
 
 
-def capture_shards(todo: list[tuple[str, int]], splits: dict[str, list[Conversation]], tokenizer: Any, data: DataConfig,
-                   kwargs: dict[str, Any], *, out: Path, work: Path, n_layers: int, hidden: int, summary: Summary) -> None:
+def capture_shards(
+    todo: list[tuple[str, int]],
+    splits: dict[str, list[Conversation]],
+    tokenizer: Any,
+    data: DataConfig,
+    kwargs: dict[str, Any],
+    *,
+    out: Path,
+    work: Path,
+    n_layers: int,
+    hidden: int,
+    summary: Summary,
+) -> None:
     """Start one engine and write this rank's missing shards, one batch of sequences at a time."""
     per = data.rows_per_shard
     shutil.rmtree(work, ignore_errors=True)  # request files of a killed run
@@ -302,15 +374,22 @@ def capture_shards(todo: list[tuple[str, int]], splits: dict[str, list[Conversat
             stale.unlink()
     llm = make_engine(kwargs, data)
     t0 = time.perf_counter()
-    bar = tqdm(total=sum(len(splits[s][k * per:(k + 1) * per]) for s, k in todo), unit="seq", desc="extract", dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(len(splits[s][k * per : (k + 1) * per]) for s, k in todo),
+        unit="seq",
+        desc="extract",
+        dynamic_ncols=True,
+    )
     for split, k in todo:
-        requests, skipped = plan_requests(splits[split][k * per:(k + 1) * per], tokenizer, data)
+        requests, skipped = plan_requests(splits[split][k * per : (k + 1) * per], tokenizer, data)
         bar.update(sum(skipped.values()))
         writer = ShardWriter(out, split, k, data.compression)
         for b in range(0, len(requests), data.batch_size):
-            writer.write(capture_rows(llm, requests[b:b + data.batch_size], data, n_layers=n_layers, hidden=hidden))
-            bar.update(len(requests[b:b + data.batch_size]))
-            bar.set_postfix(tok_s=f"{(summary.tokens + writer.tokens) / (time.perf_counter() - t0):.0f}", shard=f"{split}/{k}")
+            writer.write(capture_rows(llm, requests[b : b + data.batch_size], data, n_layers=n_layers, hidden=hidden))
+            bar.update(len(requests[b : b + data.batch_size]))
+            bar.set_postfix(
+                tok_s=f"{(summary.tokens + writer.tokens) / (time.perf_counter() - t0):.0f}", shard=f"{split}/{k}"
+            )
         info = writer.finish(skipped)
         summary.rows += info.rows
         summary.tokens += info.tokens

@@ -23,8 +23,16 @@ from typing import Any, Iterable, Iterator, Optional
 from dspark.core.files import read_jsonl
 from dspark.core.prompt_format import format_lcr_prompt
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
 ROLES = ("system", "user", "assistant")
 
 
@@ -58,22 +66,30 @@ class Conversation:
 
 def _conversation(record: Any, where: str) -> Conversation:
     if not isinstance(record, dict):
-        raise PromptFileError(f"{where}: expected a JSON object with 'messages' or 'conversations', got {type(record).__name__}")
+        raise PromptFileError(
+            f"{where}: expected a JSON object with 'messages' or 'conversations', got {type(record).__name__}"
+        )
     if "messages" in record:
         turns, role_key, content_key, roles = record["messages"], "role", "content", {r: r for r in ROLES}
     elif "conversations" in record:
         turns, role_key, content_key, roles = record["conversations"], "from", "value", SHAREGPT_ROLES
     else:
-        raise PromptFileError(f"{where}: expected a field 'messages' (OpenAI) or 'conversations' (ShareGPT); found {sorted(record)}")
+        raise PromptFileError(
+            f"{where}: expected a field 'messages' (OpenAI) or 'conversations' (ShareGPT); found {sorted(record)}"
+        )
     if not isinstance(turns, (list, tuple)) or not turns:
-        raise PromptFileError(f"{where}: field {'messages' if role_key == 'role' else 'conversations'!r} must be a non-empty list")
+        raise PromptFileError(
+            f"{where}: field {'messages' if role_key == 'role' else 'conversations'!r} must be a non-empty list"
+        )
     out = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
             raise PromptFileError(f"{where}: turn {i} must be an object with {role_key!r} and {content_key!r}")
         role = roles.get(str(turn[role_key]).lower())
         if role is None:
-            raise PromptFileError(f"{where}: turn {i} field {role_key!r} is {turn[role_key]!r}; expected one of {sorted(roles)}")
+            raise PromptFileError(
+                f"{where}: turn {i} field {role_key!r} is {turn[role_key]!r}; expected one of {sorted(roles)}"
+            )
         if not isinstance(turn[content_key], str):
             raise PromptFileError(f"{where}: turn {i} field {content_key!r} must be a string")
         out.append((role, turn[content_key]))
@@ -121,7 +137,9 @@ def load_source(source: str, *, split: str = "train") -> Iterator[Conversation]:
             ds = ds[split]
         yield from read_records(ds, str(path))
     elif path.suffix in (".jsonl", ".json", ".parquet") or source.startswith(("/", ".", "~")):
-        raise PromptFileError(f"{path}: missing file; data.source must be 'bundled', 'bundled_lcr', a .jsonl/.parquet file, or a dataset")
+        raise PromptFileError(
+            f"{path}: missing file; data.source must be 'bundled', 'bundled_lcr', a .jsonl/.parquet file, or a dataset"
+        )
     else:
         import datasets
 
@@ -201,7 +219,9 @@ def _package_descriptions() -> Iterator[tuple[str, str, str]]:
         if name == OWN_DISTRIBUTION:  # our README changes with every commit; the prompt set must not
             continue
         text = dist.metadata.get("Summary") or ""
-        desc = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else dist.metadata.get("Description")
+        desc = (
+            dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else dist.metadata.get("Description")
+        )
         if desc and len(str(desc)) > 200:
             text = f"{text}\n\n{desc}"
         if name and len(text) > 120:
@@ -244,11 +264,27 @@ LCR_TRAIN_QUESTIONS = (
 """Questions for the training prompts; the eval set asks others (eval.prompts.OFFLINE_QUESTIONS)."""
 
 
-LCR_EXCLUDED_MODULES = frozenset({
-    "asynchat.py", "asyncore.py", "cgi.py", "contextlib.py", "imghdr.py", "imp.py", "mimetypes.py",
-    "nturl2path.py", "platform.py", "pydoc.py", "queue.py", "socket.py", "subprocess.py", "threading.py",
-    "trace.py", "uu.py", "zipimport.py",
-})
+LCR_EXCLUDED_MODULES = frozenset(
+    {
+        "asynchat.py",
+        "asyncore.py",
+        "cgi.py",
+        "contextlib.py",
+        "imghdr.py",
+        "imp.py",
+        "mimetypes.py",
+        "nturl2path.py",
+        "platform.py",
+        "pydoc.py",
+        "queue.py",
+        "socket.py",
+        "subprocess.py",
+        "threading.py",
+        "trace.py",
+        "uu.py",
+        "zipimport.py",
+    }
+)
 """Top-level modules that share code or docs with the stdlib sub-packages the eval set reads
 (more than 20 common 8-word runs, e.g. imghdr's tests in email.mime.image): never training text."""
 
@@ -287,8 +323,9 @@ def _excerpt(rng: random.Random, text: str, max_chars: int) -> str:
     return "\n".join(out).strip()
 
 
-def bundled_lcr_conversations(*, seed: int = 0, count: int = 4096, min_chars: int = 2000,
-                              max_chars: int = 6500, max_docs: int = 4) -> Iterator[Conversation]:
+def bundled_lcr_conversations(
+    *, seed: int = 0, count: int = 4096, min_chars: int = 2000, max_chars: int = 6500, max_docs: int = 4
+) -> Iterator[Conversation]:
     """AA-LCR-style training prompts from text every machine has: 2 to ``max_docs`` documents
     (excerpts of top-level stdlib module sources and installed packages' descriptions) of
     ``min_chars`` to ``max_chars`` characters in all (about 600 to 2,500 SmolLM2 tokens), then a

@@ -30,8 +30,11 @@ class ShardWriter:
         self.final = self.dir / f"{self.name}.parquet"
         self.tmp = self.dir / f".{self.name}.parquet.tmp-{os.getpid()}"
         self.writer = pq.ParquetWriter(
-            self.tmp, SCHEMA, compression=None if compression == "none" else compression,
-            use_dictionary=False, write_statistics=["seq_id", "num_tokens"],
+            self.tmp,
+            SCHEMA,
+            compression=None if compression == "none" else compression,
+            use_dictionary=False,
+            write_statistics=["seq_id", "num_tokens"],
         )
         self.rows = self.tokens = 0
 
@@ -46,13 +49,22 @@ class ShardWriter:
         with open(self.tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(self.tmp, self.final)
-        info = ShardInfo(split=self.split, name=self.name, rows=self.rows, tokens=self.tokens,
-                         bytes=self.final.stat().st_size, sha256=file_sha256(self.final), skipped=dict(skipped))
+        info = ShardInfo(
+            split=self.split,
+            name=self.name,
+            rows=self.rows,
+            tokens=self.tokens,
+            bytes=self.final.stat().st_size,
+            sha256=file_sha256(self.final),
+            skipped=dict(skipped),
+        )
         atomic_write_text(self.dir / f"{self.name}.json", json.dumps(info.__dict__))
         return info
 
 
-def write_shard(rows: list[dict], directory: Path, split: str, index: int, compression: str, skipped: Counter) -> ShardInfo:
+def write_shard(
+    rows: list[dict], directory: Path, split: str, index: int, compression: str, skipped: Counter
+) -> ShardInfo:
     """Write a whole shard from rows in memory (tests, benchmarks)."""
     writer = ShardWriter(directory, split, index, compression)
     writer.write(rows)

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import torch
 
 from dspark.core.files import file_sha256
-from dspark.core.shard_format import SCHEMA, SPLITS, Manifest, ShardInfo, check_row, decode_hidden_states
 from dspark.core.layer_ids import reference_hidden_states
+from dspark.core.shard_format import SCHEMA, SPLITS, Manifest, ShardInfo, check_row, decode_hidden_states
 
 
 def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[dict]]:
@@ -30,7 +30,9 @@ def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[d
     problems: list[str] = []
     pool: list[dict] = []
     recorded = {info.path: info for info in manifest.shards}
-    sidecars = {f"{p.parent.name}/{p.stem}.parquet": p for s in SPLITS for p in sorted((directory / s).glob("shard-*.json"))}
+    sidecars = {
+        f"{p.parent.name}/{p.stem}.parquet": p for s in SPLITS for p in sorted((directory / s).glob("shard-*.json"))
+    }
     on_disk = {f"{p.parent.name}/{p.name}" for s in SPLITS for p in (directory / s).glob("shard-*.parquet")}
     for path in sorted(set(recorded) | set(sidecars) | on_disk):
         info = recorded.get(path) or (ShardInfo(**json.loads(sidecars[path].read_text())) if path in sidecars else None)
@@ -43,7 +45,10 @@ def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[d
             continue
         size = file.stat().st_size
         if size != info.bytes or file_sha256(file) != info.sha256:
-            problems.append(f"{file}: size/sha256 differ from its sidecar ({size} vs {info.bytes} bytes); truncated or altered, resume rebuilds it")
+            problems.append(
+                f"{file}: size/sha256 differ from its sidecar ({size} vs {info.bytes} bytes); truncated or altered, "
+                f"resume rebuilds it"
+            )
             continue
         try:
             table = pq.read_table(file)
@@ -56,13 +61,21 @@ def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[d
         if table.num_rows != info.rows:
             problems.append(f"{file}: {table.num_rows} rows, sidecar says {info.rows}")
         for i, row in enumerate(table.to_pylist()):
-            bad = check_row(row, n_layers=len(manifest.layer_ids), hidden_size=manifest.hidden_size,
-                            bytes_per_value=manifest.bytes_per_value)
+            bad = check_row(
+                row,
+                n_layers=len(manifest.layer_ids),
+                hidden_size=manifest.hidden_size,
+                bytes_per_value=manifest.bytes_per_value,
+            )
             if bad:
                 problems.append(f"{file}: row {i} ({row['seq_id']}): {bad}")
                 continue
-            hs = decode_hidden_states(row["hidden_states"], dtype=manifest.dtype, n_layers=len(manifest.layer_ids),
-                                      hidden=manifest.hidden_size)
+            hs = decode_hidden_states(
+                row["hidden_states"],
+                dtype=manifest.dtype,
+                n_layers=len(manifest.layer_ids),
+                hidden=manifest.hidden_size,
+            )
             if not torch.isfinite(hs).all():
                 problems.append(f"{file}: row {i} ({row['seq_id']}): NaN/inf in hidden_states")
                 continue
@@ -92,9 +105,15 @@ def recompute_errors(manifest: Manifest, pool: list[dict], n: int, seed: int = 0
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m data_tools.verify", description=__doc__.split("\n\n")[0])
     ap.add_argument("directory", type=Path, help="dataset directory (holds manifest.json)")
-    ap.add_argument("--recompute", type=int, default=4, metavar="N", help="sequences to recompute with transformers (0: skip)")
-    ap.add_argument("--max-rel-err", type=float, default=None,
-                    help="fail above this relative error (default 1e-4 for float32 shards, 1e-2 for 16-bit)")
+    ap.add_argument(
+        "--recompute", type=int, default=4, metavar="N", help="sequences to recompute with transformers (0: skip)"
+    )
+    ap.add_argument(
+        "--max-rel-err",
+        type=float,
+        default=None,
+        help="fail above this relative error (default 1e-4 for float32 shards, 1e-2 for 16-bit)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = ap.parse_args(argv)
 
@@ -112,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         for layer, err in errors.items():
             print(f"  layer {layer:>4}: {err:.3e}{'  TOO HIGH' if err > limit else ''}")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "problems": problems, "max_rel_err": errors, "limit": limit}, indent=2))
+        args.json.write_text(
+            json.dumps({"rows": rows, "problems": problems, "max_rel_err": errors, "limit": limit}, indent=2)
+        )
     ok = not problems and all(e <= limit for e in errors.values())
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.shards import ShardSequence, ShardDataset
+from dspark.shards import ShardDataset, ShardSequence
 
 
 @dataclass
@@ -22,8 +22,14 @@ class Batch:
     final_states: torch.Tensor  # [B, S, Ht]
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "Batch":
-        return Batch(self.seq_ids, self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device),
-                     self.context_states.to(device, dtype), self.final_states.to(device, dtype))
+        return Batch(
+            self.seq_ids,
+            self.input_ids.to(device),
+            self.loss_mask.to(device),
+            self.lengths.to(device),
+            self.context_states.to(device, dtype),
+            self.final_states.to(device, dtype),
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -62,13 +68,27 @@ class DataPosition:
 class RankBatches:
     """Endless micro-batches for one data-parallel rank, resumable from a DataPosition."""
 
-    def __init__(self, ds: ShardDataset, *, rank: int, world_size: int, micro_batch: int, seed: int,
-                 context_index: list[int], final_index: int, max_len: int, position: DataPosition | None = None):
+    def __init__(
+        self,
+        ds: ShardDataset,
+        *,
+        rank: int,
+        world_size: int,
+        micro_batch: int,
+        seed: int,
+        context_index: list[int],
+        final_index: int,
+        max_len: int,
+        position: DataPosition | None = None,
+    ):
         self.ds, self.rank, self.world, self.mb, self.seed = ds, rank, world_size, micro_batch, seed
         self.collate_kw = dict(context_index=context_index, final_index=final_index, max_len=max_len)
         self.pos = position or DataPosition()
         if len(ds) // world_size < micro_batch:
-            raise ValueError(f"{ds.directory}/{ds.split}: {len(ds)} sequences cannot fill a micro batch of {micro_batch} on {world_size} ranks")
+            raise ValueError(
+                f"{ds.directory}/{ds.split}: {len(ds)} sequences cannot fill a micro batch of {micro_batch} on "
+                f"{world_size} ranks"
+            )
         self._order = self._epoch_order()
 
     def _epoch_order(self) -> list[int]:
@@ -78,6 +98,6 @@ class RankBatches:
         if self.pos.index + self.mb > len(self._order):
             self.pos = DataPosition(self.pos.epoch + 1, 0)
             self._order = self._epoch_order()
-        idx = self._order[self.pos.index: self.pos.index + self.mb]
+        idx = self._order[self.pos.index : self.pos.index + self.mb]
         self.pos = DataPosition(self.pos.epoch, self.pos.index + self.mb)
         return collate([self.ds[i] for i in idx], **self.collate_kw)

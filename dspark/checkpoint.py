@@ -62,8 +62,11 @@ def lock_checkpoint_dir(checkpoint_dir: Path) -> Any:
         raise CheckpointInUseError(
             f"{checkpoint_dir}: in use by another training run (host {owner.get('host', '?')}, pid "
             f"{owner.get('pid', '?')}, since {since}); two runs writing one checkpoint directory would "
-            "interleave their tags. Wait for it or stop it, or give this run its own train.checkpoint_dir") from None
-    atomic_write_json(checkpoint_dir / OWNER_FILE, {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
+            "interleave their tags. Wait for it or stop it, or give this run its own train.checkpoint_dir"
+        ) from None
+    atomic_write_json(
+        checkpoint_dir / OWNER_FILE, {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    )
     return lock
 
 
@@ -107,8 +110,10 @@ def _tag_dir(path: Path) -> Path:
 def _model_states_file(tag: Path) -> Path:
     files = sorted(tag.glob("*mp_rank_00_model_states.pt"))
     if not files:
-        raise CheckpointError(f"{tag}: not a DeepSpeed checkpoint tag (no *mp_rank_00_model_states.pt); "
-                              "pass the checkpoint directory (with 'latest') or one of its stepNNNNNNNN tags")
+        raise CheckpointError(
+            f"{tag}: not a DeepSpeed checkpoint tag (no *mp_rank_00_model_states.pt); "
+            "pass the checkpoint directory (with 'latest') or one of its stepNNNNNNNN tags"
+        )
     return files[0]
 
 
@@ -154,10 +159,14 @@ def load_training_checkpoint(path: Path) -> TrainingCheckpoint:
     try:
         states = torch.load(states_file, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a damaged file
-        raise CheckpointError(f"{states_file}: cannot be read as a DeepSpeed model-states file ({type(e).__name__}: {e})") from e
+        raise CheckpointError(
+            f"{states_file}: cannot be read as a DeepSpeed model-states file ({type(e).__name__}: {e})"
+        ) from e
     for key in ("drafter", "dims", "step"):
         if key not in states:
-            raise CheckpointError(f"{states_file}: field {key!r} missing; expected a checkpoint written by dspark.trainer")
+            raise CheckpointError(
+                f"{states_file}: field {key!r} missing; expected a checkpoint written by dspark.trainer"
+            )
     stage = int((states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
     if stage == 0:
         raw = states["module"]
@@ -165,21 +174,29 @@ def load_training_checkpoint(path: Path) -> TrainingCheckpoint:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:
-            raw = get_fp32_state_dict_from_zero_checkpoint(str(tag.parent), tag=tag.name, exclude_frozen_parameters=True)
+            raw = get_fp32_state_dict_from_zero_checkpoint(
+                str(tag.parent), tag=tag.name, exclude_frozen_parameters=True
+            )
         except Exception as e:  # noqa: BLE001 - DeepSpeed raises bare ValueError/FileNotFoundError
             raise CheckpointError(f"{tag}: ZeRO-{stage} shards could not be merged ({type(e).__name__}: {e})") from e
     weights = {}
     for name, t in raw.items():
         if not name.startswith("drafter."):
-            raise CheckpointError(f"{states_file}: tensor {name!r} is not under 'drafter.'; expected a dspark.trainer checkpoint")
-        name = name[len("drafter."):]
+            raise CheckpointError(
+                f"{states_file}: tensor {name!r} is not under 'drafter.'; expected a dspark.trainer checkpoint"
+            )
+        name = name[len("drafter.") :]
         if not name.startswith(SHARED_FROM_TARGET):
             weights[name] = t.detach().float().contiguous()
     run_config = read_run_config(tag)
     if run_config is None:
-        raise CheckpointError(f"{tag / RUN_FILE}: missing; the checkpoint's run config (target, layer ids) is needed to export")
+        raise CheckpointError(
+            f"{tag / RUN_FILE}: missing; the checkpoint's run config (target, layer ids) is needed to export"
+        )
     dims = DrafterDims(**states["dims"])
-    ckpt = TrainingCheckpoint(tag, int(states["step"]), DSparkConfig(**states["drafter"]), dims, weights, run_config, stage)
+    ckpt = TrainingCheckpoint(
+        tag, int(states["step"]), DSparkConfig(**states["drafter"]), dims, weights, run_config, stage
+    )
     check_weights(ckpt.weights, ckpt.drafter, dims, where=str(tag))
     return ckpt
 
@@ -189,10 +206,16 @@ def check_weights(weights: dict[str, torch.Tensor], cfg: DSparkConfig, dims: Dra
     want = trainable_parameter_shapes(cfg, dims)
     problems = [f"missing tensor {k!r} (expected shape {list(s)})" for k, s in want.items() if k not in weights]
     problems += [f"unexpected tensor {k!r}" for k in weights if k not in want]
-    problems += [f"tensor {k!r} has shape {list(weights[k].shape)}, expected {list(s)}"
-                 for k, s in want.items() if k in weights and tuple(weights[k].shape) != s]
-    problems += [f"tensor {k!r} has non-finite values" for k, t in weights.items()
-                 if k in want and t.is_floating_point() and not torch.isfinite(t).all()]
+    problems += [
+        f"tensor {k!r} has shape {list(weights[k].shape)}, expected {list(s)}"
+        for k, s in want.items()
+        if k in weights and tuple(weights[k].shape) != s
+    ]
+    problems += [
+        f"tensor {k!r} has non-finite values"
+        for k, t in weights.items()
+        if k in want and t.is_floating_point() and not torch.isfinite(t).all()
+    ]
     if problems:
         raise CheckpointError(f"{where}: " + "; ".join(problems))
 
@@ -205,10 +228,15 @@ def checkpoint_config_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:
         return []
     now = cfg.to_dict()
     keys = list(dict.fromkeys([*saved.get("drafter", {}), *now["drafter"]]))
-    diffs = [f"drafter.{k}: checkpoint {saved.get('drafter', {}).get(k)!r}, now {now['drafter'].get(k)!r}"
-             for k in keys if saved.get("drafter", {}).get(k) != now["drafter"].get(k)]
+    diffs = [
+        f"drafter.{k}: checkpoint {saved.get('drafter', {}).get(k)!r}, now {now['drafter'].get(k)!r}"
+        for k in keys
+        if saved.get("drafter", {}).get(k) != now["drafter"].get(k)
+    ]
     if saved.get("target", {}).get("layer_ids") != now["target"]["layer_ids"]:
-        diffs.append(f"target.layer_ids: checkpoint {saved.get('target', {}).get('layer_ids')}, now {now['target']['layer_ids']}")
+        diffs.append(
+            f"target.layer_ids: checkpoint {saved.get('target', {}).get('layer_ids')}, now {now['target']['layer_ids']}"
+        )
     return diffs
 
 

@@ -25,8 +25,16 @@ from dspark.core.files import atomic_path
 from dspark.core.layer_ids import CONVENTION
 from dspark.core.target import read_text_config
 from dspark.serving_format import (
-    ARCHITECTURES, CONFIG_FILE, EXPORT_FORMAT_VERSION, LAYOUTS, PROVENANCE_FILE, WEIGHTS_FILE, ExportError, check_layout,
-    draft_config, serving_weights,
+    ARCHITECTURES,
+    CONFIG_FILE,
+    EXPORT_FORMAT_VERSION,
+    LAYOUTS,
+    PROVENANCE_FILE,
+    WEIGHTS_FILE,
+    ExportError,
+    check_layout,
+    draft_config,
+    serving_weights,
 )
 
 log = logging.getLogger(__name__)
@@ -52,12 +60,18 @@ class ExportSummary:
     notes: list[str] = field(default_factory=list)
 
     def render(self) -> str:
+        layout = (
+            "anchor predicts (sample_from_anchor=true)"
+            if self.sample_from_anchor
+            else "fill-in / bonus anchor (sample_from_anchor=false)"
+        )
         lines = [
             f"exported {self.source} (step {self.step}, ZeRO-{self.zero_stage}) -> {self.out_dir}",
             f"  serve with: speculative_config={{'method': '{self.method}', 'model': '{self.out_dir}', "
             f"'num_speculative_tokens': N}}",
-            f"  architecture {self.architecture}, layout {'anchor predicts (sample_from_anchor=true)' if self.sample_from_anchor else 'fill-in / bonus anchor (sample_from_anchor=false)'}",
-            f"  target layers {self.context_layer_ids} ({CONVENTION}) -> config target_layer_ids {self.vllm_target_layer_ids} (vLLM captures id+1)",
+            f"  architecture {self.architecture}, layout {layout}",
+            f"  target layers {self.context_layer_ids} ({CONVENTION}) -> config target_layer_ids "
+            f"{self.vllm_target_layer_ids} (vLLM captures id+1)",
             f"  Markov rank {self.markov_rank}, confidence head {'yes' if self.confidence_head else 'no'}, "
             f"{self.num_parameters / 1e6:.2f}M parameters in {self.dtype}, {self.size_bytes / 2**20:.1f} MiB",
         ]
@@ -77,8 +91,14 @@ def _target_config(ckpt: TrainingCheckpoint, target_dir: Optional[Path]) -> tupl
     return read_text_config(Path(target_dir)), Path(target_dir)
 
 
-def export(checkpoint: Path, out_dir: Path, *, layout: str = "dspark", dtype: Optional[str] = None,
-           target_dir: Optional[Path] = None) -> ExportSummary:
+def export(
+    checkpoint: Path,
+    out_dir: Path,
+    *,
+    layout: str = "dspark",
+    dtype: Optional[str] = None,
+    target_dir: Optional[Path] = None,
+) -> ExportSummary:
     """Write ``out_dir`` (config.json, model.safetensors, export.json) from a training checkpoint."""
     ckpt = load_training_checkpoint(checkpoint)
     check_layout(ckpt.drafter, layout)
@@ -99,26 +119,52 @@ def export(checkpoint: Path, out_dir: Path, *, layout: str = "dspark", dtype: Op
     return _summary(out_dir, ckpt, layout, dtype, weights, config)
 
 
-def _write_export(tmp: Path, weights: dict, config: dict, ckpt: TrainingCheckpoint, layout: str, dtype: str,
-                  tdir: Path) -> None:
+def _write_export(
+    tmp: Path, weights: dict, config: dict, ckpt: TrainingCheckpoint, layout: str, dtype: str, tdir: Path
+) -> None:
     save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    provenance = {"format_version": EXPORT_FORMAT_VERSION, "layer_id_convention": CONVENTION,
-                  "context_layer_ids": ckpt.context_layer_ids, "drafter": asdict(ckpt.drafter), "dims": asdict(ckpt.dims),
-                  "source": str(ckpt.path), "step": ckpt.step, "zero_stage": ckpt.zero_stage, "layout": layout,
-                  "dtype": dtype, "target": {"name": ckpt.run_config["target"].get("name"), "path": str(tdir)},
-                  "train_dtype": ckpt.run_config.get("train", {}).get("dtype")}
+    provenance = {
+        "format_version": EXPORT_FORMAT_VERSION,
+        "layer_id_convention": CONVENTION,
+        "context_layer_ids": ckpt.context_layer_ids,
+        "drafter": asdict(ckpt.drafter),
+        "dims": asdict(ckpt.dims),
+        "source": str(ckpt.path),
+        "step": ckpt.step,
+        "zero_stage": ckpt.zero_stage,
+        "layout": layout,
+        "dtype": dtype,
+        "target": {"name": ckpt.run_config["target"].get("name"), "path": str(tdir)},
+        "train_dtype": ckpt.run_config.get("train", {}).get("dtype"),
+    }
     (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
 
 
-def _summary(out_dir: Path, ckpt: TrainingCheckpoint, layout: str, dtype: str, weights: dict, config: dict) -> ExportSummary:
+def _summary(
+    out_dir: Path, ckpt: TrainingCheckpoint, layout: str, dtype: str, weights: dict, config: dict
+) -> ExportSummary:
     summary = ExportSummary(
-        out_dir, layout, ARCHITECTURES[layout], layout, ckpt.path, ckpt.step, ckpt.zero_stage, dtype,
-        sum(t.numel() for t in weights.values()), (out_dir / WEIGHTS_FILE).stat().st_size, ckpt.context_layer_ids,
-        config.get("target_layer_ids") or config["dflash_config"]["target_layer_ids"], ckpt.drafter.sample_from_anchor,
-        ckpt.drafter.markov_rank, layout == "dspark" and ckpt.drafter.enable_confidence_head)
+        out_dir,
+        layout,
+        ARCHITECTURES[layout],
+        layout,
+        ckpt.path,
+        ckpt.step,
+        ckpt.zero_stage,
+        dtype,
+        sum(t.numel() for t in weights.values()),
+        (out_dir / WEIGHTS_FILE).stat().st_size,
+        ckpt.context_layer_ids,
+        config.get("target_layer_ids") or config["dflash_config"]["target_layer_ids"],
+        ckpt.drafter.sample_from_anchor,
+        ckpt.drafter.markov_rank,
+        layout == "dspark" and ckpt.drafter.enable_confidence_head,
+    )
     if layout == "dspark" and ckpt.drafter.markov_rank == 0:
-        summary.notes.append("Markov-off drafter: written as a zero rank-1 Markov head (vLLM's dspark model requires one)")
+        summary.notes.append(
+            "Markov-off drafter: written as a zero rank-1 Markov head (vLLM's dspark model requires one)"
+        )
     if layout == "dflash" and ckpt.drafter.enable_confidence_head:
         summary.notes.append("confidence head left out (dflash has none)")
     return summary
@@ -142,7 +188,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.cmd == "export":
-            summary = export(args.checkpoint, args.out, layout=args.layout, dtype=args.dtype, target_dir=args.target_dir)
+            summary = export(
+                args.checkpoint, args.out, layout=args.layout, dtype=args.dtype, target_dir=args.target_dir
+            )
             print(summary.render())
             if not args.no_validate:
                 from dspark.export_validate import validate
@@ -151,7 +199,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             from dspark.export_validate import validate
 
-            print(validate(args.export_dir, target_dir=args.target_dir, num_speculative_tokens=args.num_speculative_tokens).render())
+            print(
+                validate(
+                    args.export_dir, target_dir=args.target_dir, num_speculative_tokens=args.num_speculative_tokens
+                ).render()
+            )
     except CheckpointError as err:  # ExportError too
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -44,8 +44,10 @@ class ValidationReport:
     checks: list[str] = field(default_factory=list)
 
     def render(self) -> str:
-        head = (f"validated {self.export_dir} against vLLM (target {self.target_dir}): method {self.method}, "
-                f"{self.architecture}, {self.params_checked} parameters loaded by vLLM's loader")
+        head = (
+            f"validated {self.export_dir} against vLLM (target {self.target_dir}): method {self.method}, "
+            f"{self.architecture}, {self.params_checked} parameters loaded by vLLM's loader"
+        )
         return "\n".join([head] + [f"  ok: {c}" for c in self.checks])
 
 
@@ -57,8 +59,13 @@ def _vllm_model(vllm_config: Any, cls: type) -> torch.nn.Module:
 
     with set_current_vllm_config(vllm_config):
         if not model_parallel_is_initialized():
-            init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-                                         local_rank=0, backend="gloo")
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                local_rank=0,
+                backend="gloo",
+            )
             initialize_model_parallel(1, 1)
         with torch.device("cpu"):
             return cls(vllm_config=vllm_config, prefix="")
@@ -68,7 +75,9 @@ def _expected_fused(ours: dict[str, torch.Tensor], layer: int) -> dict[str, torc
     p = f"layers.{layer}."
     a, m = p + "self_attn.", p + "mlp."
     return {
-        f"model.{a}qkv_proj.weight": torch.cat([ours[a + "q_proj.weight"], ours[a + "k_proj.weight"], ours[a + "v_proj.weight"]]),
+        f"model.{a}qkv_proj.weight": torch.cat(
+            [ours[a + "q_proj.weight"], ours[a + "k_proj.weight"], ours[a + "v_proj.weight"]]
+        ),
         f"model.{m}gate_up_proj.weight": torch.cat([ours[m + "gate_proj.weight"], ours[m + "up_proj.weight"]]),
     }
 
@@ -79,27 +88,44 @@ def check_target(exp: Any, target_dir: Path) -> None:
     tcfg = read_text_config(target_dir)
     where = f"{exp.path} vs target {target_dir}"
     if int(tcfg["hidden_size"]) != exp.dims.target_hidden_size:
-        raise ExportError(f"{where}: the drafter reads target states of width {exp.dims.target_hidden_size} "
-                          f"(config target_hidden_size), the target's hidden_size is {tcfg['hidden_size']}")
+        raise ExportError(
+            f"{where}: the drafter reads target states of width {exp.dims.target_hidden_size} "
+            f"(config target_hidden_size), the target's hidden_size is {tcfg['hidden_size']}"
+        )
     if int(tcfg["vocab_size"]) != exp.dims.vocab_size:
-        raise ExportError(f"{where}: vocab_size {exp.dims.vocab_size} in the export, {tcfg['vocab_size']} in the target")
+        raise ExportError(
+            f"{where}: vocab_size {exp.dims.vocab_size} in the export, {tcfg['vocab_size']} in the target"
+        )
     n = int(tcfg["num_hidden_layers"])
     if max(exp.context_layer_ids) > n:
         raise ExportError(f"{where}: context layers {exp.context_layer_ids} but the target has {n} layers")
 
 
-def validate(export_dir: Path, *, target_dir: Optional[Path] = None, num_speculative_tokens: Optional[int] = None) -> ValidationReport:
+def validate(
+    export_dir: Path, *, target_dir: Optional[Path] = None, num_speculative_tokens: Optional[int] = None
+) -> ValidationReport:
     """Steps 1-4 of the module docstring; the first failure raises :class:`ExportError`."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     exp = read_export(export_dir)  # our own reading: files, fields, shapes
     target_dir = Path(target_dir or exp.provenance["target"]["path"]).expanduser()
     if not (target_dir / "config.json").is_file():
-        raise ExportError(f"{target_dir}: target directory (from export.json 'target.path') has no config.json; pass --target-dir")
+        raise ExportError(
+            f"{target_dir}: target directory (from export.json 'target.path') has no config.json; pass --target-dir"
+        )
     check_target(exp, target_dir)
     method = exp.layout  # the vLLM method name equals the layout name
     n_spec = num_speculative_tokens or exp.drafter.block_size
-    rep = ValidationReport(exp.path, target_dir, method, ARCHITECTURES[method], [], exp.context_layer_ids,
-                           exp.drafter.sample_from_anchor, n_spec, 0)
+    rep = ValidationReport(
+        exp.path,
+        target_dir,
+        method,
+        ARCHITECTURES[method],
+        [],
+        exp.context_layer_ids,
+        exp.drafter.sample_from_anchor,
+        n_spec,
+        0,
+    )
     mc, pc, sc = _speculative_config(exp, target_dir, n_spec, rep)
     _check_layers_and_layout(exp, sc, n_spec, rep)
     _check_weights_in_vllm(exp, mc, pc, sc, rep)
@@ -111,12 +137,21 @@ def _speculative_config(exp: Any, target_dir: Path, n_spec: int, rep: Validation
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
 
     dtype = exp.config.get("torch_dtype", "float32")
-    mc = ModelConfig(model=str(target_dir), dtype=dtype, max_model_len=min(2048, int(exp.config["max_position_embeddings"])),
-                     enforce_eager=True)
+    mc = ModelConfig(
+        model=str(target_dir),
+        dtype=dtype,
+        max_model_len=min(2048, int(exp.config["max_position_embeddings"])),
+        enforce_eager=True,
+    )
     pc = ParallelConfig()
     try:
-        sc = SpeculativeConfig(method=exp.layout, model=str(exp.path), num_speculative_tokens=n_spec,
-                               target_model_config=mc, target_parallel_config=pc)
+        sc = SpeculativeConfig(
+            method=exp.layout,
+            model=str(exp.path),
+            num_speculative_tokens=n_spec,
+            target_model_config=mc,
+            target_parallel_config=pc,
+        )
     except Exception as e:  # noqa: BLE001 - pydantic/vLLM raise many types; the message is what matters
         raise ExportError(f"{exp.path}: vLLM's SpeculativeConfig rejects the export: {e}") from e
     rep.checks.append(f"vLLM SpeculativeConfig accepts it as method {sc.method!r}")
@@ -132,8 +167,10 @@ def _check_layers_and_layout(exp: Any, sc: Any, n_spec: int, rep: ValidationRepo
     aux = list(get_eagle3_aux_layers_from_config(sc) or [])
     rep.vllm_aux_layer_ids = aux
     if aux != exp.context_layer_ids:
-        raise ExportError(f"{exp.path / 'config.json'}: vLLM will capture target layers {aux}, but the drafter was "
-                          f"trained on {exp.context_layer_ids} (off by {aux[0] - exp.context_layer_ids[0] if aux else '?'})")
+        raise ExportError(
+            f"{exp.path / 'config.json'}: vLLM will capture target layers {aux}, but the drafter was "
+            f"trained on {exp.context_layer_ids} (off by {aux[0] - exp.context_layer_ids[0] if aux else '?'})"
+        )
     rep.checks.append(f"vLLM captures target layers {aux} = the trained context layers")
     hf = sc.draft_model_config.hf_config
     if exp.layout == "dspark":
@@ -141,8 +178,10 @@ def _check_layers_and_layout(exp: Any, sc: Any, n_spec: int, rep: ValidationRepo
     else:
         served = bool((getattr(hf, "dflash_config", None) or {}).get("sample_from_anchor", False))
     if served != exp.drafter.sample_from_anchor:
-        raise ExportError(f"{exp.path / 'config.json'}: vLLM would serve sample_from_anchor={served}, the drafter was "
-                          f"trained with {exp.drafter.sample_from_anchor}")
+        raise ExportError(
+            f"{exp.path / 'config.json'}: vLLM would serve sample_from_anchor={served}, the drafter was "
+            f"trained with {exp.drafter.sample_from_anchor}"
+        )
     rep.checks.append(f"vLLM serves the trained block layout (sample_from_anchor={served})")
     if exp.layout == "dspark" and n_spec > exp.drafter.block_size:
         raise ExportError(f"num_speculative_tokens {n_spec} exceeds the trained block_size {exp.drafter.block_size}")
@@ -170,11 +209,16 @@ def _check_weights_in_vllm(exp: Any, mc: Any, pc: Any, sc: Any, rep: ValidationR
     except Exception as e:  # noqa: BLE001
         raise ExportError(f"{exp.path / 'model.safetensors'}: vLLM's {cls.__name__}.load_weights fails: {e}") from e
     params = dict(model.named_parameters())
-    unwritten = [n for n, p in params.items() if p.is_floating_point() and not n.startswith(SHARED_IN_VLLM)
-                 and torch.isnan(p).any()]
+    unwritten = [
+        n
+        for n, p in params.items()
+        if p.is_floating_point() and not n.startswith(SHARED_IN_VLLM) and torch.isnan(p).any()
+    ]
     if unwritten:
-        raise ExportError(f"{exp.path / 'model.safetensors'}: vLLM's {cls.__name__} has parameters the export does not "
-                          f"provide: {unwritten[:8]}{' ...' if len(unwritten) > 8 else ''}")
+        raise ExportError(
+            f"{exp.path / 'model.safetensors'}: vLLM's {cls.__name__} has parameters the export does not "
+            f"provide: {unwritten[:8]}{' ...' if len(unwritten) > 8 else ''}"
+        )
     rep.params_checked = sum(1 for n in params if not n.startswith(SHARED_IN_VLLM))
     rep.checks.append(f"vLLM's loader writes all {rep.params_checked} drafter parameters of {cls.__name__}")
     ours = {k: v.float() for k, v in served_weights.items()}
@@ -184,5 +228,7 @@ def _check_weights_in_vllm(exp: Any, mc: Any, pc: Any, sc: Any, rep: ValidationR
             if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
                 raise ExportError(f"{exp.path}: vLLM's {name} differs from the exported q/k/v or gate/up tensors")
     fc_in = params["model.fc.weight"].shape[1]
-    rep.checks.append(f"fused qkv/gate_up tensors equal the exported ones; fc reads {fc_in} = "
-                      f"{len(rep.vllm_aux_layer_ids)} layers x {exp.dims.target_hidden_size}")
+    rep.checks.append(
+        f"fused qkv/gate_up tensors equal the exported ones; fc reads {fc_in} = "
+        f"{len(rep.vllm_aux_layer_ids)} layers x {exp.dims.target_hidden_size}"
+    )

@@ -49,9 +49,13 @@ class LossOutput:
     tv: torch.Tensor
     confidence_bce: torch.Tensor
     accept_per_position: torch.Tensor  # [K] P(first k drafts all match): acceptance as vLLM counts it
-    accept_cond_per_position: torch.Tensor  # [K] greedy match rate at each position given a correct prefix (teacher-forced)
+    accept_cond_per_position: (
+        torch.Tensor
+    )  # [K] greedy match rate at each position given a correct prefix (teacher-forced)
     accept_prob_per_position: torch.Tensor  # [K] mean 1 - TV = expected acceptance under sampling
-    confidence: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [P] predicted acceptance of valid positions
+    confidence: torch.Tensor = field(
+        default_factory=lambda: torch.empty(0)
+    )  # [P] predicted acceptance of valid positions
     confidence_target: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [P] 1 - TV
     num_positions: int = 0
 
@@ -84,8 +88,17 @@ class _Targets:
     state_pos: torch.Tensor  # [B, A*K] position of the target state that predicts each label
 
 
-def _targets(out: DraftOutput, *, input_ids: torch.Tensor, anchor_positions: torch.Tensor, valid_anchors: torch.Tensor,
-             loss_mask: torch.Tensor, lengths: torch.Tensor, num_states: int, position_decay: float) -> _Targets:
+def _targets(
+    out: DraftOutput,
+    *,
+    input_ids: torch.Tensor,
+    anchor_positions: torch.Tensor,
+    valid_anchors: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    num_states: int,
+    position_decay: float,
+) -> _Targets:
     b, a, k, _ = out.hidden.shape
     steps = torch.arange(k, device=input_ids.device)
     label_pos = anchor_positions[:, :, None] + steps + 1  # [B, A, K]: x_{a+k}
@@ -99,8 +112,14 @@ def _targets(out: DraftOutput, *, input_ids: torch.Tensor, anchor_positions: tor
     return _Targets(idx, valid, labels.view(-1)[idx], weights.view(-1)[idx], state_pos.view(b, -1))
 
 
-def _vocab_terms(model: DSparkDrafter, hidden: torch.Tensor, markov: Optional[torch.Tensor], target_final: torch.Tensor,
-                 labels: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _vocab_terms(
+    model: DSparkDrafter,
+    hidden: torch.Tensor,
+    markov: Optional[torch.Tensor],
+    target_final: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: LossConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CE, TV and greedy match per prediction, ``chunk_rows`` rows of vocabulary-wide logits at a
     time (recomputed in backward unless ``recompute_chunks`` is off)."""
     parts = []
@@ -148,11 +167,21 @@ def dspark_loss(
     cfg: LossConfig,
 ) -> LossOutput:
     b, a, k, _ = out.hidden.shape
-    tg = _targets(out, input_ids=input_ids, anchor_positions=anchor_positions, valid_anchors=valid_anchors,
-                  loss_mask=loss_mask, lengths=lengths, num_states=final_states.shape[1], position_decay=cfg.position_decay)
+    tg = _targets(
+        out,
+        input_ids=input_ids,
+        anchor_positions=anchor_positions,
+        valid_anchors=valid_anchors,
+        loss_mask=loss_mask,
+        lengths=lengths,
+        num_states=final_states.shape[1],
+        position_decay=cfg.position_decay,
+    )
     hidden = out.hidden.reshape(b * a * k, -1)[tg.idx]
     markov = out.markov_embed.reshape(b * a * k, -1)[tg.idx] if out.markov_embed is not None else None
-    tfinal = final_states.gather(1, tg.state_pos[..., None].expand(-1, -1, final_states.shape[-1])).view(b * a * k, -1)[tg.idx]
+    tfinal = final_states.gather(1, tg.state_pos[..., None].expand(-1, -1, final_states.shape[-1])).view(b * a * k, -1)[
+        tg.idx
+    ]
     ce_v, tv_v, match_v = _vocab_terms(model, hidden, markov, tfinal, tg.labels, cfg)
     w, wsum = tg.weights, tg.weights.sum().clamp_min(1e-8)
     ce = (w * ce_v).sum() / wsum
@@ -167,7 +196,15 @@ def dspark_loss(
         loss = loss + cfg.confidence_weight * bce
         conf_p = torch.sigmoid(logit).detach()
     uncond, cond, prob = _acceptance(tg, match_v, tv_v)
-    return LossOutput(loss=loss, ce=ce.detach(), tv=tv.detach(), confidence_bce=bce.detach(),
-                      accept_per_position=uncond, accept_cond_per_position=cond, accept_prob_per_position=prob,
-                      confidence=conf_p, confidence_target=conf_t, num_positions=int(len(tg.idx)))
-
+    return LossOutput(
+        loss=loss,
+        ce=ce.detach(),
+        tv=tv.detach(),
+        confidence_bce=bce.detach(),
+        accept_per_position=uncond,
+        accept_cond_per_position=cond,
+        accept_prob_per_position=prob,
+        confidence=conf_p,
+        confidence_target=conf_t,
+        num_positions=int(len(tg.idx)),
+    )

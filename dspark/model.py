@@ -48,8 +48,9 @@ class DrafterDims:
     mask_token_id: int
 
 
-def resolve_dims(cfg: DSparkConfig, *, target_config: dict, vocab_size: int, num_context_layers: int,
-                 mask_token_id: int) -> DrafterDims:
+def resolve_dims(
+    cfg: DSparkConfig, *, target_config: dict, vocab_size: int, num_context_layers: int, mask_token_id: int
+) -> DrafterDims:
     """Derive sizes left open in ``DSparkConfig`` from the target: width and head layout copy
     the target's when the drafter is as wide as the target (the usual DFlash/DSpark choice)."""
     t_hidden = int(target_config["hidden_size"])
@@ -63,8 +64,17 @@ def resolve_dims(cfg: DSparkConfig, *, target_config: dict, vocab_size: int, num
         head_dim = cfg.head_dim or hidden // heads
     if heads % kv:
         raise ValueError(f"drafter heads {heads} must be a multiple of key/value heads {kv}")
-    return DrafterDims(hidden, cfg.intermediate_size or 3 * hidden, heads, kv, head_dim, vocab_size, t_hidden,
-                       num_context_layers, mask_token_id)
+    return DrafterDims(
+        hidden,
+        cfg.intermediate_size or 3 * hidden,
+        heads,
+        kv,
+        head_dim,
+        vocab_size,
+        t_hidden,
+        num_context_layers,
+        mask_token_id,
+    )
 
 
 class RMSNorm(nn.Module):
@@ -86,7 +96,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
     ang = positions.float()[:, None, :, None] * inv  # [B, 1, L, D/2]
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -102,9 +112,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
     def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, l, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, l, self.nkv, self.d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, l, self.nkv, self.d).transpose(1, 2)
+        b, length, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, length, self.nkv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(b, length, self.nkv, self.d).transpose(1, 2)
         return rope(k, positions, self.theta), v
 
     def forward(
@@ -118,12 +128,18 @@ class Attention(nn.Module):
         k_ctx, v_ctx = self._kv(context, context_positions)
         return self.attend(x, positions, k_ctx, v_ctx, mask)
 
-    def attend(self, x: torch.Tensor, positions: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
-               mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def attend(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        k_ctx: torch.Tensor,
+        v_ctx: torch.Tensor,
+        mask: Optional[torch.Tensor],
+    ) -> torch.Tensor:
         """Block queries over [context K/V ; block K/V]. k_ctx/v_ctx: [B, Nkv, S, D] (RoPE applied);
         mask None = every query sees all of it (one block whose context is exactly k_ctx)."""
-        b, l, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, l, self.n, self.d)).transpose(1, 2)
+        b, length, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, length, self.n, self.d)).transpose(1, 2)
         q = rope(q, positions, self.theta)
         k_blk, v_blk = self._kv(x, positions)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
@@ -131,7 +147,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.n // self.nkv, dim=1)
             v = v.repeat_interleave(self.n // self.nkv, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, l, self.n * self.d))
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, self.n * self.d))
 
 
 class MLP(nn.Module):
@@ -206,12 +222,23 @@ class DSparkDrafter(nn.Module):
     """Trainable backbone + heads; the target's embedding, final norm and LM head are frozen
     buffers-as-parameters (requires_grad=False) shared with the target."""
 
-    def __init__(self, cfg: DSparkConfig, dims: DrafterDims, *, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
-                 target_norm: torch.Tensor, target_norm_eps: float):
+    def __init__(
+        self,
+        cfg: DSparkConfig,
+        dims: DrafterDims,
+        *,
+        embed_tokens: torch.Tensor,
+        lm_head: torch.Tensor,
+        target_norm: torch.Tensor,
+        target_norm_eps: float,
+    ):
         super().__init__()
         self.cfg, self.dims = cfg, dims
         if dims.hidden_size != embed_tokens.shape[1]:
-            raise ValueError(f"drafter hidden {dims.hidden_size} must equal the target embedding width {embed_tokens.shape[1]} (shared embedding/LM head)")
+            raise ValueError(
+                f"drafter hidden {dims.hidden_size} must equal the target embedding width {embed_tokens.shape[1]} "
+                f"(shared embedding/LM head)"
+            )
         self.embed_tokens = nn.Embedding.from_pretrained(embed_tokens.clone(), freeze=True)
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
         self.lm_head.weight = nn.Parameter(lm_head.clone(), requires_grad=False)
@@ -221,8 +248,11 @@ class DSparkDrafter(nn.Module):
         self.hidden_norm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(dims, cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
-        self.markov_head = (MarkovHead(dims.vocab_size, cfg.markov_rank, dims.hidden_size, cfg.markov_head_type)
-                            if cfg.markov_rank > 0 else None)
+        self.markov_head = (
+            MarkovHead(dims.vocab_size, cfg.markov_rank, dims.hidden_size, cfg.markov_head_type)
+            if cfg.markov_rank > 0
+            else None
+        )
         conf_in = dims.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov and self.markov_head else 0)
         self.confidence_head = nn.ModuleDict({"proj": nn.Linear(conf_in, 1)}) if cfg.enable_confidence_head else None
         self._init_weights()
@@ -258,7 +288,7 @@ class DSparkDrafter(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, T]
         context_states: torch.Tensor,  # [B, S, C] target states of the context layers, S = T-1
-        anchor_positions: torch.Tensor,  # [B, A] anchors in [1, T-2]; padded anchors are any valid index (masked in the loss)
+        anchor_positions: torch.Tensor,  # [B, A] anchors in [1, T-2]; padded ones: any valid index (loss masks them)
     ) -> DraftOutput:
         b, a = anchor_positions.shape
         q, k_pred = self.queries_per_block, self.cfg.block_size
@@ -272,16 +302,20 @@ class DSparkDrafter(nn.Module):
         mask = self.block_mask(anchor_positions, ctx.shape[1])
         for layer in self.layers:
             x = layer(x, positions, ctx, ctx_pos, mask)
-        hidden = self.norm(x).view(b, a, q, -1)[:, :, q - k_pred:]  # [B, A, K, H]
+        hidden = self.norm(x).view(b, a, q, -1)[:, :, q - k_pred :]  # [B, A, K, H]
         # previous token of each prediction (teacher-forced): x_{a}, x_{a+1}, ..., x_{a+K-1}
-        prev_pos = (anchor_positions[:, :, None] + torch.arange(k_pred, device=ctx.device)).clamp(max=input_ids.shape[1] - 1)
+        prev_pos = (anchor_positions[:, :, None] + torch.arange(k_pred, device=ctx.device)).clamp(
+            max=input_ids.shape[1] - 1
+        )
         prev_ids = input_ids.gather(1, prev_pos.reshape(b, a * k_pred)).view(b, a, k_pred)
         markov = self.markov_head.embed(prev_ids, hidden) if self.markov_head is not None else None
         conf = self.confidence_logits(hidden, markov) if self.confidence_head is not None else None
         return DraftOutput(hidden=hidden, markov_embed=markov, confidence_logits=conf)
 
     @torch.no_grad()
-    def context_kv(self, context_states: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, context_states: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer context K/V for inference, as vLLM precomputes them: [B, S, C] target states at
         ``positions`` [B, S] -> [(k, v)] with k, v [B, Nkv, S, D]. Appending along S is exact (each
         position's K/V depends on that position only), so a decoder extends it step by step."""
@@ -289,15 +323,16 @@ class DSparkDrafter(nn.Module):
         return [layer.self_attn._kv(ctx, positions) for layer in self.layers]
 
     @torch.no_grad()
-    def forward_block(self, block_ids: torch.Tensor, positions: torch.Tensor,
-                      context: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward_block(
+        self, block_ids: torch.Tensor, positions: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         """One block per row over cached context K/V: block_ids, positions [B, Q] -> normed hidden
         [B, K, H] at the K predicting queries (the layout of :meth:`forward`; a block may be shorter
         than ``block_size``, as vLLM runs it when num_speculative_tokens < block_size)."""
         x = self.embed_tokens(block_ids).to(context[0][0].dtype)
         for layer, (k, v) in zip(self.layers, context):
             x = layer.forward_cached(x, positions, k, v)
-        return self.norm(x)[:, 0 if self.cfg.sample_from_anchor else 1:]
+        return self.norm(x)[:, 0 if self.cfg.sample_from_anchor else 1 :]
 
     def draft_logits(self, hidden: torch.Tensor, markov_embed: Optional[torch.Tensor]) -> torch.Tensor:
         """[..., H] (+ [..., R]) -> [..., V]: LM head plus the Markov bias."""
@@ -324,13 +359,20 @@ def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str
     """Every trainable tensor of the drafter and its shape, read off the model itself (built on
     the meta device, so nothing is allocated). Our names are vLLM's names."""
     with torch.device("meta"):
-        model = DSparkDrafter(cfg, dims, embed_tokens=torch.empty(dims.vocab_size, dims.hidden_size),
-                              lm_head=torch.empty(dims.vocab_size, dims.hidden_size),
-                              target_norm=torch.empty(dims.target_hidden_size), target_norm_eps=cfg.rms_norm_eps)
+        model = DSparkDrafter(
+            cfg,
+            dims,
+            embed_tokens=torch.empty(dims.vocab_size, dims.hidden_size),
+            lm_head=torch.empty(dims.vocab_size, dims.hidden_size),
+            target_norm=torch.empty(dims.target_hidden_size),
+            target_norm_eps=cfg.rms_norm_eps,
+        )
     return {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
-def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors where the anchor and its first label are answer tokens.
 
     loss_mask: [B, T] bool; lengths: [B]. Returns (anchor_positions [B, A], valid [B, A]); rows
@@ -342,12 +384,11 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: 
     for i in range(b):
         n = int(lengths[i])
         m = loss_mask[i, :n]
-        cand = torch.nonzero(m[1:n - 1] & m[2:n], as_tuple=False).flatten() + 1  # a in [1, n-2]
+        cand = torch.nonzero(m[1 : n - 1] & m[2:n], as_tuple=False).flatten() + 1  # a in [1, n-2]
         if len(cand) == 0:
             continue
         pick = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
         anchors[i, : len(pick)] = pick
-        anchors[i, len(pick):] = pick[0]
+        anchors[i, len(pick) :] = pick[0]
         valid[i, : len(pick)] = True
     return anchors, valid
-

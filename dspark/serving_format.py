@@ -71,15 +71,26 @@ def draft_config(ckpt: TrainingCheckpoint, layout: str, target_config: dict[str,
         "sample_from_anchor": cfg.sample_from_anchor,
     }
     if layout == "dflash":
-        return {"architectures": [ARCHITECTURES[layout]], **base,
-                "dflash_config": {"target_layer_ids": vllm_ids, "mask_token_id": dims.mask_token_id,
-                                  "sample_from_anchor": False}}
-    return {"architectures": [ARCHITECTURES[layout]], **base,
-            "target_layer_ids": vllm_ids,
-            "markov_rank": max(cfg.markov_rank, 1),  # rank 0 is served as a zero rank-1 head (same logits)
-            "markov_head_type": "vanilla",
-            "enable_confidence_head": cfg.enable_confidence_head,
-            "confidence_head_with_markov": cfg.enable_confidence_head and cfg.confidence_head_with_markov and cfg.markov_rank > 0}
+        return {
+            "architectures": [ARCHITECTURES[layout]],
+            **base,
+            "dflash_config": {
+                "target_layer_ids": vllm_ids,
+                "mask_token_id": dims.mask_token_id,
+                "sample_from_anchor": False,
+            },
+        }
+    return {
+        "architectures": [ARCHITECTURES[layout]],
+        **base,
+        "target_layer_ids": vllm_ids,
+        "markov_rank": max(cfg.markov_rank, 1),  # rank 0 is served as a zero rank-1 head (same logits)
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": cfg.enable_confidence_head,
+        "confidence_head_with_markov": cfg.enable_confidence_head
+        and cfg.confidence_head_with_markov
+        and cfg.markov_rank > 0,
+    }
 
 
 def check_layout(cfg: DSparkConfig, layout: str) -> None:
@@ -88,17 +99,23 @@ def check_layout(cfg: DSparkConfig, layout: str) -> None:
         raise ExportError(f"layout {layout!r}: expected one of {LAYOUTS}")
     if layout == "dflash":
         if cfg.sample_from_anchor:
-            raise ExportError("layout 'dflash' serves the fill-in (bonus-anchor) block only; this drafter was trained "
-                              "with drafter.sample_from_anchor=true. Export it with --layout dspark, or train with "
-                              "drafter.sample_from_anchor=false")
+            raise ExportError(
+                "layout 'dflash' serves the fill-in (bonus-anchor) block only; this drafter was trained "
+                "with drafter.sample_from_anchor=true. Export it with --layout dspark, or train with "
+                "drafter.sample_from_anchor=false"
+            )
         if cfg.markov_rank > 0:
-            raise ExportError(f"layout 'dflash' has no Markov head; this drafter has markov_rank={cfg.markov_rank}. "
-                              "Export it with --layout dspark, or train the ablation with drafter.markov_rank=0")
+            raise ExportError(
+                f"layout 'dflash' has no Markov head; this drafter has markov_rank={cfg.markov_rank}. "
+                "Export it with --layout dspark, or train the ablation with drafter.markov_rank=0"
+            )
         if cfg.enable_confidence_head:
             log.info("layout 'dflash' has no confidence head: it is left out of the export")
     elif cfg.markov_rank > 0 and cfg.markov_head_type != "vanilla":
-        raise ExportError(f"vLLM serves the vanilla Markov head only; this drafter uses markov_head_type="
-                          f"{cfg.markov_head_type!r} (evaluate it with the reference loop: eval.reference)")
+        raise ExportError(
+            f"vLLM serves the vanilla Markov head only; this drafter uses markov_head_type="
+            f"{cfg.markov_head_type!r} (evaluate it with the reference loop: eval.reference)"
+        )
 
 
 def serving_weights(ckpt: TrainingCheckpoint, layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -142,21 +159,29 @@ def read_export(path: Path) -> ExportedDrafter:
     arch = (config.get("architectures") or [None])[0]
     layouts = {v: k for k, v in ARCHITECTURES.items()}
     if arch not in layouts:
-        raise ExportError(f"{path / CONFIG_FILE}: field 'architectures' is {config.get('architectures')}, expected one of {list(layouts)}")
+        raise ExportError(
+            f"{path / CONFIG_FILE}: field 'architectures' is {config.get('architectures')}, expected one of "
+            f"{list(layouts)}"
+        )
     layout = layouts[arch]
     if "sample_from_anchor" not in config:
         raise ExportError(f"{path / CONFIG_FILE}: field 'sample_from_anchor' missing; vLLM would pick a default layout")
     vllm_ids = config["dflash_config"]["target_layer_ids"] if layout == "dflash" else config["target_layer_ids"]
     ctx_ids = from_vllm_draft_target_layer_ids(vllm_ids)
     if ctx_ids != prov["context_layer_ids"]:
-        raise ExportError(f"{path / CONFIG_FILE}: target_layer_ids {vllm_ids} name layers {ctx_ids}, but the drafter was "
-                          f"trained on {prov['context_layer_ids']} ({CONVENTION}); expected {vllm_draft_target_layer_ids(prov['context_layer_ids'])}")
+        raise ExportError(
+            f"{path / CONFIG_FILE}: target_layer_ids {vllm_ids} name layers {ctx_ids}, but the drafter was "
+            f"trained on {prov['context_layer_ids']} ({CONVENTION}); expected "
+            f"{vllm_draft_target_layer_ids(prov['context_layer_ids'])}"
+        )
     drafter = DSparkConfig(**prov["drafter"])
     if layout == "dflash":
         drafter = DSparkConfig(**{**prov["drafter"], "enable_confidence_head": False})
     if bool(config["sample_from_anchor"]) != drafter.sample_from_anchor:
-        raise ExportError(f"{path / CONFIG_FILE}: sample_from_anchor={config['sample_from_anchor']} but the drafter was "
-                          f"trained with sample_from_anchor={drafter.sample_from_anchor}")
+        raise ExportError(
+            f"{path / CONFIG_FILE}: sample_from_anchor={config['sample_from_anchor']} but the drafter was "
+            f"trained with sample_from_anchor={drafter.sample_from_anchor}"
+        )
     dims = DrafterDims(**prov["dims"])
     try:
         weights = {k: v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
@@ -172,11 +197,18 @@ def load_drafter(exported: ExportedDrafter, heads: Any) -> torch.nn.Module:
     """Our PyTorch drafter with the exported weights and the target's shared tensors."""
     from dspark.model import DSparkDrafter
 
-    model = DSparkDrafter(exported.drafter, exported.dims, embed_tokens=heads.embed_tokens.float(),
-                          lm_head=heads.lm_head.float(), target_norm=heads.final_norm.float(),
-                          target_norm_eps=heads.rms_norm_eps)
+    model = DSparkDrafter(
+        exported.drafter,
+        exported.dims,
+        embed_tokens=heads.embed_tokens.float(),
+        lm_head=heads.lm_head.float(),
+        target_norm=heads.final_norm.float(),
+        target_norm_eps=heads.rms_norm_eps,
+    )
     missing, unexpected = model.load_state_dict(exported.weights, strict=False)
     missing = [m for m in missing if not m.startswith(SHARED_FROM_TARGET)]
     if missing or unexpected:
-        raise ExportError(f"{exported.path}: weights do not fit the drafter (missing {missing}, unexpected {unexpected})")
+        raise ExportError(
+            f"{exported.path}: weights do not fit the drafter (missing {missing}, unexpected {unexpected})"
+        )
     return model.eval()

@@ -40,7 +40,9 @@ class ShardDataset:
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
         if require_complete and not self.manifest.complete:
-            raise ValueError(f"{self.directory / 'manifest.json'}: field 'complete' is false; finish or resume extraction first")
+            raise ValueError(
+                f"{self.directory / 'manifest.json'}: field 'complete' is false; finish or resume extraction first"
+            )
         self.split = split
         self.shards = [s for s in self.manifest.shards if s.split == split and s.rows > 0]
         self._batches: list[pa.RecordBatch] = []
@@ -88,7 +90,9 @@ class ShardDataset:
             ),
         )
 
-    def rank_indices(self, *, rank: int, world_size: int, seed: int = 0, epoch: int = 0, shuffle: bool = True) -> list[int]:
+    def rank_indices(
+        self, *, rank: int, world_size: int, seed: int = 0, epoch: int = 0, shuffle: bool = True
+    ) -> list[int]:
         """This data-parallel rank's sequence indices for an epoch: one permutation shared by all
         ranks (seeded by seed and epoch), cut to a multiple of world_size, then strided."""
         if not 0 <= rank < world_size:
@@ -99,14 +103,17 @@ class ShardDataset:
         usable = (self._len // world_size) * world_size
         return order[:usable][rank::world_size]
 
-    def iter_rank(self, *, rank: int, world_size: int, seed: int = 0, epoch: int = 0, start: int = 0) -> Iterator[ShardSequence]:
+    def iter_rank(
+        self, *, rank: int, world_size: int, seed: int = 0, epoch: int = 0, start: int = 0
+    ) -> Iterator[ShardSequence]:
         """Sequences for one rank and epoch, from position ``start`` (resume mid-epoch)."""
         for i in self.rank_indices(rank=rank, world_size=world_size, seed=seed, epoch=epoch)[start:]:
             yield self[i]
 
 
-def check_dataset(ds: ShardDataset, *, expect_layer_ids: Optional[list[int]] = None,
-                  expect_hidden_size: Optional[int] = None) -> ShardDataset:
+def check_dataset(
+    ds: ShardDataset, *, expect_layer_ids: Optional[list[int]] = None, expect_hidden_size: Optional[int] = None
+) -> ShardDataset:
     """Check a dataset was captured for the layers/width the drafter expects."""
     m, where = ds.manifest, ds.directory / "manifest.json"
     if expect_layer_ids is not None and list(m.layer_ids) != list(expect_layer_ids):

@@ -29,11 +29,11 @@ from dspark.calibration import calibration_sums, expected_calibration_error
 from dspark.checkpoint import checkpoint_config_differences, lock_checkpoint_dir, publish_tag, tag_name
 from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, load_config
 from dspark.core.files import file_sha256, free_port
+from dspark.core.target import TargetHeads
+from dspark.core.wandb_run import init_wandb
 from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
 from dspark.shards import ShardDataset, check_dataset
-from dspark.core.target import TargetHeads
-from dspark.core.wandb_run import init_wandb
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,13 @@ def init_distributed() -> tuple[int, int]:
         else:
             port = free_port()
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; harmless for children
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{port}",
-                                       rank=0, world_size=1)
+            deepspeed.init_distributed(
+                dist_backend=backend,
+                auto_mpi_discovery=False,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=0,
+                world_size=1,
+            )
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -61,15 +66,17 @@ def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
     """The dict for ``deepspeed.initialize``: ZeRO preset + batch, clipping and precision."""
     ds = cfg.deepspeed.to_dict()
     t = cfg.train
-    ds.update({
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum_steps,
-        "gradient_clipping": t.grad_clip,
-        "bf16": {"enabled": t.dtype == "bfloat16"},
-        "fp16": {"enabled": t.dtype == "float16"},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    })
+    ds.update(
+        {
+            "train_micro_batch_size_per_gpu": t.micro_batch_size,
+            "gradient_accumulation_steps": t.grad_accum_steps,
+            "gradient_clipping": t.grad_clip,
+            "bf16": {"enabled": t.dtype == "bfloat16"},
+            "fp16": {"enabled": t.dtype == "float16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+    )
     return ds
 
 
@@ -96,7 +103,7 @@ class TrainState:
     """Hash chain over every consumed sequence id in order: equal digests, equal data order."""
 
     def record(self, loss: float, seq_ids: list[str]) -> None:
-        self.history = [*self.history[-(HISTORY_WINDOW - 1):], {"step": self.step, "loss": loss, "seq_ids": seq_ids}]
+        self.history = [*self.history[-(HISTORY_WINDOW - 1) :], {"step": self.step, "loss": loss, "seq_ids": seq_ids}]
         self.data_digest = hashlib.sha256((self.data_digest + "|" + ",".join(seq_ids)).encode()).hexdigest()
 
 
@@ -108,7 +115,10 @@ def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: Tar
     tok = heads.path / "tokenizer.json"
     tok_sha = file_sha256(tok) if tok.is_file() else None
     if tok_sha is not None and m.tokenizer_sha256 != tok_sha:
-        raise ValueError(f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes to {tok_sha[:12]}...")
+        raise ValueError(
+            f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes "
+            f"to {tok_sha[:12]}..."
+        )
 
 
 def build_drafter(cfg: RunConfig, heads: TargetHeads) -> tuple[DSparkDrafter, list[int], int]:
@@ -120,18 +130,39 @@ def build_drafter(cfg: RunConfig, heads: TargetHeads) -> tuple[DSparkDrafter, li
     if missing:
         raise ValueError(f"drafter.target_layer_ids {ctx_ids} must be a subset of target.layer_ids {target.layer_ids}")
     tok = heads.tokenizer
-    mask_id = dcfg.mask_token_id if dcfg.mask_token_id is not None else (tok.unk_token_id if tok.unk_token_id is not None else tok.eos_token_id)
-    dims = resolve_dims(dcfg, target_config=heads.config, vocab_size=heads.vocab_size, num_context_layers=len(ctx_ids), mask_token_id=int(mask_id))
-    model = DSparkDrafter(dcfg, dims, embed_tokens=heads.embed_tokens, lm_head=heads.lm_head,
-                          target_norm=heads.final_norm, target_norm_eps=heads.rms_norm_eps)
+    mask_id = (
+        dcfg.mask_token_id
+        if dcfg.mask_token_id is not None
+        else (tok.unk_token_id if tok.unk_token_id is not None else tok.eos_token_id)
+    )
+    dims = resolve_dims(
+        dcfg,
+        target_config=heads.config,
+        vocab_size=heads.vocab_size,
+        num_context_layers=len(ctx_ids),
+        mask_token_id=int(mask_id),
+    )
+    model = DSparkDrafter(
+        dcfg,
+        dims,
+        embed_tokens=heads.embed_tokens,
+        lm_head=heads.lm_head,
+        target_norm=heads.final_norm,
+        target_norm_eps=heads.rms_norm_eps,
+    )
     return model, [captured.index(i) for i in ctx_ids], len(captured) - 1
 
 
 def loss_config(cfg: RunConfig) -> LossConfig:
     t = cfg.train
     zero3 = cfg.deepspeed.zero_optimization.stage == 3
-    return LossConfig(ce_weight=t.ce_weight, tv_weight=t.tv_weight, confidence_weight=t.confidence_weight,
-                      position_decay=t.position_decay, recompute_chunks=not zero3)
+    return LossConfig(
+        ce_weight=t.ce_weight,
+        tv_weight=t.tv_weight,
+        confidence_weight=t.confidence_weight,
+        position_decay=t.position_decay,
+        recompute_chunks=not zero3,
+    )
 
 
 class DrafterWithLoss(torch.nn.Module):
@@ -145,8 +176,17 @@ class DrafterWithLoss(torch.nn.Module):
 
     def forward(self, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor) -> LossOutput:
         out = self.drafter(batch.input_ids, batch.context_states, anchors)
-        return dspark_loss(self.drafter, out, input_ids=batch.input_ids, final_states=batch.final_states, anchor_positions=anchors,
-                           valid_anchors=valid, loss_mask=batch.loss_mask, lengths=batch.lengths, cfg=self.lcfg)
+        return dspark_loss(
+            self.drafter,
+            out,
+            input_ids=batch.input_ids,
+            final_states=batch.final_states,
+            anchor_positions=anchors,
+            valid_anchors=valid,
+            loss_mask=batch.loss_mask,
+            lengths=batch.lengths,
+            cfg=self.lcfg,
+        )
 
 
 def peak_memory_gb() -> float:
@@ -161,12 +201,22 @@ def provenance(cfg: RunConfig) -> dict[str, Any]:
     import transformers
 
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
     except OSError:
         sha = ""
-    return {"config": cfg.to_dict(), "git_sha": sha, "argv": sys.argv,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "deepspeed": deepspeed.__version__, "transformers": transformers.__version__}}
+    return {
+        "config": cfg.to_dict(),
+        "git_sha": sha,
+        "argv": sys.argv,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
 
 
 class Trainer:
@@ -191,27 +241,48 @@ class Trainer:
         shards = Path(cfg.data.shards_dir).expanduser()
         self.train_ds = ShardDataset(shards, "train")
         check_shards_match_target(self.train_ds, target, heads)
-        self.val_ds = ShardDataset(shards, "val") if any(s.split == "val" and s.rows for s in self.train_ds.manifest.shards) else None
+        self.val_ds = (
+            ShardDataset(shards, "val")
+            if any(s.split == "val" and s.rows for s in self.train_ds.manifest.shards)
+            else None
+        )
         model, self.ctx_index, self.final_index = build_drafter(cfg, heads)
         self.dtype = TORCH_DTYPES[self.t.dtype]
         self.lcfg = loss_config(cfg)
         model = DrafterWithLoss(model, self.lcfg)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=self.t.lr, weight_decay=self.t.weight_decay, betas=(0.9, 0.95))
-        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(
-            s, warmup=self.t.warmup_steps, total=self.t.max_steps, min_ratio=self.t.min_lr_ratio))
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=sched,
-                                                    model_parameters=params, config=deepspeed_config(cfg))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda s: lr_lambda(s, warmup=self.t.warmup_steps, total=self.t.max_steps, min_ratio=self.t.min_lr_ratio),
+        )
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=sched, model_parameters=params, config=deepspeed_config(cfg)
+        )
         self.state = TrainState()
         self.anchor_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.rank)
         self._maybe_resume()
-        self.batches = RankBatches(self.train_ds, rank=self.rank, world_size=self.world, micro_batch=self.t.micro_batch_size,
-                                   seed=cfg.seed, context_index=self.ctx_index, final_index=self.final_index,
-                                   max_len=self.t.max_seq_len, position=self.state.data)
+        self.batches = RankBatches(
+            self.train_ds,
+            rank=self.rank,
+            world_size=self.world,
+            micro_batch=self.t.micro_batch_size,
+            seed=cfg.seed,
+            context_index=self.ctx_index,
+            final_index=self.final_index,
+            max_len=self.t.max_seq_len,
+            position=self.state.data,
+        )
         self.wandb = self._init_wandb() if self.rank == 0 else None
-        log.info("drafter: %.2fM trainable parameters, %d train / %d val sequences, %d rank(s), ZeRO %d, %s",
-                 self.model.num_trainable_parameters() / 1e6, len(self.train_ds), len(self.val_ds or []), self.world,
-                 cfg.deepspeed.zero_optimization.stage, self.t.dtype)
+        log.info(
+            "drafter: %.2fM trainable parameters, %d train / %d val sequences, %d rank(s), ZeRO %d, %s",
+            self.model.num_trainable_parameters() / 1e6,
+            len(self.train_ds),
+            len(self.val_ds or []),
+            self.world,
+            cfg.deepspeed.zero_optimization.stage,
+            self.t.dtype,
+        )
 
     @property
     def model(self) -> DSparkDrafter:
@@ -235,7 +306,9 @@ class Trainer:
             timing["data_s"] += time.perf_counter() - td
             out = self.engine(batch, anchors.to(self.engine.device), valid.to(self.engine.device))
             if not torch.isfinite(out.loss):
-                raise FloatingPointError(f"non-finite loss {out.loss.item()} at step {self.state.step + 1}, sequences {batch.seq_ids}")
+                raise FloatingPointError(
+                    f"non-finite loss {out.loss.item()} at step {self.state.step + 1}, sequences {batch.seq_ids}"
+                )
             self.engine.backward(out.loss)
             norm = self._grad_norm_before_step()
             self.engine.step()
@@ -250,7 +323,11 @@ class Trainer:
     def _grad_norm_before_step(self) -> Optional[float]:
         """DeepSpeed reports the global grad norm from its ZeRO/mixed-precision optimizers only;
         with ZeRO 0 in fp32 the gradients are whole on every rank, so measure them here."""
-        if self.engine.zero_optimization() or self.t.dtype != "float32" or not self.engine.is_gradient_accumulation_boundary():
+        if (
+            self.engine.zero_optimization()
+            or self.t.dtype != "float32"
+            or not self.engine.is_gradient_accumulation_boundary()
+        ):
             return None
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -260,7 +337,13 @@ class Trainer:
         """Loss terms and acceptance per position. ``accept_pos_k``: the first k drafts all match
         (unconditional, as vLLM counts acceptance; tau = 1 + their sum); ``accept_cond_pos_k``:
         draft k matches given a correct prefix (teacher-forced); ``accept_prob_pos_k``: 1 - TV."""
-        d = {"loss": out.loss.item(), "ce": float(out.ce), "tv": float(out.tv), "confidence_bce": float(out.confidence_bce), "tau": out.tau}
+        d = {
+            "loss": out.loss.item(),
+            "ce": float(out.ce),
+            "tv": float(out.tv),
+            "confidence_bce": float(out.confidence_bce),
+            "tau": out.tau,
+        }
         for k in range(len(out.accept_per_position)):
             d[f"accept_pos_{k + 1}"] = float(out.accept_per_position[k])
             d[f"accept_cond_pos_{k + 1}"] = float(out.accept_cond_per_position[k])
@@ -301,11 +384,29 @@ class Trainer:
 
     def _log_train(self, m: dict[str, float], elapsed: float) -> None:
         tok_s = m["tokens"] / m["step_s"]
-        log.info("step %d/%d | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s | data %.1f%% | mem %.2f GB",
-                 self.state.step, self.t.max_steps, m["loss"], m["ce"], m["tv"], m["confidence_bce"], m["tau"], m["lr"],
-                 m["grad_norm"], tok_s * self.world, 100 * m["data_s"] / m["step_s"], peak_memory_gb())
+        log.info(
+            "step %d/%d | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s | data "
+            "%.1f%% | mem %.2f GB",
+            self.state.step,
+            self.t.max_steps,
+            m["loss"],
+            m["ce"],
+            m["tv"],
+            m["confidence_bce"],
+            m["tau"],
+            m["lr"],
+            m["grad_norm"],
+            tok_s * self.world,
+            100 * m["data_s"] / m["step_s"],
+            peak_memory_gb(),
+        )
         scalars = {k: v for k, v in m.items() if k not in ("tokens", "data_s", "step_s")}
-        scalars.update(tokens_per_s=tok_s * self.world, data_wait_frac=m["data_s"] / m["step_s"], peak_mem_gb=peak_memory_gb(), elapsed_s=elapsed)
+        scalars.update(
+            tokens_per_s=tok_s * self.world,
+            data_wait_frac=m["data_s"] / m["step_s"],
+            peak_mem_gb=peak_memory_gb(),
+            elapsed_s=elapsed,
+        )
         self._log({f"train/{k}": v for k, v in scalars.items()})
 
     def _log(self, metrics: dict[str, float]) -> None:
@@ -328,10 +429,14 @@ class Trainer:
         sums, n = torch.zeros(len(names), dtype=torch.float64), 0.0
         calib = calibration_sums(torch.empty(0), torch.empty(0))
         for i in range(0, len(mine), self.t.micro_batch_size):
-            seqs = [ds[j] for j in mine[i:i + self.t.micro_batch_size]]
-            batch = collate(seqs, context_index=self.ctx_index, final_index=self.final_index, max_len=self.t.max_seq_len)
+            seqs = [ds[j] for j in mine[i : i + self.t.micro_batch_size]]
+            batch = collate(
+                seqs, context_index=self.ctx_index, final_index=self.final_index, max_len=self.t.max_seq_len
+            )
             anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, self.t.anchors_per_seq, gen)
-            out = self.engine(batch.to(self.engine.device, self.dtype), anchors.to(self.engine.device), valid.to(self.engine.device))
+            out = self.engine(
+                batch.to(self.engine.device, self.dtype), anchors.to(self.engine.device), valid.to(self.engine.device)
+            )
             scalars = self._scalars(out)
             sums += torch.tensor([scalars[k] * out.num_positions for k in names], dtype=torch.float64)
             n += out.num_positions
@@ -342,26 +447,47 @@ class Trainer:
             dist.all_reduce(flat)
         flat = flat.cpu()
         total = float(flat[len(names)])
-        res = {k: float(v) / max(total, 1) for k, v in zip(names, flat[:len(names)])}
+        res = {k: float(v) / max(total, 1) for k, v in zip(names, flat[: len(names)])}
         res["tau"] = 1.0 + sum(res[f"accept_pos_{k}"] for k in range(1, self.cfg.drafter.block_size + 1))
-        res["confidence_ece"] = expected_calibration_error(flat[len(names) + 1:].view(-1, 3))
-        log.info("val step %d | loss %.4f | tau %.3f | acceptance %s | confidence ECE %.3f", self.state.step, res["loss"], res["tau"],
-                 " ".join(f"{res[f'accept_pos_{k}']:.2f}" for k in range(1, self.cfg.drafter.block_size + 1)), res["confidence_ece"])
+        res["confidence_ece"] = expected_calibration_error(flat[len(names) + 1 :].view(-1, 3))
+        log.info(
+            "val step %d | loss %.4f | tau %.3f | acceptance %s | confidence ECE %.3f",
+            self.state.step,
+            res["loss"],
+            res["tau"],
+            " ".join(f"{res[f'accept_pos_{k}']:.2f}" for k in range(1, self.cfg.drafter.block_size + 1)),
+            res["confidence_ece"],
+        )
         return res
 
     def _scalar_names(self) -> list[str]:
         """The keys of :meth:`_scalars`, in the order ranks all-reduce them."""
         ks = range(1, self.cfg.drafter.block_size + 1)
-        return ["loss", "ce", "tv", "confidence_bce", "tau", *(f"accept_{w}pos_{k}" for k in ks for w in ("", "cond_", "prob_"))]
+        return [
+            "loss",
+            "ce",
+            "tv",
+            "confidence_bce",
+            "tau",
+            *(f"accept_{w}pos_{k}" for k in ks for w in ("", "cond_", "prob_")),
+        ]
 
     # --- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
         import torch.distributed as dist
 
         tag = tag_name(self.state.step)
-        client = {"step": self.state.step, "data": asdict(self.state.data), "anchor_rng": self.anchor_gen.get_state(),
-                  "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "history": self.state.history,
-                  "data_digest": self.state.data_digest, "drafter": asdict(self.model.cfg), "dims": asdict(self.model.dims)}
+        client = {
+            "step": self.state.step,
+            "data": asdict(self.state.data),
+            "anchor_rng": self.anchor_gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "history": self.state.history,
+            "data_digest": self.state.data_digest,
+            "drafter": asdict(self.model.cfg),
+            "dims": asdict(self.model.dims),
+        }
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
         dist.barrier()  # every rank's shards are written
         if self.rank == 0:
@@ -380,22 +506,36 @@ class Trainer:
         self._check_resume_config(path / (tag or (path / "latest").read_text().strip()))
         loaded, client = self.engine.load_checkpoint(str(path), tag=tag)
         if loaded is None:
-            raise FileNotFoundError(f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from")
-        self.state = TrainState(step=client["step"], data=DataPosition(**client["data"]), history=client["history"],
-                                data_digest=client.get("data_digest", ""))
+            raise FileNotFoundError(
+                f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from"
+            )
+        self.state = TrainState(
+            step=client["step"],
+            data=DataPosition(**client["data"]),
+            history=client["history"],
+            data_digest=client.get("data_digest", ""),
+        )
         self.anchor_gen.set_state(client["anchor_rng"])
         torch.set_rng_state(client["torch_rng"])
         random.setstate(client["python_rng"])
-        log.info("resumed from %s at step %d (epoch %d, position %d)", loaded, self.state.step, self.state.data.epoch, self.state.data.index)
+        log.info(
+            "resumed from %s at step %d (epoch %d, position %d)",
+            loaded,
+            self.state.step,
+            self.state.data.epoch,
+            self.state.data.index,
+        )
 
     def _check_resume_config(self, tag_dir: Path) -> None:
         """Refuse to resume a checkpoint of a different drafter (DeepSpeed would fail later on a
         tensor shape, or not at all): name the fields and the way out."""
         diffs = checkpoint_config_differences(tag_dir, self.cfg)
         if diffs:
-            raise ValueError(f"{tag_dir}: this checkpoint is of another drafter ({'; '.join(diffs)}). Train this one "
-                             f"under its own name (train.run_name=...), start over with train.resume=never, or "
-                             f"point train.checkpoint_dir elsewhere")
+            raise ValueError(
+                f"{tag_dir}: this checkpoint is of another drafter ({'; '.join(diffs)}). Train this one "
+                f"under its own name (train.run_name=...), start over with train.resume=never, or "
+                f"point train.checkpoint_dir elsewhere"
+            )
 
     def _init_wandb(self):  # noqa: ANN202
         return init_wandb(self.cfg, Path(self.cfg.paths.output_dir), job_type="train")

@@ -48,7 +48,11 @@ MIN_FILL = 0.75
 MIN_OFFLINE_DOCUMENTS = 3
 """An offline set draws at least this many documents, so its question reads across documents."""
 LCR_COLUMNS = (
-    "document_category", "document_set_id", "question_id", "question", "answer",
+    "document_category",
+    "document_set_id",
+    "question_id",
+    "question",
+    "answer",
     "data_source_filenames",
 )
 """AA-LCR CSV columns the loader needs; the release's data_source_urls and input_tokens
@@ -58,8 +62,22 @@ SOURCES = ("offline", "aa_lcr")
 EXCLUDED_TOPICS = ("debugger",)
 """Reference topics that repeat a training prompt: "debugger" is pdb's module docstring."""
 OFFLINE_SUBPACKAGES = (
-    "asyncio", "concurrent", "email", "html", "http", "importlib", "json", "logging",
-    "multiprocessing", "tomllib", "unittest", "urllib", "wsgiref", "xml", "xmlrpc", "zoneinfo",
+    "asyncio",
+    "concurrent",
+    "email",
+    "html",
+    "http",
+    "importlib",
+    "json",
+    "logging",
+    "multiprocessing",
+    "tomllib",
+    "unittest",
+    "urllib",
+    "wsgiref",
+    "xml",
+    "xmlrpc",
+    "zoneinfo",
 )
 """Stdlib sub-packages whose source extends the offline pool past the language reference
 (about 110k tokens) for large bins. Top-level ``Lib/*.py`` files are training prompts."""
@@ -67,18 +85,27 @@ MIN_SOURCE_CHARS = 1000
 """Smaller files (empty ``__init__.py`` and the like) make poor documents."""
 
 OFFLINE_QUESTIONS = (
-    ("For each document, say in one sentence which part of Python it describes. Then name the "
-     "two documents whose subjects are most closely related and explain the connection."),
-    ("Which documents state a grammar rule or a function signature? For each of them, give the "
-     "document number and quote the rule or signature."),
-    ("List every exception mentioned in the documents. For each exception, give the numbers of "
-     "the documents that mention it and the situation in which it is raised."),
-    ("Summarise each document in at most two sentences, in document order. Then say which "
-     "document would help most someone writing their first Python class, and why."),
-    ("Compare the first and the last document: which concepts do they share, and where do "
-     "they differ?"),
-    ("Which built-in names, keywords or modules are discussed in more than one document? For "
-     "each of them, list the documents that discuss it."),
+    (
+        "For each document, say in one sentence which part of Python it describes. Then name the "
+        "two documents whose subjects are most closely related and explain the connection."
+    ),
+    (
+        "Which documents state a grammar rule or a function signature? For each of them, give the "
+        "document number and quote the rule or signature."
+    ),
+    (
+        "List every exception mentioned in the documents. For each exception, give the numbers of "
+        "the documents that mention it and the situation in which it is raised."
+    ),
+    (
+        "Summarise each document in at most two sentences, in document order. Then say which "
+        "document would help most someone writing their first Python class, and why."
+    ),
+    ("Compare the first and the last document: which concepts do they share, and where do they differ?"),
+    (
+        "Which built-in names, keywords or modules are discussed in more than one document? For "
+        "each of them, list the documents that discuss it."
+    ),
 )
 
 
@@ -152,9 +179,7 @@ def load_aa_lcr(csv_path: PathLike, texts_dir: PathLike) -> list[LcrQuestion]:
     return questions
 
 
-def _lcr_question(
-    row: dict[Any, Any], line: str, texts_dir: Path, cache: dict[Path, str]
-) -> LcrQuestion:
+def _lcr_question(row: dict[Any, Any], line: str, texts_dir: Path, cache: dict[Path, str]) -> LcrQuestion:
     if None in row or any(row[c] is None for c in LCR_COLUMNS):
         raise EvalPromptError(f"{line}: the row has a different number of fields than the header")
     qid = row["question_id"].strip()
@@ -220,9 +245,7 @@ def _find_document(name: str, set_dirs: Sequence[Path]) -> tuple[Path | None, li
 
 def chat_token_ids(tokenizer: Any, text: str) -> list[int]:
     """``text`` as the user turn, rendered with the target's chat template, ready to generate."""
-    out = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     # transformers 5 returns a BatchEncoding, older versions the list itself
     return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
@@ -261,9 +284,7 @@ def _equal_cap(lengths: Sequence[int], budget: int) -> int:
     return max(lengths, default=0)
 
 
-def _fit(
-    tokens: _DocumentTokens, documents: Sequence[Document], question: str, bin_size: int
-) -> list[int] | None:
+def _fit(tokens: _DocumentTokens, documents: Sequence[Document], question: str, bin_size: int) -> list[int] | None:
     """Token ids of the prompt whose documents are cut to the largest equal cap that fits
     ``bin_size``, or None if even the question with empty documents does not fit.
 
@@ -299,8 +320,7 @@ def offline_documents() -> list[Document]:
 def _reference_topics() -> list[Document]:
     from pydoc_data.topics import topics
 
-    return [Document(f"pydoc_data.topics:{k}", topics[k])
-            for k in sorted(topics) if k not in EXCLUDED_TOPICS]
+    return [Document(f"pydoc_data.topics:{k}", topics[k]) for k in sorted(topics) if k not in EXCLUDED_TOPICS]
 
 
 def _subpackage_sources() -> list[Document]:
@@ -317,9 +337,7 @@ def _subpackage_sources() -> list[Document]:
     return docs
 
 
-def _draw_offline_set(
-    rng: random.Random, tokens: _DocumentTokens, pool: _OfflinePool, bin_size: int
-) -> list[Document]:
+def _draw_offline_set(rng: random.Random, tokens: _DocumentTokens, pool: _OfflinePool, bin_size: int) -> list[Document]:
     """Documents in a seeded order (all topics before any source file) until they hold more
     than ``bin_size`` tokens and number at least MIN_OFFLINE_DOCUMENTS; :func:`_fit` then cuts
     the longest to fill the bin."""
@@ -335,7 +353,11 @@ def _draw_offline_set(
 
 
 def _offline_bin(
-    tokens: _DocumentTokens, pool: _OfflinePool, bin_size: int, lower: int, per_bin: int,
+    tokens: _DocumentTokens,
+    pool: _OfflinePool,
+    bin_size: int,
+    lower: int,
+    per_bin: int,
     seed: int,
 ) -> list[EvalPrompt]:
     prompts = []
@@ -350,16 +372,26 @@ def _offline_bin(
                 f"tokens (got {None if ids is None else len(ids)}); the bin is too small for the "
                 "question, or larger than the offline documents"
             )
-        prompts.append(EvalPrompt(
-            prompt_id=f"offline-s{seed}-b{bin_size}-{i}", bin=bin_size, prompt_token_ids=ids,
-            num_tokens=len(ids), source="offline", question=question, reference_answer=None,
-            document_names=[d.name for d in docs],
-        ))
+        prompts.append(
+            EvalPrompt(
+                prompt_id=f"offline-s{seed}-b{bin_size}-{i}",
+                bin=bin_size,
+                prompt_token_ids=ids,
+                num_tokens=len(ids),
+                source="offline",
+                question=question,
+                reference_answer=None,
+                document_names=[d.name for d in docs],
+            )
+        )
     return prompts
 
 
 def _aa_lcr_bin(
-    tokens: _DocumentTokens, questions: Sequence[LcrQuestion], bin_size: int, lower: int,
+    tokens: _DocumentTokens,
+    questions: Sequence[LcrQuestion],
+    bin_size: int,
+    lower: int,
     per_bin: int,
 ) -> list[EvalPrompt]:
     """The first ``per_bin`` questions (in the given order) whose set fills the bin."""
@@ -370,14 +402,27 @@ def _aa_lcr_bin(
         ids = _fit(tokens, q.documents, q.question, bin_size)
         if ids is None or len(ids) < lower:  # question too long, or documents too short
             continue
-        prompts.append(EvalPrompt(
-            prompt_id=f"aa_lcr-{q.question_id}-b{bin_size}", bin=bin_size, prompt_token_ids=ids,
-            num_tokens=len(ids), source="aa_lcr", question=q.question, reference_answer=q.answer,
-            document_names=[d.name for d in q.documents],
-        ))
+        prompts.append(
+            EvalPrompt(
+                prompt_id=f"aa_lcr-{q.question_id}-b{bin_size}",
+                bin=bin_size,
+                prompt_token_ids=ids,
+                num_tokens=len(ids),
+                source="aa_lcr",
+                question=q.question,
+                reference_answer=q.answer,
+                document_names=[d.name for d in q.documents],
+            )
+        )
     if len(prompts) < per_bin:
-        log.warning("AA-LCR bin %d: only %d of %d questions fill it to %d-%d tokens",
-                    bin_size, len(prompts), per_bin, lower, bin_size)
+        log.warning(
+            "AA-LCR bin %d: only %d of %d questions fill it to %d-%d tokens",
+            bin_size,
+            len(prompts),
+            per_bin,
+            lower,
+            bin_size,
+        )
     return prompts
 
 
@@ -388,8 +433,7 @@ def check_bins(context_bins: Sequence[int], *, max_new_tokens: int, window: int)
     """Bins must increase, and each must leave room for the answer in the target's window."""
     bins = list(context_bins)
     if not bins or any(not isinstance(b, int) or b <= 0 for b in bins) or bins != sorted(set(bins)):
-        raise EvalPromptError(
-            f"context_bins must be strictly increasing positive token counts, got {bins}")
+        raise EvalPromptError(f"context_bins must be strictly increasing positive token counts, got {bins}")
     for b in bins:
         if b + max_new_tokens > window:
             raise EvalPromptError(
@@ -482,8 +526,7 @@ def _window_from_config(model_dir: Path) -> int:
     """``max_position_embeddings`` from config.json (or its text_config, for wrapper models)."""
     window = read_text_config(model_dir).get("max_position_embeddings")
     if not window:
-        raise EvalPromptError(
-            f"{model_dir / 'config.json'}: no max_position_embeddings; pass --window")
+        raise EvalPromptError(f"{model_dir / 'config.json'}: no max_position_embeddings; pass --window")
     return int(window)
 
 
@@ -495,8 +538,7 @@ def _table(prompts: Sequence[EvalPrompt], bins: Sequence[int]) -> str:
         if not n:
             rows.append(f"{b:>8} {0:>7}")
             continue
-        rows.append(f"{b:>8} {len(n):>7} {min(n):>8} {sum(n) / len(n):>8.0f} {max(n):>8} "
-                    f"{sum(docs) / len(docs):>5.1f}")
+        rows.append(f"{b:>8} {len(n):>7} {min(n):>8} {sum(n) / len(n):>8.0f} {max(n):>8} {sum(docs) / len(docs):>5.1f}")
     return "\n".join(rows)
 
 
@@ -509,8 +551,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--bins", type=int, nargs="+", default=defaults.context_bins)
     parser.add_argument("--per-bin", type=int, default=defaults.prompts_per_bin)
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    parser.add_argument("--window", type=int,
-                        help="the target's max positions; default: config.json's")
+    parser.add_argument("--window", type=int, help="the target's max positions; default: config.json's")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--aa-lcr-csv", type=Path)
     parser.add_argument("--aa-lcr-texts", type=Path)

@@ -98,13 +98,22 @@ class DraftRunner:
         """Append target states [n, C] for the next n positions."""
         pos = torch.arange(self.length, self.length + states.shape[0])[None]
         new = self.drafter.context_kv(states[None].to(self.drafter.fc.weight.dtype), pos)
-        self.kv = new if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                                               for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.kv = (
+            new
+            if self.kv is None
+            else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        )
         self.length += states.shape[0]
 
     @torch.no_grad()
-    def propose(self, anchor: int, gamma: int, temperature: float, gen: torch.Generator,
-                confidence_threshold: Optional[float] = None) -> tuple[list[int], Optional[torch.Tensor], list[float]]:
+    def propose(
+        self,
+        anchor: int,
+        gamma: int,
+        temperature: float,
+        gen: torch.Generator,
+        confidence_threshold: Optional[float] = None,
+    ) -> tuple[list[int], Optional[torch.Tensor], list[float]]:
         """Drafts for the positions after the anchor (at position ``self.length``). Returns the
         tokens, their proposal distributions [g, V] (sampling only) and confidences (if a head)."""
         d, a = self.drafter, self.length
@@ -140,8 +149,9 @@ def _sample(p: torch.Tensor, gen: torch.Generator) -> int:
     return int(torch.multinomial(p, 1, generator=gen))
 
 
-def verify(drafts: list[int], q: Optional[torch.Tensor], target_logits: torch.Tensor, temperature: float,
-           gen: torch.Generator) -> tuple[int, int]:
+def verify(
+    drafts: list[int], q: Optional[torch.Tensor], target_logits: torch.Tensor, temperature: float, gen: torch.Generator
+) -> tuple[int, int]:
     """(number accepted, next token) for drafts against target logits [g+1, V] at the positions
     that predict d_1..d_g and the bonus. Greedy: exact match; sampling: rejection sampling."""
     if temperature <= 0:
@@ -184,8 +194,14 @@ def _finish(tokens: list[int], max_new: int, eos: set[int]) -> tuple[list[int], 
     return tokens[:max_new], len(tokens) >= max_new
 
 
-def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: Sequence[int], cfg: DecodeConfig,
-                         eos: set[int], gen: torch.Generator) -> Generation:
+def speculative_generate(
+    target: TargetRunner,
+    draft: DraftRunner,
+    prompt: Sequence[int],
+    cfg: DecodeConfig,
+    eos: set[int],
+    gen: torch.Generator,
+) -> Generation:
     res = Generation([], AcceptanceCounts(cfg.gamma))
     target.reset()
     draft.reset()
@@ -218,8 +234,9 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: Seque
     return res
 
 
-def plain_generate(target: TargetRunner, prompt: Sequence[int], cfg: DecodeConfig, eos: set[int],
-                   gen: torch.Generator) -> Generation:
+def plain_generate(
+    target: TargetRunner, prompt: Sequence[int], cfg: DecodeConfig, eos: set[int], gen: torch.Generator
+) -> Generation:
     """The same target decoding one token per forward: the baseline for tokens/s and the
     losslessness check."""
     res = Generation([], AcceptanceCounts(cfg.gamma))
@@ -245,9 +262,16 @@ def calibration(records: list[tuple[float, bool]], num_bins: int = NUM_BINS) -> 
     trainer's definition), and the reliability curve."""
     if not records:
         return None
-    sums = calibration_sums(torch.tensor([c for c, _ in records], dtype=torch.float64),
-                            torch.tensor([float(ok) for _, ok in records], dtype=torch.float64), num_bins)
+    sums = calibration_sums(
+        torch.tensor([c for c, _ in records], dtype=torch.float64),
+        torch.tensor([float(ok) for _, ok in records], dtype=torch.float64),
+        num_bins,
+    )
     count, conf_sum, acc_sum = sums[:, 0].tolist(), sums[:, 1].tolist(), sums[:, 2].tolist()
-    return Calibration(expected_calibration_error(sums), [i / num_bins for i in range(num_bins + 1)],
-                       [conf_sum[b] / count[b] if count[b] else None for b in range(num_bins)],
-                       [acc_sum[b] / count[b] if count[b] else None for b in range(num_bins)], [int(c) for c in count])
+    return Calibration(
+        expected_calibration_error(sums),
+        [i / num_bins for i in range(num_bins + 1)],
+        [conf_sum[b] / count[b] if count[b] else None for b in range(num_bins)],
+        [acc_sum[b] / count[b] if count[b] else None for b in range(num_bins)],
+        [int(c) for c in count],
+    )

@@ -116,14 +116,16 @@ def speedup_table(results: EvalResults) -> list[dict[str, Any]]:
 # --- quality checks --------------------------------------------------------------------------
 
 
-def ratio_check(name: str, numerator_name: str, numerator: float, denominator_name: str,
-                denominator: float, min_ratio: float) -> Check:
+def ratio_check(
+    name: str, numerator_name: str, numerator: float, denominator_name: str, denominator: float, min_ratio: float
+) -> Check:
     """Pass when numerator / denominator >= min_ratio (e.g. tau of ours over tau of ngram).
 
     A zero or NaN denominator gives a NaN ratio, which fails: no evidence is not a pass."""
     ratio = numerator / denominator if denominator else math.nan
-    detail = (f"{numerator_name} {numerator:.3f} / {denominator_name} {denominator:.3f} "
-              f"= {ratio:.3f} (need >= {min_ratio:g})")
+    detail = (
+        f"{numerator_name} {numerator:.3f} / {denominator_name} {denominator:.3f} = {ratio:.3f} (need >= {min_ratio:g})"
+    )
     return Check(name=name, measured=ratio, target=min_ratio, passed=ratio >= min_ratio, detail=detail)
 
 
@@ -152,8 +154,13 @@ def results_payload(results: EvalResults, checks: list[Check] | None = None) -> 
 def _summary_from_counts(summary: dict[str, Any]) -> dict[str, Any]:
     """Recompute tau and the acceptance rates from the raw counters, which restores the NaNs
     that JSON stored as null; extra keys (``num_prompts``) are kept."""
-    counts = AcceptanceCounts(summary["gamma"], summary["num_drafts"], summary["num_draft_tokens"],
-                              summary["num_accepted"], list(summary["accepted_per_pos"]))
+    counts = AcceptanceCounts(
+        summary["gamma"],
+        summary["num_drafts"],
+        summary["num_draft_tokens"],
+        summary["num_accepted"],
+        list(summary["accepted_per_pos"]),
+    )
     return {**summary, **counts.summary()}
 
 
@@ -164,11 +171,15 @@ def _drafter_from_dict(d: dict[str, Any]) -> DrafterResult:
         ece = math.nan if cal["ece"] is None else cal["ece"]
         calibration = Calibration(**{**cal, "ece": ece})
     return DrafterResult(
-        name=d["name"], runner=d["runner"], method=d["method"],
+        name=d["name"],
+        runner=d["runner"],
+        method=d["method"],
         overall=_summary_from_counts(d["overall"]),
         per_bin={b: _summary_from_counts(s) for b, s in d["per_bin"].items()},
-        calibration=calibration, draft_cost_ratio=d.get("draft_cost_ratio"),
-        tokens_per_s=d.get("tokens_per_s"), baseline_tokens_per_s=d.get("baseline_tokens_per_s"),
+        calibration=calibration,
+        draft_cost_ratio=d.get("draft_cost_ratio"),
+        tokens_per_s=d.get("tokens_per_s"),
+        baseline_tokens_per_s=d.get("baseline_tokens_per_s"),
         notes=d.get("notes", ""),
     )
 
@@ -176,8 +187,9 @@ def _drafter_from_dict(d: dict[str, Any]) -> DrafterResult:
 def load_results(path: Path) -> EvalResults:
     """Rebuild the records from a ``results.json`` (derived keys such as tau are recomputed)."""
     data = json.loads(Path(path).read_text())
-    return EvalResults(conditions=EvalConditions(**data["conditions"]),
-                       drafters=[_drafter_from_dict(d) for d in data["drafters"]])
+    return EvalResults(
+        conditions=EvalConditions(**data["conditions"]), drafters=[_drafter_from_dict(d) for d in data["drafters"]]
+    )
 
 
 def load_checks(path: Path) -> list[Check] | None:
@@ -185,8 +197,7 @@ def load_checks(path: Path) -> list[Check] | None:
     data = json.loads(Path(path).read_text())
     if "checks" not in data:
         return None
-    return [Check(**{**c, "measured": math.nan if c["measured"] is None else c["measured"]})
-            for c in data["checks"]]
+    return [Check(**{**c, "measured": math.nan if c["measured"] is None else c["measured"]}) for c in data["checks"]]
 
 
 def _bin_tau(d: DrafterResult, b: str) -> float:
@@ -214,8 +225,13 @@ def plot_acceptance_per_position(results: EvalResults, path: Path) -> None:
     positions = list(range(1, gamma + 1))
     for d in results.drafters:
         ax.plot(positions, d.overall["accept_per_pos"], marker="o", label=d.name)
-    ax.set(xlabel="draft position k", ylabel="P(first k draft tokens accepted)", ylim=(0, 1.02),
-           xticks=positions, title=f"Acceptance per position\n{_conditions_line(results.conditions)}")
+    ax.set(
+        xlabel="draft position k",
+        ylabel="P(first k draft tokens accepted)",
+        ylim=(0, 1.02),
+        xticks=positions,
+        title=f"Acceptance per position\n{_conditions_line(results.conditions)}",
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -235,8 +251,12 @@ def plot_tau_per_bin(results: EvalResults, path: Path) -> None:
         taus = [_bin_tau(d, b) for b in bins]
         ax.bar(xs, taus, width=width, label=d.name)
     ax.set_xticks(range(len(bins)), [f"{b}\n(n={c.prompts_per_bin.get(b, 0)})" for b in bins])
-    ax.set(xlabel="context bin (tokens)", ylabel="tau (tokens per step)", ylim=(0, c.gamma + 1),
-           title=f"Acceptance length per context bin\n{_conditions_line(c)}")
+    ax.set(
+        xlabel="context bin (tokens)",
+        ylabel="tau (tokens per step)",
+        ylim=(0, c.gamma + 1),
+        title=f"Acceptance length per context bin\n{_conditions_line(c)}",
+    )
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -254,8 +274,13 @@ def plot_calibration(results: EvalResults, path: Path) -> bool:
     for name, cal in calibrated:
         pts = [(x, y) for x, y in zip(cal.bin_confidence, cal.bin_accuracy) if x is not None and y is not None]
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{name} (ECE {cal.ece:.3f})")
-    ax.set(xlabel="mean predicted confidence", ylabel="observed acceptance", xlim=(0, 1), ylim=(0, 1),
-           title=f"Confidence calibration\n{_conditions_line(results.conditions)}")
+    ax.set(
+        xlabel="mean predicted confidence",
+        ylabel="observed acceptance",
+        xlim=(0, 1),
+        ylim=(0, 1),
+        title=f"Confidence calibration\n{_conditions_line(results.conditions)}",
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -265,8 +290,10 @@ def plot_calibration(results: EvalResults, path: Path) -> bool:
 
 def write_plots(results: EvalResults, out_dir: Path) -> dict[str, Path]:
     """All PNGs, keyed by name; calibration only when some drafter has a confidence head."""
-    plots = {"acceptance_per_position": out_dir / "acceptance_per_position.png",
-             "tau_per_bin": out_dir / "tau_per_bin.png"}
+    plots = {
+        "acceptance_per_position": out_dir / "acceptance_per_position.png",
+        "tau_per_bin": out_dir / "tau_per_bin.png",
+    }
     plot_acceptance_per_position(results, plots["acceptance_per_position"])
     plot_tau_per_bin(results, plots["tau_per_bin"])
     calibration = out_dir / "calibration.png"
@@ -285,12 +312,18 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _conditions_section(c: EvalConditions) -> list[str]:
     bins = ", ".join(f"{b} ({c.prompts_per_bin.get(str(b), 0)} prompts)" for b in c.context_bins)
-    rows = [["target", f"{c.target} (`{c.target_path}`)"], ["gamma", str(c.gamma)],
-            ["temperature", f"{c.temperature:g}"], ["max_new_tokens", str(c.max_new_tokens)],
-            ["prompt source", c.prompt_source], ["context bins", bins],
-            ["checkpoint", f"`{c.checkpoint}`" if c.checkpoint else _NA],
-            ["export dir", f"`{c.export_dir}`" if c.export_dir else _NA],
-            ["dtype", c.dtype], ["device", c.device]]
+    rows = [
+        ["target", f"{c.target} (`{c.target_path}`)"],
+        ["gamma", str(c.gamma)],
+        ["temperature", f"{c.temperature:g}"],
+        ["max_new_tokens", str(c.max_new_tokens)],
+        ["prompt source", c.prompt_source],
+        ["context bins", bins],
+        ["checkpoint", f"`{c.checkpoint}`" if c.checkpoint else _NA],
+        ["export dir", f"`{c.export_dir}`" if c.export_dir else _NA],
+        ["dtype", c.dtype],
+        ["device", c.device],
+    ]
     rows += [[k, str(v)] for k, v in c.extra.items()]
     return ["## Conditions", ""] + _table(["condition", "value"], rows)
 
@@ -298,52 +331,64 @@ def _conditions_section(c: EvalConditions) -> list[str]:
 def _tau_section(results: EvalResults) -> list[str]:
     bins = [str(b) for b in results.conditions.context_bins]
     rows = [[d.name, d.runner, _fmt(d.tau)] + [_fmt(_bin_tau(d, b)) for b in bins] for d in results.drafters]
-    return (["## Acceptance length tau", "", "tau = 1 + accepted / drafts (tokens per verification step).", ""]
-            + _table(["drafter", "runner", "overall"] + [f"ctx {b}" for b in bins], rows))
+    return ["## Acceptance length tau", "", "tau = 1 + accepted / drafts (tokens per verification step).", ""] + _table(
+        ["drafter", "runner", "overall"] + [f"ctx {b}" for b in bins], rows
+    )
 
 
 def _position_section(results: EvalResults) -> list[str]:
     positions = [f"pos {k}" for k in range(1, results.conditions.gamma + 1)]
     uncond = [[d.name] + [_fmt(a) for a in d.overall["accept_per_pos"]] for d in results.drafters]
     cond = [[d.name] + [_fmt(a) for a in d.overall["accept_cond_per_pos"]] for d in results.drafters]
-    return (["## Acceptance per draft position", "",
-             "Unconditional: P(first k draft tokens all accepted).", ""] + _table(["drafter"] + positions, uncond)
-            + ["", "Conditional: P(position k accepted | positions < k accepted).", ""]
-            + _table(["drafter"] + positions, cond))
+    return (
+        ["## Acceptance per draft position", "", "Unconditional: P(first k draft tokens all accepted).", ""]
+        + _table(["drafter"] + positions, uncond)
+        + ["", "Conditional: P(position k accepted | positions < k accepted).", ""]
+        + _table(["drafter"] + positions, cond)
+    )
 
 
 def _speedup_section(rows: list[dict[str, Any]]) -> list[str]:
-    model = ("Predicted = E / (1 + r) with E = measured tau and r = measured draft/target cost per step; "
-             "p is the i.i.d. per-token acceptance giving E = (1 - p^(gamma+1)) / (1 - p).")
+    model = (
+        "Predicted = E / (1 + r) with E = measured tau and r = measured draft/target cost per step; "
+        "p is the i.i.d. per-token acceptance giving E = (1 - p^(gamma+1)) / (1 - p)."
+    )
     head = ["## Speedup", "", model, ""]
     if not rows:
         return head + ["No drafter has a measured cost ratio or wall-clock speedup."]
-    table = [[r["drafter"], _fmt(r["tau"]), _fmt(r["p"]), _fmt(r["r"]), _fmt(r["predicted"], 2),
-              _fmt(r["measured"], 2)] for r in rows]
+    table = [
+        [r["drafter"], _fmt(r["tau"]), _fmt(r["p"]), _fmt(r["r"]), _fmt(r["predicted"], 2), _fmt(r["measured"], 2)]
+        for r in rows
+    ]
     return head + _table(["drafter", "tau (E)", "p", "r", "predicted speedup", "measured speedup"], table)
 
 
 def _calibration_section(results: EvalResults) -> list[str]:
-    rows = [[d.name, _fmt(d.calibration.ece), str(sum(d.calibration.bin_count))]
-            for d in results.drafters if d.calibration is not None]
+    rows = [
+        [d.name, _fmt(d.calibration.ece), str(sum(d.calibration.bin_count))]
+        for d in results.drafters
+        if d.calibration is not None
+    ]
     if not rows:
         return []
-    return (["## Confidence calibration", ""]
-            + _table(["drafter", "ECE", "verified positions"], rows))
+    return ["## Confidence calibration", ""] + _table(["drafter", "ECE", "verified positions"], rows)
 
 
 def _checks_section(checks: list[Check]) -> list[str]:
-    rows = [[c.name, _fmt(c.target), _fmt(c.measured), "pass" if c.passed else "**FAIL**", c.detail]
-            for c in checks]
+    rows = [[c.name, _fmt(c.target), _fmt(c.measured), "pass" if c.passed else "**FAIL**", c.detail] for c in checks]
     return ["## Quality checks", ""] + _table(["check", "target", "measured", "result", "detail"], rows)
 
 
-def render_markdown(results: EvalResults, plots: dict[str, Path], *,
-                    checks: list[Check] | None = None) -> str:
+def render_markdown(results: EvalResults, plots: dict[str, Path], *, checks: list[Check] | None = None) -> str:
     """The report: conditions first, since no number means anything without them."""
-    sections = [["# DSpark acceptance report"], _conditions_section(results.conditions),
-                _tau_section(results), _position_section(results),
-                _speedup_section(speedup_table(results)), _calibration_section(results)]
+    sections = [
+        ["# DSpark acceptance report"],
+        _conditions_section(results.conditions),
+        _tau_section(results),
+        _position_section(results),
+        _speedup_section(speedup_table(results)),
+        _calibration_section(results),
+    ]
     if checks is not None:
         sections.append(_checks_section(checks))
     sections.append(["## Plots"] + [f"\n![{name}]({p.name})" for name, p in plots.items()])
@@ -378,20 +423,28 @@ def log_to_wandb(run: Run, results: EvalResults, plots: dict[str, Path]) -> None
 
     speedups = speedup_table(results)
     bins = [str(b) for b in results.conditions.context_bins]
-    bin_table = wandb.Table(columns=["drafter", "overall"] + bins,
-                            data=[[d.name, d.tau] + [_bin_tau(d, b) for b in bins] for d in results.drafters])
+    bin_table = wandb.Table(
+        columns=["drafter", "overall"] + bins,
+        data=[[d.name, d.tau] + [_bin_tau(d, b) for b in bins] for d in results.drafters],
+    )
     columns = ["drafter", "tau", "p", "r", "predicted", "measured"]
     speedup = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in speedups])
-    run.log({**_wandb_scalars(results, speedups),
-             **{f"eval/plots/{name}": wandb.Image(str(p)) for name, p in plots.items()},
-             "eval/tau_per_bin_table": bin_table, "eval/speedup_table": speedup})
+    run.log(
+        {
+            **_wandb_scalars(results, speedups),
+            **{f"eval/plots/{name}": wandb.Image(str(p)) for name, p in plots.items()},
+            "eval/tau_per_bin_table": bin_table,
+            "eval/speedup_table": speedup,
+        }
+    )
 
 
 # --- entry points ----------------------------------------------------------------------------
 
 
-def write_report(results: EvalResults, out_dir: Path, *, checks: list[Check] | None = None,
-                 wandb_run: Run | None = None) -> ReportPaths:
+def write_report(
+    results: EvalResults, out_dir: Path, *, checks: list[Check] | None = None, wandb_run: Run | None = None
+) -> ReportPaths:
     """Write results.json, report.md and the PNGs into ``out_dir``; log them to ``wandb_run``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

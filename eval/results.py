@@ -70,8 +70,12 @@ class AcceptanceCounts:
         return out
 
     def summary(self) -> dict[str, Any]:
-        return {**asdict(self), "tau": self.tau, "accept_per_pos": self.accept_per_pos,
-                "accept_cond_per_pos": self.accept_cond_per_pos}
+        return {
+            **asdict(self),
+            "tau": self.tau,
+            "accept_per_pos": self.accept_per_pos,
+            "accept_cond_per_pos": self.accept_cond_per_pos,
+        }
 
 
 @dataclass

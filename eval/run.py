@@ -16,9 +16,8 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from dspark.core.config import RunConfig, config_fingerprint, load_config, load_or_exit
-
 from dspark.checkpoint import CheckpointError, checkpoint_model_file, load_training_checkpoint
+from dspark.core.config import RunConfig, config_fingerprint, load_config, load_or_exit
 from dspark.export import ExportSummary, export
 from dspark.serving_format import load_drafter, read_export
 from eval.results import AcceptanceCounts, DrafterResult, EvalConditions, EvalResults
@@ -47,8 +46,15 @@ def _per_bin(prompt_bins: list[int], counts: list[AcceptanceCounts], gamma: int)
     return total.summary(), per
 
 
-def reference_eval(name: str, export_dir: Path, heads: Any, target_model: torch.nn.Module, prompts: list, cfg: RunConfig,
-                   plain_tps: Optional[float]) -> DrafterResult:
+def reference_eval(
+    name: str,
+    export_dir: Path,
+    heads: Any,
+    target_model: torch.nn.Module,
+    prompts: list,
+    cfg: RunConfig,
+    plain_tps: Optional[float],
+) -> DrafterResult:
     """Our drafter, read back from its export, in the PyTorch reference loop."""
     from tqdm import tqdm
 
@@ -62,9 +68,13 @@ def reference_eval(name: str, export_dir: Path, heads: Any, target_model: torch.
 
     exp = read_export(export_dir)
     drafter = load_drafter(exp, heads)
-    dcfg = DecodeConfig(gamma=cfg.eval.gamma, temperature=cfg.eval.temperature,
-                        max_new_tokens=cfg.eval.max_new_tokens, confidence_threshold=cfg.eval.confidence_threshold,
-                        seed=cfg.eval.seed)
+    dcfg = DecodeConfig(
+        gamma=cfg.eval.gamma,
+        temperature=cfg.eval.temperature,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        confidence_threshold=cfg.eval.confidence_threshold,
+        seed=cfg.eval.seed,
+    )
     if dcfg.gamma > exp.drafter.block_size:
         raise ValueError(f"eval.gamma={dcfg.gamma} exceeds the drafter's block_size {exp.drafter.block_size}")
     tr, dr = TargetRunner(target_model, exp.context_layer_ids), DraftRunner(drafter)
@@ -79,13 +89,20 @@ def reference_eval(name: str, export_dir: Path, heads: Any, target_model: torch.
         dec_s, draft_s, verify_s = dec_s + g.decode_s, draft_s + g.draft_s, verify_s + g.verify_s
     overall, per_bin = _per_bin([p.bin for p in prompts], counts, dcfg.gamma)
     steps = max(overall["num_drafts"], 1)
-    return DrafterResult(name, "reference", "dspark" if exp.drafter.sample_from_anchor else "dflash-layout", overall, per_bin,
-                         calibration(conf), draft_cost_ratio=(draft_s / steps) / (verify_s / steps) if verify_s else None,
-                         tokens_per_s=tokens / dec_s if dec_s else None, baseline_tokens_per_s=plain_tps,
-                         notes=f"export {export_dir}; decode phase only (prefill excluded); per step: draft "
-                               f"{1e3 * draft_s / steps:.1f} ms, target verify of {dcfg.gamma + 1} tokens "
-                               f"{1e3 * verify_s / steps:.1f} ms"
-                               + (f", plain decoding {1e3 / plain_tps:.1f} ms/token" if plain_tps else ""))
+    return DrafterResult(
+        name,
+        "reference",
+        "dspark" if exp.drafter.sample_from_anchor else "dflash-layout",
+        overall,
+        per_bin,
+        calibration(conf),
+        draft_cost_ratio=(draft_s / steps) / (verify_s / steps) if verify_s else None,
+        tokens_per_s=tokens / dec_s if dec_s else None,
+        baseline_tokens_per_s=plain_tps,
+        notes=f"export {export_dir}; decode phase only (prefill excluded); per step: draft "
+        f"{1e3 * draft_s / steps:.1f} ms, target verify of {dcfg.gamma + 1} tokens "
+        f"{1e3 * verify_s / steps:.1f} ms" + (f", plain decoding {1e3 / plain_tps:.1f} ms/token" if plain_tps else ""),
+    )
 
 
 def _eos_ids(heads: Any) -> set[int]:
@@ -107,23 +124,47 @@ def plain_tokens_per_s(heads: Any, target_model: torch.nn.Module, prompts: list,
     return tokens / secs if secs else float("nan")
 
 
-def vllm_eval(name: str, method: str, draft: Optional[Path], target_dir: Path, prompts_file: Path, cfg: RunConfig,
-              out_dir: Path, max_model_len: int) -> DrafterResult:
+def vllm_eval(
+    name: str,
+    method: str,
+    draft: Optional[Path],
+    target_dir: Path,
+    prompts_file: Path,
+    cfg: RunConfig,
+    out_dir: Path,
+    max_model_len: int,
+) -> DrafterResult:
     from eval.serve import run_in_subprocess
 
     gamma = cfg.eval.gamma
-    run = run_in_subprocess(target_dir, method, prompts_file, out_dir / f"vllm_{name}.json", draft=draft, gamma=gamma,
-                            max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature,
-                            max_model_len=max_model_len, cpu_kvcache_gib=cfg.eval.vllm_cpu_kvcache_gib,
-                            dtype=cfg.target.dtype, timeout=cfg.eval.vllm_timeout_s,
-                            engine_kwargs=engine_kwargs(cfg))
+    run = run_in_subprocess(
+        target_dir,
+        method,
+        prompts_file,
+        out_dir / f"vllm_{name}.json",
+        draft=draft,
+        gamma=gamma,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        temperature=cfg.eval.temperature,
+        max_model_len=max_model_len,
+        cpu_kvcache_gib=cfg.eval.vllm_cpu_kvcache_gib,
+        dtype=cfg.target.dtype,
+        timeout=cfg.eval.vllm_timeout_s,
+        engine_kwargs=engine_kwargs(cfg),
+    )
     total, per = AcceptanceCounts(gamma), {}
     for b, d in run.per_bin.items():
         c = AcceptanceCounts(gamma, d["num_drafts"], d["num_draft_tokens"], d["num_accepted"], d["accepted_per_pos"])
         per[b] = {**c.summary(), "num_prompts": d["num_prompts"]}
         total.merge(c)
-    return DrafterResult(name, "vllm", method, total.summary(), per,
-                         notes=f"vLLM {method}{' ' + str(draft) if draft else ''}; engine start {run.engine_start_s:.0f}s")
+    return DrafterResult(
+        name,
+        "vllm",
+        method,
+        total.summary(),
+        per,
+        notes=f"vLLM {method}{' ' + str(draft) if draft else ''}; engine start {run.engine_start_s:.0f}s",
+    )
 
 
 def vllm_max_model_len(cfg: RunConfig, prompts: Optional[list] = None) -> int:
@@ -196,18 +237,45 @@ def quality_checks(results: EvalResults) -> list:
         return []
     checks = []
     if "markov-off" in by:
-        checks.append(ratio_check("DSpark over its Markov-off ablation", "tau dspark", ours.tau, "tau markov-off",
-                                  by["markov-off"].tau, 1.15))
+        checks.append(
+            ratio_check(
+                "DSpark over its Markov-off ablation",
+                "tau dspark",
+                ours.tau,
+                "tau markov-off",
+                by["markov-off"].tau,
+                1.15,
+            )
+        )
     if "ngram" in by:
         checks.append(ratio_check("DSpark over vLLM ngram", "tau dspark", ours.tau, "tau ngram", by["ngram"].tau, 1.3))
     bins = sorted(ours.per_bin, key=int)
     if len(bins) > 1:
-        checks.append(ratio_check("no long-context collapse", f"tau @{bins[-1]}", float(ours.per_bin[bins[-1]]["tau"]),
-                                  f"tau @{bins[0]}", float(ours.per_bin[bins[0]]["tau"]), 0.9))
+        checks.append(
+            ratio_check(
+                "no long-context collapse",
+                f"tau @{bins[-1]}",
+                float(ours.per_bin[bins[-1]]["tau"]),
+                f"tau @{bins[0]}",
+                float(ours.per_bin[bins[0]]["tau"]),
+                0.9,
+            )
+        )
     if ours.measured_speedup is not None:
-        pred = speedup_row(ours.tau, results.conditions.gamma, ours.draft_cost_ratio).predicted if ours.draft_cost_ratio is not None else float("nan")
-        checks.append(Check("wall-clock speedup over plain decoding (bs=1)", ours.measured_speedup, 1.0,
-                            ours.measured_speedup >= 1.0, f"measured {ours.measured_speedup:.2f}x, cost model predicts {pred:.2f}x"))
+        pred = (
+            speedup_row(ours.tau, results.conditions.gamma, ours.draft_cost_ratio).predicted
+            if ours.draft_cost_ratio is not None
+            else float("nan")
+        )
+        checks.append(
+            Check(
+                "wall-clock speedup over plain decoding (bs=1)",
+                ours.measured_speedup,
+                1.0,
+                ours.measured_speedup >= 1.0,
+                f"measured {ours.measured_speedup:.2f}x, cost model predicts {pred:.2f}x",
+            )
+        )
     return checks
 
 
@@ -236,8 +304,10 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     fp = fingerprint(cfg, [ckpt] + ([ablation] if ablation else []))
     done = _up_to_date(out_dir, fp)
     if done is not None and not e.force:
-        log.info("eval: %s is up to date (same checkpoint files and eval settings), skipped; eval.force=true reruns it",
-                 out_dir / "report.md")
+        log.info(
+            "eval: %s is up to date (same checkpoint files and eval settings), skipped; eval.force=true reruns it",
+            out_dir / "report.md",
+        )
         return done
     t0 = time.perf_counter()
     exports = {"ours": export_all(cfg, ckpt, target_dir, "dspark")}
@@ -247,9 +317,18 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     prompts, prompts_file = eval_set(cfg, heads, out_dir)
     drafters = reference_results(cfg, heads, target_dir, prompts, exports) if e.reference else []
     drafters += vllm_results(cfg, target_dir, prompts, prompts_file, out_dir, exports)
-    conditions = _conditions(cfg, target_dir, prompts, ckpt, exports, extra={
-        "eval_seconds": round(time.perf_counter() - t0, 1), "fingerprint": fp,
-        "ablation_checkpoint": str(ablation) if ablation else None})
+    conditions = _conditions(
+        cfg,
+        target_dir,
+        prompts,
+        ckpt,
+        exports,
+        extra={
+            "eval_seconds": round(time.perf_counter() - t0, 1),
+            "fingerprint": fp,
+            "ablation_checkpoint": str(ablation) if ablation else None,
+        },
+    )
     return _report(cfg, EvalResults(conditions, drafters), out_dir, exports)
 
 
@@ -262,18 +341,32 @@ def eval_set(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[list, Path]:
     if e.prompts_file:
         prompts = load_eval_set(Path(e.prompts_file).expanduser())
     else:
-        prompts = build_eval_set(heads.tokenizer, context_bins=e.context_bins, prompts_per_bin=e.prompts_per_bin,
-                                 max_new_tokens=e.max_new_tokens, window=int(heads.config.get("max_position_embeddings") or 0),
-                                 source=e.source, aa_lcr_csv=e.aa_lcr_csv, aa_lcr_texts=e.aa_lcr_texts, seed=e.seed)
+        prompts = build_eval_set(
+            heads.tokenizer,
+            context_bins=e.context_bins,
+            prompts_per_bin=e.prompts_per_bin,
+            max_new_tokens=e.max_new_tokens,
+            window=int(heads.config.get("max_position_embeddings") or 0),
+            source=e.source,
+            aa_lcr_csv=e.aa_lcr_csv,
+            aa_lcr_texts=e.aa_lcr_texts,
+            seed=e.seed,
+        )
     prompts_file = out_dir / "eval_set.jsonl"
     save_eval_set(prompts, prompts_file)
-    log.info("eval set: %d prompts in bins %s -> %s (sha256 %s)", len(prompts), sorted({p.bin for p in prompts}),
-             prompts_file, eval_set_sha256(prompts)[:12])
+    log.info(
+        "eval set: %d prompts in bins %s -> %s (sha256 %s)",
+        len(prompts),
+        sorted({p.bin for p in prompts}),
+        prompts_file,
+        eval_set_sha256(prompts)[:12],
+    )
     return prompts, prompts_file
 
 
-def reference_results(cfg: RunConfig, heads: Any, target_dir: Path, prompts: list,
-                      exports: dict[str, dict[str, ExportSummary]]) -> list[DrafterResult]:
+def reference_results(
+    cfg: RunConfig, heads: Any, target_dir: Path, prompts: list, exports: dict[str, dict[str, ExportSummary]]
+) -> list[DrafterResult]:
     """Our drafter (and its ablation), read back from their exports, in the PyTorch reference
     loop, with plain decoding of the same target timed for the wall-clock speedup."""
     from transformers import AutoModelForCausalLM
@@ -281,11 +374,20 @@ def reference_results(cfg: RunConfig, heads: Any, target_dir: Path, prompts: lis
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     plain = plain_tokens_per_s(heads, model, prompts, cfg) if cfg.eval.measure_plain else None
     names = {"ours": "dspark", "ablation": "markov-off"}
-    return [reference_eval(names[who], ex["dspark"].out_dir, heads, model, prompts, cfg, plain) for who, ex in exports.items()]
+    return [
+        reference_eval(names[who], ex["dspark"].out_dir, heads, model, prompts, cfg, plain)
+        for who, ex in exports.items()
+    ]
 
 
-def vllm_results(cfg: RunConfig, target_dir: Path, prompts: list, prompts_file: Path, out_dir: Path,
-                 exports: dict[str, dict[str, ExportSummary]]) -> list[DrafterResult]:
+def vllm_results(
+    cfg: RunConfig,
+    target_dir: Path,
+    prompts: list,
+    prompts_file: Path,
+    out_dir: Path,
+    exports: dict[str, dict[str, ExportSummary]],
+) -> list[DrafterResult]:
     """The baselines (ngram) and our exports as vLLM serves them: ``dspark`` on a GPU, the
     ``dflash`` export on CPU when the drafter has that layout."""
     max_len = vllm_max_model_len(cfg, prompts)
@@ -294,26 +396,62 @@ def vllm_results(cfg: RunConfig, target_dir: Path, prompts: list, prompts_file: 
         return out
     for who, ex in exports.items():
         if torch.cuda.is_available():
-            out.append(vllm_eval(f"vllm-dspark-{who}", "dspark", ex["dspark"].out_dir, target_dir, prompts_file, cfg, out_dir, max_len))
+            out.append(
+                vllm_eval(
+                    f"vllm-dspark-{who}",
+                    "dspark",
+                    ex["dspark"].out_dir,
+                    target_dir,
+                    prompts_file,
+                    cfg,
+                    out_dir,
+                    max_len,
+                )
+            )
         elif "dflash" in ex:
-            out.append(vllm_eval(f"vllm-dflash-{who}", "dflash", ex["dflash"].out_dir, target_dir, prompts_file, cfg, out_dir, max_len))
+            out.append(
+                vllm_eval(
+                    f"vllm-dflash-{who}",
+                    "dflash",
+                    ex["dflash"].out_dir,
+                    target_dir,
+                    prompts_file,
+                    cfg,
+                    out_dir,
+                    max_len,
+                )
+            )
         else:
-            log.info("vLLM on CPU serves only the dflash layout; the %s export is measured by the reference loop "
-                     "(serve it on a GPU: python -m eval.serve --method dspark --draft %s)", who, ex["dspark"].out_dir)
+            log.info(
+                "vLLM on CPU serves only the dflash layout; the %s export is measured by the reference loop "
+                "(serve it on a GPU: python -m eval.serve --method dspark --draft %s)",
+                who,
+                ex["dspark"].out_dir,
+            )
     return out
 
 
-def _conditions(cfg: RunConfig, target_dir: Path, prompts: list, ckpt: Path, exports: dict, extra: dict) -> EvalConditions:
+def _conditions(
+    cfg: RunConfig, target_dir: Path, prompts: list, ckpt: Path, exports: dict, extra: dict
+) -> EvalConditions:
     from eval.prompts import eval_set_sha256
 
     e, bins = cfg.eval, sorted({p.bin for p in prompts})
     return EvalConditions(
-        target=cfg.target.name, target_path=str(target_dir), gamma=e.gamma, temperature=e.temperature,
-        max_new_tokens=e.max_new_tokens, prompt_source=str(e.prompts_file or e.source), context_bins=bins,
-        prompts_per_bin={str(b): sum(p.bin == b for p in prompts) for b in bins}, checkpoint=str(ckpt),
-        export_dir=str(exports["ours"]["dspark"].out_dir), dtype=f"reference loop float32, vLLM {cfg.target.dtype}",
+        target=cfg.target.name,
+        target_path=str(target_dir),
+        gamma=e.gamma,
+        temperature=e.temperature,
+        max_new_tokens=e.max_new_tokens,
+        prompt_source=str(e.prompts_file or e.source),
+        context_bins=bins,
+        prompts_per_bin={str(b): sum(p.bin == b for p in prompts) for b in bins},
+        checkpoint=str(ckpt),
+        export_dir=str(exports["ours"]["dspark"].out_dir),
+        dtype=f"reference loop float32, vLLM {cfg.target.dtype}",
         device="cuda" if torch.cuda.is_available() else "cpu",
-        extra={"eval_set_sha256": eval_set_sha256(prompts), "confidence_threshold": e.confidence_threshold, **extra})
+        extra={"eval_set_sha256": eval_set_sha256(prompts), "confidence_threshold": e.confidence_threshold, **extra},
+    )
 
 
 def _report(cfg: RunConfig, results: EvalResults, out_dir: Path, exports: dict) -> EvalOutcome:

@@ -32,9 +32,27 @@ def main() -> None:
             if time.time() > deadline:
                 raise SystemExit(f"error: {export} did not appear within an hour; did node 0 fail?")
             time.sleep(10)
-        serve_main(["--headless", "--target", str(target_dir), "--method", "dspark", "--draft", str(export),
-                    "--gamma", str(cfg.eval.gamma), "--max-model-len", str(vllm_max_model_len(cfg)),
-                    "--dtype", cfg.target.dtype, "--prompts", "unused", "--engine-kwargs", json.dumps(engine_kwargs(cfg))])
+        serve_main(
+            [
+                "--headless",
+                "--target",
+                str(target_dir),
+                "--method",
+                "dspark",
+                "--draft",
+                str(export),
+                "--gamma",
+                str(cfg.eval.gamma),
+                "--max-model-len",
+                str(vllm_max_model_len(cfg)),
+                "--dtype",
+                cfg.target.dtype,
+                "--prompts",
+                "unused",
+                "--engine-kwargs",
+                json.dumps(engine_kwargs(cfg)),
+            ]
+        )
 
     _main()
 

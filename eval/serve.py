@@ -58,7 +58,9 @@ def read_counters(llm: Any, gamma: int) -> AcceptanceCounts:
             setattr(counts, COUNTERS[m.name], getattr(counts, COUNTERS[m.name]) + int(m.value))
         elif m.name == PER_POS:
             values = list(m.values)[:gamma]
-            counts.accepted_per_pos = [a + int(b) for a, b in zip(counts.accepted_per_pos, values + [0] * (gamma - len(values)))]
+            counts.accepted_per_pos = [
+                a + int(b) for a, b in zip(counts.accepted_per_pos, values + [0] * (gamma - len(values)))
+            ]
     return counts
 
 
@@ -72,9 +74,21 @@ def speculative_config(method: str, draft: Optional[Path], gamma: int) -> dict[s
     return {"method": method, "model": str(draft), "num_speculative_tokens": gamma}
 
 
-def serve(target: Path, method: str, prompts_file: Path, *, draft: Optional[Path], gamma: int, max_new_tokens: int,
-          temperature: float, max_model_len: int, cpu_kvcache_gib: int, dtype: str = "float32", seed: int = 0,
-          engine_kwargs: Optional[dict[str, Any]] = None) -> ServeRun:
+def serve(
+    target: Path,
+    method: str,
+    prompts_file: Path,
+    *,
+    draft: Optional[Path],
+    gamma: int,
+    max_new_tokens: int,
+    temperature: float,
+    max_model_len: int,
+    cpu_kvcache_gib: int,
+    dtype: str = "float32",
+    seed: int = 0,
+    engine_kwargs: Optional[dict[str, Any]] = None,
+) -> ServeRun:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -82,9 +96,19 @@ def serve(target: Path, method: str, prompts_file: Path, *, draft: Optional[Path
 
     prompts = load_eval_set(prompts_file)
     t0 = time.perf_counter()
-    llm = make_llm(dict(model=str(target), dtype=dtype, max_model_len=max_model_len, enforce_eager=True, seed=seed,
-                        disable_log_stats=False, speculative_config=speculative_config(method, draft, gamma),
-                        **(engine_kwargs or {})), cpu_kvcache_gib=cpu_kvcache_gib)
+    llm = make_llm(
+        dict(
+            model=str(target),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            seed=seed,
+            disable_log_stats=False,
+            speculative_config=speculative_config(method, draft, gamma),
+            **(engine_kwargs or {}),
+        ),
+        cpu_kvcache_gib=cpu_kvcache_gib,
+    )
     start_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=False)
     warm = prompts[0].prompt_token_ids[-64:]
@@ -94,7 +118,9 @@ def serve(target: Path, method: str, prompts_file: Path, *, draft: Optional[Path
     for b in sorted({p.bin for p in prompts}):
         group = [p for p in prompts if p.bin == b]
         before = read_counters(llm, gamma)
-        results = llm.generate([TokensPrompt(prompt_token_ids=list(p.prompt_token_ids)) for p in group], params, use_tqdm=True)
+        results = llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p.prompt_token_ids)) for p in group], params, use_tqdm=True
+        )
         delta = read_counters(llm, gamma).minus(before)
         per_bin[str(b)] = {**asdict(delta), "num_prompts": len(group)}
         for p, r in zip(group, results):
@@ -103,15 +129,48 @@ def serve(target: Path, method: str, prompts_file: Path, *, draft: Optional[Path
     return ServeRun(method, str(draft) if draft else None, gamma, per_bin, outputs, start_s, time.perf_counter() - t1)
 
 
-def run_in_subprocess(target: Path, method: str, prompts_file: Path, out: Path, *, draft: Optional[Path], gamma: int,
-                      max_new_tokens: int, temperature: float, max_model_len: int, cpu_kvcache_gib: int,
-                      dtype: str = "float32", timeout: int = 3600,
-                      engine_kwargs: Optional[dict[str, Any]] = None) -> ServeRun:
+def run_in_subprocess(
+    target: Path,
+    method: str,
+    prompts_file: Path,
+    out: Path,
+    *,
+    draft: Optional[Path],
+    gamma: int,
+    max_new_tokens: int,
+    temperature: float,
+    max_model_len: int,
+    cpu_kvcache_gib: int,
+    dtype: str = "float32",
+    timeout: int = 3600,
+    engine_kwargs: Optional[dict[str, Any]] = None,
+) -> ServeRun:
     """Run :func:`serve` in a fresh process (vLLM wants its own main module) and read its JSON."""
-    cmd = [sys.executable, "-m", "eval.serve", "--target", str(target), "--method", method, "--prompts", str(prompts_file),
-           "--gamma", str(gamma), "--max-new-tokens", str(max_new_tokens), "--temperature", str(temperature),
-           "--max-model-len", str(max_model_len), "--cpu-kvcache-gib", str(cpu_kvcache_gib), "--dtype", dtype,
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eval.serve",
+        "--target",
+        str(target),
+        "--method",
+        method,
+        "--prompts",
+        str(prompts_file),
+        "--gamma",
+        str(gamma),
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--temperature",
+        str(temperature),
+        "--max-model-len",
+        str(max_model_len),
+        "--cpu-kvcache-gib",
+        str(cpu_kvcache_gib),
+        "--dtype",
+        dtype,
+        "--out",
+        str(out),
+    ]
     if draft is not None:
         cmd += ["--draft", str(draft)]
     if engine_kwargs:
@@ -120,11 +179,19 @@ def run_in_subprocess(target: Path, method: str, prompts_file: Path, out: Path, 
     log.info("vLLM %s: %s (log: %s)", method, " ".join(cmd), log_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "w") as fh:  # vLLM's own log and progress bars, kept; a live view: tail -f
-        proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], stdout=fh, stderr=subprocess.STDOUT,
-                              timeout=timeout, check=False)
+        proc = subprocess.run(
+            cmd,
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            check=False,
+        )
     if proc.returncode != 0:
         tail = log_file.read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"vLLM {method} run failed (exit {proc.returncode}): {' '.join(cmd)}\nlast lines of {log_file}:\n{tail}")
+        raise RuntimeError(
+            f"vLLM {method} run failed (exit {proc.returncode}): {' '.join(cmd)}\nlast lines of {log_file}:\n{tail}"
+        )
     return load_run(out)
 
 
@@ -142,14 +209,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, required=True, help="the engine window (eval.run.vllm_max_model_len)")
-    p.add_argument("--cpu-kvcache-gib", type=int, default=ExtractEngineConfig().cpu_kvcache_gib,
-                   help="VLLM_CPU_KVCACHE_SPACE on CPU unless already set (eval.vllm_cpu_kvcache_gib)")
+    p.add_argument(
+        "--cpu-kvcache-gib",
+        type=int,
+        default=ExtractEngineConfig().cpu_kvcache_gib,
+        help="VLLM_CPU_KVCACHE_SPACE on CPU unless already set (eval.vllm_cpu_kvcache_gib)",
+    )
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--engine-kwargs", type=json.loads, default={},
-                   help='JSON for vllm.LLM, e.g. \'{"tensor_parallel_size": 16, "nnodes": 4, "node_rank": 0, '
-                        '"master_addr": "h0", "master_port": 29501}\'')
-    p.add_argument("--headless", action="store_true",
-                   help="nodes 1..n-1 of a multi-node engine: host this node's workers until node 0 is done")
+    p.add_argument(
+        "--engine-kwargs",
+        type=json.loads,
+        default={},
+        help='JSON for vllm.LLM, e.g. \'{"tensor_parallel_size": 16, "nnodes": 4, "node_rank": 0, '
+        '"master_addr": "h0", "master_port": 29501}\'',
+    )
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="nodes 1..n-1 of a multi-node engine: host this node's workers until node 0 is done",
+    )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -157,19 +235,42 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.headless:
         from dspark.core.vllm_engine import run_headless_workers
 
-        run_headless_workers(dict(model=str(a.target), dtype=a.dtype, max_model_len=a.max_model_len, enforce_eager=True,
-                                  speculative_config=speculative_config(a.method, a.draft, a.gamma), **extra))
+        run_headless_workers(
+            dict(
+                model=str(a.target),
+                dtype=a.dtype,
+                max_model_len=a.max_model_len,
+                enforce_eager=True,
+                speculative_config=speculative_config(a.method, a.draft, a.gamma),
+                **extra,
+            )
+        )
         return 0
     if a.out is None:
         p.error("--out is required (except with --headless)")
-    run = serve(a.target, a.method, a.prompts, draft=a.draft, gamma=a.gamma, max_new_tokens=a.max_new_tokens,
-                temperature=a.temperature, max_model_len=a.max_model_len, cpu_kvcache_gib=a.cpu_kvcache_gib,
-                dtype=a.dtype, engine_kwargs=extra)
+    run = serve(
+        a.target,
+        a.method,
+        a.prompts,
+        draft=a.draft,
+        gamma=a.gamma,
+        max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature,
+        max_model_len=a.max_model_len,
+        cpu_kvcache_gib=a.cpu_kvcache_gib,
+        dtype=a.dtype,
+        engine_kwargs=extra,
+    )
     atomic_write_json(a.out, asdict(run))
     total = AcceptanceCounts(a.gamma)
     for b in run.per_bin.values():
-        total.merge(AcceptanceCounts(a.gamma, b["num_drafts"], b["num_draft_tokens"], b["num_accepted"], b["accepted_per_pos"]))
-    print(f"{a.method}: tau {total.tau:.3f} over {total.num_drafts} drafts; per position {[round(x, 3) for x in total.accept_per_pos]}")
+        total.merge(
+            AcceptanceCounts(a.gamma, b["num_drafts"], b["num_draft_tokens"], b["num_accepted"], b["accepted_per_pos"])
+        )
+    print(
+        f"{a.method}: tau {total.tau:.3f} over {total.num_drafts} drafts; per position "
+        f"{[round(x, 3) for x in total.accept_per_pos]}"
+    )
     return 0
 
 

@@ -12,7 +12,14 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from dspark.core.config import (
-    _TAG_NAMES, _TAG_SPELLED, ConfigError, DSparkConfig, RunConfig, TargetConfig, drafter_tag, load_config,
+    _TAG_NAMES,
+    _TAG_SPELLED,
+    ConfigError,
+    DSparkConfig,
+    RunConfig,
+    TargetConfig,
+    drafter_tag,
+    load_config,
 )
 from tests.conftest import compose_raw
 
@@ -82,7 +89,7 @@ def test_presets_list_only_what_they_change(experiment):
         if isinstance(entry, str):
             parents.append(f"+experiment={entry}")
         else:
-            (key, option), = entry.items()
+            ((key, option),) = entry.items()
             groups.append(f"{key.removeprefix('override /')}={option}")
     base = _load(*parents, *groups)
     assert not _redundant(CONF / "experiment" / f"{experiment}.yaml", base)
@@ -123,16 +130,26 @@ def test_smollm2_quality_preset_keeps_its_own_data_and_checkpoints():
     assert quality.data.shards_dir != demo.data.shards_dir  # another prompt set: its own dataset
     assert quality.train.checkpoint_dir != demo.train.checkpoint_dir
     ablation = _load("+experiment=smollm2_cpu_quality", "drafter.markov_rank=0")
-    assert ablation.train.checkpoint_dir.endswith("/lcr-markov0") and ablation.data.shards_dir == quality.data.shards_dir
+    assert (
+        ablation.train.checkpoint_dir.endswith("/lcr-markov0") and ablation.data.shards_dir == quality.data.shards_dir
+    )
     assert quality.ablation_dir == ablation.train.checkpoint_dir
     assert quality.train.max_seq_len >= quality.data.max_seq_len  # train on whole conversations
     assert quality.eval.context_bins == demo.eval.context_bins  # the demo's own eval set
 
 
 def test_run_names_tell_drafters_apart():
-    names = {o: _load(*o).train.run_name for o in [(), ("drafter.markov_rank=0",), ("drafter=dflash",),
-                                                     ("drafter=tiny",), ("drafter.markov_head_type=gated",),
-                                                     ("drafter.block_size=5",)]}
+    names = {
+        o: _load(*o).train.run_name
+        for o in [
+            (),
+            ("drafter.markov_rank=0",),
+            ("drafter=dflash",),
+            ("drafter=tiny",),
+            ("drafter.markov_head_type=gated",),
+            ("drafter.block_size=5",),
+        ]
+    }
     assert names[()] == "markov256" and names[("drafter.markov_rank=0",)] == "markov0"
     assert names[("drafter=dflash",)] == "markov0-fillin-noconf"  # not the Markov-off ablation's directory
     assert names[("drafter=tiny",)] == "markov16-L1-i256"
@@ -152,9 +169,14 @@ def test_typo_in_a_key_fails_at_compose():
             compose_raw(key)
 
 
-@pytest.mark.parametrize("override, key", [("drafter.markov_rank=abc", "drafter.markov_rank"),
-                                           ("train.max_steps=abc", "train.max_steps"),
-                                           ("data.num_prompts=1.5", "data.num_prompts")])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("drafter.markov_rank=abc", "drafter.markov_rank"),
+        ("train.max_steps=abc", "train.max_steps"),
+        ("data.num_prompts=1.5", "data.num_prompts"),
+    ],
+)
 def test_wrong_type_fails_at_compose_naming_the_key(override, key):
     with pytest.raises(ConfigCompositionException) as err:
         compose_raw(override)
@@ -169,7 +191,10 @@ def test_wrong_type_fails_at_compose_naming_the_key(override, key):
         ("train.micro_batch_size=0", r"train.micro_batch_size=0: expected a number >= 1"),
         ("stages=[trian]", r"stages\[\]='trian': expected one of \['extract', 'train', 'eval'\]"),
         ("drafter.num_layers=0", r"drafter.num_layers must be >= 1, got 0"),
-        ("drafter.markov_head_type=lstm", r"drafter.markov_head_type must be one of \('vanilla', 'gated', 'rnn'\), got 'lstm'"),
+        (
+            "drafter.markov_head_type=lstm",
+            r"drafter.markov_head_type must be one of \('vanilla', 'gated', 'rnn'\), got 'lstm'",
+        ),
         ("drafter.block_size=1", r"drafter.block_size must be >= 2, got 1"),
         ("drafter.num_key_value_heads=5", r"must be a multiple of num_key_value_heads \(5\)"),
         ("data.on_overlong=drop", r"data.on_overlong='drop': expected one of \['skip', 'truncate'\]"),
@@ -188,8 +213,19 @@ def test_bad_values_fail_naming_key_value_and_what_is_allowed(override, message)
 
 
 def test_a_bad_value_stops_the_main_job_before_any_stage(tmp_path):
-    out = subprocess.run([sys.executable, "train.py", "train.anchors_per_seq=0", f"paths.output_dir={tmp_path}",
-                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "train.anchors_per_seq=0",
+            f"paths.output_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == "error: train.anchors_per_seq=0: expected a number >= 1"
     assert "Traceback" not in out.stderr and "target smollm2" not in out.stdout + out.stderr  # no stage ran
@@ -206,7 +242,10 @@ def test_missing_k3_checkpoint_is_reported_with_its_path():
 def test_train_py_prints_resolved_config():
     out = subprocess.run(
         [sys.executable, "train.py", "+experiment=smollm2_cpu_demo", "--cfg", "job"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     cfg = OmegaConf.create(out.stdout)
@@ -224,6 +263,10 @@ def test_auto_ablation_is_this_configs_markov_off_run(tmp_path):
         ckpt.mkdir(parents=True)
         (ckpt / "latest").write_text("step00000002")
         assert ablation_checkpoint(cfg) == ckpt
-        assert ablation_checkpoint(_load(f"+experiment={experiment}", f"paths.output_dir={tmp_path}",
-                                         "drafter.markov_rank=0")) is None  # that run is the ablation itself
+        assert (
+            ablation_checkpoint(
+                _load(f"+experiment={experiment}", f"paths.output_dir={tmp_path}", "drafter.markov_rank=0")
+            )
+            is None
+        )  # that run is the ablation itself
         assert ablation_checkpoint(_load(f"+experiment={experiment}", "eval.ablation_checkpoint=null")) is None

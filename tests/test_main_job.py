@@ -27,9 +27,18 @@ def test_target_stage_alone(smollm2_dir, compose_config, caplog):
 
 def _main_job(tmp_path: Path, *extra: str) -> str:
     out = subprocess.run(
-        [sys.executable, "train.py", "+experiment=smollm2_cpu_smoke", f"hydra.run.dir={tmp_path / 'run'}",
-         f"paths.output_dir={tmp_path}", *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "train.py",
+            "+experiment=smollm2_cpu_smoke",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            f"paths.output_dir={tmp_path}",
+            *extra,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     log = out.stdout + out.stderr  # Hydra logs to stdout, tqdm to stderr
     assert out.returncode == 0, log[-3000:]
@@ -50,7 +59,9 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     assert m.complete and sum(s.rows for s in m.shards) == 4
     assert (tmp_path / "checkpoints" / "smollm2-135m" / "markov16-L1-i256" / "step00000002" / "run.json").is_file()
     for name in ("dspark-dspark", "ablation-dspark"):  # both exported and validated in vLLM
-        cfg = json.loads((tmp_path / "exports" / "smollm2-135m" / "markov16-L1-i256" / name / "config.json").read_text())
+        cfg = json.loads(
+            (tmp_path / "exports" / "smollm2-135m" / "markov16-L1-i256" / name / "config.json").read_text()
+        )
         assert cfg["sample_from_anchor"] is True and cfg["target_layer_ids"] == [0, 7, 14, 21, 28]
     assert log.count("vLLM captures target layers [1, 8, 15, 22, 29]") == 2
     report_dir = tmp_path / "eval" / "smollm2-135m" / "markov16-L1-i256"
@@ -59,8 +70,11 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     assert set(names) == {"dspark", "markov-off", "ngram"}
     for d in names.values():  # every bin measured, by the reference loop and by vLLM's counters
         assert set(d["per_bin"]) == {"256", "512"} and d["overall"]["num_drafts"] > 0
-    assert {c["name"] for c in results["checks"]} >= {"DSpark over its Markov-off ablation", "DSpark over vLLM ngram",
-                                                     "no long-context collapse"}
+    assert {c["name"] for c in results["checks"]} >= {
+        "DSpark over its Markov-off ablation",
+        "DSpark over vLLM ngram",
+        "no long-context collapse",
+    }
     for png in ("tau_per_bin.png", "acceptance_per_position.png"):
         assert (report_dir / png).stat().st_size > 1000
     report = (report_dir / "report.md").read_text()

@@ -104,7 +104,9 @@ class TargetConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"target.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not self.layer_ids or sorted(set(self.layer_ids)) != list(self.layer_ids) or self.layer_ids[0] < 0:
-            raise ConfigError(f"target.layer_ids must be a non-empty, strictly increasing list of ids >= 0, got {self.layer_ids}")
+            raise ConfigError(
+                f"target.layer_ids must be a non-empty, strictly increasing list of ids >= 0, got {self.layer_ids}"
+            )
         if self.num_hidden_layers is not None:
             self.check_layer_ids(self.num_hidden_layers)
         for key in ("hidden_size", "tensor_parallel_size", "pipeline_parallel_size"):
@@ -182,10 +184,20 @@ class DSparkConfig:
 
 
 # short names for the run name, one per drafter field besides the ones spelled out
-_TAG_NAMES = {"num_layers": "L", "block_size": "b", "hidden_size": "h", "intermediate_size": "i",
-              "num_attention_heads": "nh", "num_key_value_heads": "kv", "head_dim": "hd", "rope_theta": "rope",
-              "rms_norm_eps": "eps", "target_layer_ids": "ctx", "mask_token_id": "mask",
-              "confidence_head_with_markov": "confmarkov"}
+_TAG_NAMES = {
+    "num_layers": "L",
+    "block_size": "b",
+    "hidden_size": "h",
+    "intermediate_size": "i",
+    "num_attention_heads": "nh",
+    "num_key_value_heads": "kv",
+    "head_dim": "hd",
+    "rope_theta": "rope",
+    "rms_norm_eps": "eps",
+    "target_layer_ids": "ctx",
+    "mask_token_id": "mask",
+    "confidence_head_with_markov": "confmarkov",
+}
 _TAG_SPELLED = ("markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")
 
 
@@ -193,10 +205,20 @@ def drafter_tag(drafter: Any) -> str:
     """A run name that tells drafters apart: ``markov256`` for the default, ``markov0`` for its
     Markov-off ablation, ``markov0-fillin-noconf`` for DFlash, then every other field that
     differs from the default (``markov16-L1-i256`` for the tiny test drafter)."""
-    d = drafter if isinstance(drafter, dict) else (OmegaConf.to_container(drafter, resolve=True) if isinstance(drafter, DictConfig) else asdict(drafter))
+    d = (
+        drafter
+        if isinstance(drafter, dict)
+        else (OmegaConf.to_container(drafter, resolve=True) if isinstance(drafter, DictConfig) else asdict(drafter))
+    )
     default = asdict(DSparkConfig())
-    head = f"markov{d['markov_rank']}" + (d["markov_head_type"] if d["markov_rank"] and d["markov_head_type"] != "vanilla" else "")
-    parts = [head] + (["fillin"] if not d["sample_from_anchor"] else []) + (["noconf"] if not d["enable_confidence_head"] else [])
+    head = f"markov{d['markov_rank']}" + (
+        d["markov_head_type"] if d["markov_rank"] and d["markov_head_type"] != "vanilla" else ""
+    )
+    parts = (
+        [head]
+        + (["fillin"] if not d["sample_from_anchor"] else [])
+        + (["noconf"] if not d["enable_confidence_head"] else [])
+    )
     for k, v in d.items():
         if k in _TAG_SPELLED or v == default[k]:
             continue
@@ -269,7 +291,12 @@ class DataConfig:
         _at_least("data.temperature", self.temperature, 0)
         _at_least("data.vllm.cpu_kvcache_gib", self.vllm.cpu_kvcache_gib, 1)
         if self.rank is not None:
-            _check(0 <= self.rank < self.world_size, "data.rank", self.rank, f"expected 0 <= rank < data.world_size={self.world_size}")
+            _check(
+                0 <= self.rank < self.world_size,
+                "data.rank",
+                self.rank,
+                f"expected 0 <= rank < data.world_size={self.world_size}",
+            )
 
 
 @dataclass
@@ -307,18 +334,33 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _choice("train.dtype", self.dtype, DTYPES)
-        for key in ("micro_batch_size", "grad_accum_steps", "max_steps", "anchors_per_seq", "log_every",
-                    "eval_every", "save_every"):
+        for key in (
+            "micro_batch_size",
+            "grad_accum_steps",
+            "max_steps",
+            "anchors_per_seq",
+            "log_every",
+            "eval_every",
+            "save_every",
+        ):
             _at_least(f"train.{key}", getattr(self, key), 1)
         _at_least("train.max_seq_len", self.max_seq_len, 2)
         for key in ("lr", "weight_decay", "warmup_steps", "grad_clip", "ce_weight", "tv_weight", "confidence_weight"):
             _at_least(f"train.{key}", getattr(self, key), 0)
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "expected a fraction in [0, 1]")
         _check(self.position_decay > 0, "train.position_decay", self.position_decay, "expected a number > 0")
-        _check(self.ce_weight + self.tv_weight > 0, "train.ce_weight", self.ce_weight,
-               "ce_weight and tv_weight cannot both be 0 (nothing would train the drafter)")
-        _check(bool(self.run_name) and "/" not in self.run_name, "train.run_name", self.run_name,
-               "expected a non-empty name without '/'")
+        _check(
+            self.ce_weight + self.tv_weight > 0,
+            "train.ce_weight",
+            self.ce_weight,
+            "ce_weight and tv_weight cannot both be 0 (nothing would train the drafter)",
+        )
+        _check(
+            bool(self.run_name) and "/" not in self.run_name,
+            "train.run_name",
+            self.run_name,
+            "expected a non-empty name without '/'",
+        )
 
 
 @dataclass
@@ -408,17 +450,29 @@ class EvalConfig:
             _choice("eval.baselines[]", b, BASELINES)
         if self.export_dtype is not None:
             _choice("eval.export_dtype", self.export_dtype, DTYPES)
-        _check(bool(self.context_bins) and all(b >= 16 for b in self.context_bins), "eval.context_bins",
-               self.context_bins, "expected a non-empty list of token counts >= 16")
+        _check(
+            bool(self.context_bins) and all(b >= 16 for b in self.context_bins),
+            "eval.context_bins",
+            self.context_bins,
+            "expected a non-empty list of token counts >= 16",
+        )
         for key in ("prompts_per_bin", "max_new_tokens", "gamma", "vllm_timeout_s"):
             _at_least(f"eval.{key}", getattr(self, key), 1)
         _at_least("eval.temperature", self.temperature, 0)
         if self.confidence_threshold is not None:
-            _check(0 <= self.confidence_threshold <= 1, "eval.confidence_threshold", self.confidence_threshold,
-                   "expected a probability in [0, 1], or null")
+            _check(
+                0 <= self.confidence_threshold <= 1,
+                "eval.confidence_threshold",
+                self.confidence_threshold,
+                "expected a probability in [0, 1], or null",
+            )
         if self.source == "aa_lcr" and not self.prompts_file:
-            _check(bool(self.aa_lcr_csv and self.aa_lcr_texts), "eval.aa_lcr_csv", self.aa_lcr_csv,
-                   "eval.source=aa_lcr needs eval.aa_lcr_csv and eval.aa_lcr_texts")
+            _check(
+                bool(self.aa_lcr_csv and self.aa_lcr_texts),
+                "eval.aa_lcr_csv",
+                self.aa_lcr_csv,
+                "eval.source=aa_lcr needs eval.aa_lcr_csv and eval.aa_lcr_texts",
+            )
 
 
 @dataclass
@@ -458,12 +512,20 @@ class RunConfig:
     def __post_init__(self) -> None:
         for s in self.stages:
             _choice("stages[]", s, STAGES)
-        _check(_unresolved(self.eval.gamma) or self.eval.gamma <= self.drafter.block_size, "eval.gamma", self.eval.gamma,
-               f"expected at most drafter.block_size={self.drafter.block_size} (the drafter drafts that many per pass)")
+        _check(
+            _unresolved(self.eval.gamma) or self.eval.gamma <= self.drafter.block_size,
+            "eval.gamma",
+            self.eval.gamma,
+            f"expected at most drafter.block_size={self.drafter.block_size} (the drafter drafts that many per pass)",
+        )
         ctx = self.drafter.target_layer_ids
         if ctx is not None:
-            _check(set(ctx) <= set(self.target.layer_ids), "drafter.target_layer_ids", ctx,
-                   f"expected a subset of target.layer_ids={self.target.layer_ids}")
+            _check(
+                set(ctx) <= set(self.target.layer_ids),
+                "drafter.target_layer_ids",
+                ctx,
+                f"expected a subset of target.layer_ids={self.target.layer_ids}",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

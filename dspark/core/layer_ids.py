@@ -29,7 +29,9 @@ def vllm_aux_layer_ids(layer_ids: Sequence[int]) -> list[int]:
 def vllm_draft_target_layer_ids(layer_ids: Sequence[int]) -> list[int]:
     """Ids for the ``target_layer_ids`` field of an exported drafter config (vLLM adds 1)."""
     if any(i < 1 for i in layer_ids):
-        raise ValueError(f"vLLM drafter configs cannot express layer id 0 (the embedding output); got {list(layer_ids)}")
+        raise ValueError(
+            f"vLLM drafter configs cannot express layer id 0 (the embedding output); got {list(layer_ids)}"
+        )
     return [int(i) - 1 for i in layer_ids]
 
 

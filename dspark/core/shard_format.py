@@ -96,8 +96,18 @@ class Manifest:
     complete: bool = False
 
     HEADER_FIELDS = (
-        "schema_version", "target", "architecture", "tokenizer_sha256", "chat_template_sha256",
-        "layer_ids", "layer_id_convention", "num_hidden_layers", "hidden_size", "dtype", "prompt_set_sha256", "rows_per_shard",
+        "schema_version",
+        "target",
+        "architecture",
+        "tokenizer_sha256",
+        "chat_template_sha256",
+        "layer_ids",
+        "layer_id_convention",
+        "num_hidden_layers",
+        "hidden_size",
+        "dtype",
+        "prompt_set_sha256",
+        "rows_per_shard",
     )
 
     def header_differences(self, other: "Manifest") -> list[str]:
@@ -139,13 +149,20 @@ def check_row(row: dict[str, Any], *, n_layers: int, hidden_size: int, bytes_per
         return f"input_ids/loss_mask length {len(row['input_ids'])}/{len(row['loss_mask'])} != num_tokens {t}"
     expected = (t - 1) * n_layers * hidden_size * bytes_per_value
     if len(row["hidden_states"]) != expected:
-        return f"hidden_states has {len(row['hidden_states'])} bytes, expected {expected} = ({t}-1)x{n_layers}x{hidden_size}x{bytes_per_value}"
+        return (
+            f"hidden_states has {len(row['hidden_states'])} bytes, expected {expected} = "
+            f"({t}-1)x{n_layers}x{hidden_size}x{bytes_per_value}"
+        )
     return None
 
 
-def decode_hidden_states(buf: memoryview | bytes | pa.Buffer, *, dtype: str, n_layers: int, hidden: int) -> torch.Tensor:
+def decode_hidden_states(
+    buf: memoryview | bytes | pa.Buffer, *, dtype: str, n_layers: int, hidden: int
+) -> torch.Tensor:
     """Raw little-endian bytes -> [T-1, L, H] without copying (the result must not be written)."""
     with warnings.catch_warnings():  # torch warns that the buffer is read-only; we never write it
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buf, dtype=TORCH_DTYPES[dtype]) if len(buf) else torch.empty(0, dtype=TORCH_DTYPES[dtype])
+        flat = (
+            torch.frombuffer(buf, dtype=TORCH_DTYPES[dtype]) if len(buf) else torch.empty(0, dtype=TORCH_DTYPES[dtype])
+        )
     return flat.view(-1, n_layers, hidden)

@@ -223,7 +223,9 @@ def read_config(path: Path) -> tuple[str, ArchLayout, dict[str, Any], dict[str, 
     layout = ARCHITECTURES[arch]
     text = config.get(layout.text_config_key, {}) if layout.text_config_key else config
     if layout.text_config_key and not text:
-        raise TargetError(f"{cfg_file}: field {layout.text_config_key!r} missing; {arch} keeps its text model config there")
+        raise TargetError(
+            f"{cfg_file}: field {layout.text_config_key!r} missing; {arch} keeps its text model config there"
+        )
     return arch, layout, config, text
 
 
@@ -291,7 +293,9 @@ def load_target_heads(
     def need(what: str, candidates: tuple[str, ...]) -> str:
         name = src.find(candidates)
         if name is None:
-            raise TargetError(f"{src.where}: missing tensor for the {what}; expected one of {list(candidates)} ({arch})")
+            raise TargetError(
+                f"{src.where}: missing tensor for the {what}; expected one of {list(candidates)} ({arch})"
+            )
         return name
 
     embed = src.get(need("input embedding", layout.embed), dtype)
@@ -347,5 +351,8 @@ def prepare_target(cfg: RunConfig) -> tuple[TargetHeads, Path]:
         "tied" if heads.tied else "untied",
         "present" if heads.chat_template else "MISSING",
     )
-    log.info("capture layers (transformers hidden_states ids): %s", spec.capture_layer_ids(int(heads.config["num_hidden_layers"])))
+    log.info(
+        "capture layers (transformers hidden_states ids): %s",
+        spec.capture_layer_ids(int(heads.config["num_hidden_layers"])),
+    )
     return heads, resolved.path

@@ -29,6 +29,10 @@ def run_headless_workers(kwargs: dict[str, Any]) -> None:
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     vllm_config = EngineArgs(**kwargs).create_engine_config(headless=True)
-    log.info("node %d/%d: headless vLLM workers for head %s", vllm_config.parallel_config.node_rank,
-             vllm_config.parallel_config.nnodes, vllm_config.parallel_config.master_addr)
+    log.info(
+        "node %d/%d: headless vLLM workers for head %s",
+        vllm_config.parallel_config.node_rank,
+        vllm_config.parallel_config.nnodes,
+        vllm_config.parallel_config.master_addr,
+    )
     MultiprocExecutor(vllm_config, monitor_workers=False).start_worker_monitor(inline=True)

@@ -1,5 +1,6 @@
 """One W&B run setup for every stage: ``logging.mode`` auto means online with WANDB_API_KEY set,
 offline (files only, no network) without it."""
+
 from __future__ import annotations
 
 import os
@@ -28,6 +29,13 @@ def init_wandb(cfg: RunConfig, out_dir: Path, job_type: str) -> Optional[Any]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)  # wandb adds its own wandb/ below
     suffix = "" if job_type == "train" else f"-{job_type}"
-    return wandb.init(project=lg.project, entity=lg.entity, mode=wandb_mode(lg.mode), dir=str(out_dir), job_type=job_type,
-                      tags=list(cfg.tags), config=cfg.to_dict(),
-                      name=f"{cfg.target.name}{suffix}-{int(time.time())}")
+    return wandb.init(
+        project=lg.project,
+        entity=lg.entity,
+        mode=wandb_mode(lg.mode),
+        dir=str(out_dir),
+        job_type=job_type,
+        tags=list(cfg.tags),
+        config=cfg.to_dict(),
+        name=f"{cfg.target.name}{suffix}-{int(time.time())}",
+    )

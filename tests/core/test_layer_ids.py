@@ -9,8 +9,16 @@ from dspark.core.layer_ids import reference_hidden_states, vllm_aux_layer_ids, v
 
 def test_reference_states_follow_output_hidden_states():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
     ids = torch.randint(0, 64, (9,))
     with torch.no_grad():
         hs = model(input_ids=ids[None], output_hidden_states=True).hidden_states  # 4 entries
@@ -34,8 +42,11 @@ def test_data_tools_imports_no_training_code():
     import subprocess
     import sys
 
-    code = ("import sys, data_tools.extract, data_tools.verify, dspark.core.shard_format; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed' or m in ('dspark.trainer', 'dspark.model')); "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, data_tools.extract, data_tools.verify, dspark.core.shard_format; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed' or m in ('dspark.trainer', "
+        "'dspark.model')); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -37,7 +37,10 @@ def test_second_resolution_reuses_cache(smollm2_dir):
     before = marker.stat().st_mtime_ns, (smollm2_dir / "model.safetensors").stat().st_mtime_ns
     again = resolve_target(TargetConfig())
     assert again.path == smollm2_dir and not again.converted
-    assert (marker.stat().st_mtime_ns, (smollm2_dir / "model.safetensors").stat().st_mtime_ns) == before  # nothing rewritten
+    assert (
+        marker.stat().st_mtime_ns,
+        (smollm2_dir / "model.safetensors").stat().st_mtime_ns,
+    ) == before  # nothing rewritten
 
 
 CONVERT = """
@@ -52,7 +55,9 @@ print(json.dumps({"path": str(r.path), "converted": r.converted}))
 @pytest.mark.slow
 def test_concurrent_conversions_produce_one_valid_dir(tmp_path):
     env = {**__import__("os").environ, "DSPARK_CACHE": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", CONVERT], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CONVERT], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     outs = [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert outs[0]["path"] == outs[1]["path"]
@@ -69,8 +74,13 @@ def test_concurrent_conversions_produce_one_valid_dir(tmp_path):
 def _tiny_llama(path: Path, smollm2_dir: Path, *, tie: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
     )
     model = LlamaForCausalLM(cfg).float()
     model.save_pretrained(str(path), max_shard_size="100KB", safe_serialization=True)
@@ -109,12 +119,23 @@ def test_kimi_k3_wrapper_layout(tmp_path, smollm2_dir):
         "language_model.layers.0.mlp.gate.weight": torch.randn(4, 16),
     }
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-        "text_config": {"hidden_size": 16, "num_hidden_layers": 3, "vocab_size": 49152, "tie_word_embeddings": False},
-    }))
-    spec = TargetConfig(name="k3-mini", source="hf_dir", path=str(tmp_path), hidden_size=16,
-                        num_hidden_layers=None, layer_ids=[0, 2])
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK3ForConditionalGeneration"],
+                "model_type": "kimi_k3",
+                "text_config": {
+                    "hidden_size": 16,
+                    "num_hidden_layers": 3,
+                    "vocab_size": 49152,
+                    "tie_word_embeddings": False,
+                },
+            }
+        )
+    )
+    spec = TargetConfig(
+        name="k3-mini", source="hf_dir", path=str(tmp_path), hidden_size=16, num_hidden_layers=None, layer_ids=[0, 2]
+    )
     heads = load_target_heads(resolve_target(spec).path, spec=spec)
     assert heads.architecture == "KimiK3ForConditionalGeneration" and heads.config["num_hidden_layers"] == 3
     assert torch.equal(heads.lm_head, tensors["language_model.lm_head.weight"])
@@ -137,7 +158,9 @@ def test_missing_config(tmp_path):
 
 def test_missing_weights_file(tmp_path, smollm2_dir):
     shutil.copy(smollm2_dir / "config.json", tmp_path / "config.json")
-    with pytest.raises(TargetError, match=rf"{tmp_path}: missing file; expected model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(
+        TargetError, match=rf"{tmp_path}: missing file; expected model.safetensors or model.safetensors.index.json"
+    ):
         load_target_heads(tmp_path)
 
 
@@ -151,7 +174,9 @@ def test_missing_shard_names_the_shard(tmp_path, smollm2_dir):
 
 def test_unknown_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MysteryLM"], "hidden_size": 8}))
-    with pytest.raises(TargetError, match=r"config.json: unknown architecture \['MysteryLM'\] in field 'architectures'"):
+    with pytest.raises(
+        TargetError, match=r"config.json: unknown architecture \['MysteryLM'\] in field 'architectures'"
+    ):
         load_target_heads(tmp_path)
 
 
@@ -170,16 +195,24 @@ def test_hidden_size_mismatch_between_config_and_tensors(tmp_path, smollm2_dir):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["hidden_size"] = 48
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(TargetError, match=r"input embedding has shape \[256, 64\], but config.json hidden_size=48 expects \['\*', 48\]"):
+    with pytest.raises(
+        TargetError, match=r"input embedding has shape \[256, 64\], but config.json hidden_size=48 expects \['\*', 48\]"
+    ):
         load_target_heads(tmp_path)
 
 
 def test_spec_disagrees_with_directory(tmp_path, smollm2_dir):
     _tiny_llama(tmp_path, smollm2_dir)
-    spec = TargetConfig(name="x", source="hf_dir", path=str(tmp_path), hidden_size=7168, num_hidden_layers=4, layer_ids=[1])
-    with pytest.raises(TargetError, match=r"config.json: field 'hidden_size' is 64, but target.hidden_size expects 7168"):
+    spec = TargetConfig(
+        name="x", source="hf_dir", path=str(tmp_path), hidden_size=7168, num_hidden_layers=4, layer_ids=[1]
+    )
+    with pytest.raises(
+        TargetError, match=r"config.json: field 'hidden_size' is 64, but target.hidden_size expects 7168"
+    ):
         load_target_heads(tmp_path, spec=spec)
-    spec = TargetConfig(name="x", source="hf_dir", path=str(tmp_path), hidden_size=64, num_hidden_layers=None, layer_ids=[1, 4])
+    spec = TargetConfig(
+        name="x", source="hf_dir", path=str(tmp_path), hidden_size=64, num_hidden_layers=None, layer_ids=[1, 4]
+    )
     with pytest.raises(TargetError, match=r"num_hidden_layers.*must lie in \[0, 4\)"):
         load_target_heads(tmp_path, spec=spec)
 

@@ -31,9 +31,21 @@ PROMPTS = [
 
 
 def _cmd(prompts: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "data_tools.extract", "+experiment=smollm2_cpu_demo", f"data.source={prompts}",
-            f"data.shards_dir={out}", "data.rows_per_shard=2", "data.max_new_tokens=12", "data.max_seq_len=192",
-            "data.val_fraction=0.3", "data.vllm.cpu_kvcache_gib=1", f"hydra.run.dir={out}_hydra", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "data_tools.extract",
+        "+experiment=smollm2_cpu_demo",
+        f"data.source={prompts}",
+        f"data.shards_dir={out}",
+        "data.rows_per_shard=2",
+        "data.max_new_tokens=12",
+        "data.max_seq_len=192",
+        "data.val_fraction=0.3",
+        "data.vllm.cpu_kvcache_gib=1",
+        f"hydra.run.dir={out}_hydra",
+        *extra,
+    ]
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -43,8 +55,13 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 def _verify(directory: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "data_tools.verify", str(directory), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "data_tools.verify", str(directory), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _rows(directory: Path) -> dict:
@@ -98,8 +115,9 @@ def test_verify_recomputes_within_1e_4(reference):
 
 def test_kill_resume_and_rebuild_match_uninterrupted_run(tmp_path, prompts, reference):
     out = tmp_path / "ds"
-    proc = subprocess.Popen(_cmd(prompts, out), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        _cmd(prompts, out), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 300
     while not (out / "train" / "shard-00000.json").exists():
         assert proc.poll() is None and time.time() < deadline, "extraction ended before the first shard"
@@ -126,6 +144,11 @@ def test_kill_resume_and_rebuild_match_uninterrupted_run(tmp_path, prompts, refe
 
 
 def test_resume_into_a_different_dataset_is_refused(tmp_path, prompts, reference):
-    out = subprocess.run(_cmd(prompts, reference, "target.layer_ids=[2,9]"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        _cmd(prompts, reference, "target.layer_ids=[2,9]"), cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode != 0
-    assert "refusing to resume into a dataset made differently: layer_ids: directory has [1, 8, 15, 22, 29, 30], this run has [2, 9, 30]" in out.stderr
+    assert (
+        "refusing to resume into a dataset made differently: layer_ids: directory has [1, 8, 15, 22, 29, 30], this "
+        "run has [2, 9, 30]" in out.stderr
+    )

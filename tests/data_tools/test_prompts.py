@@ -6,14 +6,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dspark.core.config import DataConfig
 from data_tools.prompts import (
-    LCR_TRAIN_QUESTIONS, Conversation, PromptFileError, bundled_conversations, bundled_lcr_conversations,
-    dedupe_and_split, load_source,
+    LCR_TRAIN_QUESTIONS,
+    Conversation,
+    PromptFileError,
+    bundled_conversations,
+    bundled_lcr_conversations,
+    dedupe_and_split,
+    load_source,
 )
+from dspark.core.config import DataConfig
 
-OPENAI = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                       {"role": "assistant", "content": "hello"}]}
+OPENAI = {
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+}
 SHAREGPT = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
 
 
@@ -60,7 +70,8 @@ def test_parquet_and_saved_dataset_sources(tmp_path):
 
     pq.write_table(pa.Table.from_pylist([OPENAI, OPENAI]), tmp_path / "p.parquet")
     assert [c.messages for c in load_source(str(tmp_path / "p.parquet"))] == [
-        (("system", "be brief"), ("user", "hi"), ("assistant", "hello"))] * 2
+        (("system", "be brief"), ("user", "hi"), ("assistant", "hello"))
+    ] * 2
     datasets.Dataset.from_list([SHAREGPT]).save_to_disk(str(tmp_path / "ds"))
     assert [c.messages for c in load_source(str(tmp_path / "ds"))] == [(("user", "hi"), ("assistant", "hello"))]
 
@@ -93,7 +104,7 @@ def test_bundled_lcr_is_long_multi_document_and_seeded():
     assert [c.seq_id for c in first] == [c.seq_id for c in itertools.islice(bundled_lcr_conversations(), 200)]
     assert [c.seq_id for c in first] != [c.seq_id for c in itertools.islice(bundled_lcr_conversations(seed=1), 200)]
     for conv in first:
-        (role, text), = conv.messages
+        ((role, text),) = conv.messages
         assert role == "user" and text.startswith("BEGIN INPUT DOCUMENTS")
         docs = re.findall(r"BEGIN DOCUMENT (\d+):\n(.*?)\nEND DOCUMENT \1", text, re.S)
         assert 2 <= len(docs) <= 4 and [int(n) for n, _ in docs] == list(range(1, len(docs) + 1))

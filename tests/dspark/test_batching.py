@@ -16,9 +16,22 @@ def seq(seq_id: str, t: int, answer: int) -> ShardSequence:
 def test_pads_to_the_longest_and_splits_context_from_final_states():
     b = collate([seq("a", 6, 2), seq("b", 4, 1)], context_index=[0, 1], final_index=2, max_len=100)
     assert b.input_ids.shape == (2, 6) and b.lengths.tolist() == [6, 4]
-    assert b.input_ids[1].tolist() == [0, 1, 2, 3, 0, 0] and b.loss_mask[1].tolist() == [False, False, False, True, False, False]
+    assert b.input_ids[1].tolist() == [0, 1, 2, 3, 0, 0] and b.loss_mask[1].tolist() == [
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
     assert b.context_states.shape == (2, 5, 4) and b.final_states.shape == (2, 5, 2)
-    assert b.context_states[0, :, 0].tolist() == [0, 1, 2, 3, 4] and b.final_states[0, :, 0].tolist() == [1000, 1001, 1002, 1003, 1004]
+    assert b.context_states[0, :, 0].tolist() == [0, 1, 2, 3, 4] and b.final_states[0, :, 0].tolist() == [
+        1000,
+        1001,
+        1002,
+        1003,
+        1004,
+    ]
     assert b.context_states[1, 3:].abs().sum() == 0  # padding
     assert b.num_tokens == 10
 

@@ -12,11 +12,21 @@ from dspark.model import DraftOutput, DSparkDrafter, resolve_dims
 def test_loss_matches_hand_computation():
     torch.manual_seed(0)
     V, H = 5, 2
-    cfg = DSparkConfig(num_layers=1, hidden_size=H, intermediate_size=4, num_attention_heads=1, num_key_value_heads=1,
-                       markov_rank=0, block_size=2, confidence_head_with_markov=False)
+    cfg = DSparkConfig(
+        num_layers=1,
+        hidden_size=H,
+        intermediate_size=4,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        markov_rank=0,
+        block_size=2,
+        confidence_head_with_markov=False,
+    )
     dims = resolve_dims(cfg, target_config={"hidden_size": H}, vocab_size=V, num_context_layers=1, mask_token_id=0)
     lm_head = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
-    m = DSparkDrafter(cfg, dims, embed_tokens=torch.zeros(V, H), lm_head=lm_head, target_norm=torch.ones(H), target_norm_eps=0.0)
+    m = DSparkDrafter(
+        cfg, dims, embed_tokens=torch.zeros(V, H), lm_head=lm_head, target_norm=torch.ones(H), target_norm_eps=0.0
+    )
     # one sequence x = [4, 2, 1, 3], anchor a=1: predictions for x_2=1 (k=1) and x_3=3 (k=2)
     ids = torch.tensor([[4, 2, 1, 3]])
     hidden = torch.tensor([[[[2.0, 0.0], [0.0, 1.0]]]])  # [B=1, A=1, K=2, H]
@@ -24,9 +34,17 @@ def test_loss_matches_hand_computation():
     final_states = torch.tensor([[[9.0, 9.0], [0.0, 2.0], [-1.0, 1.0]]])  # s_0..s_2; targets use s_1, s_2
     out = DraftOutput(hidden=hidden, markov_embed=None, confidence_logits=conf)
     lcfg = LossConfig(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0)
-    res = dspark_loss(m, out, input_ids=ids, final_states=final_states, anchor_positions=torch.tensor([[1]]),
-                      valid_anchors=torch.tensor([[True]]), loss_mask=torch.ones(1, 4, dtype=torch.bool),
-                      lengths=torch.tensor([4]), cfg=lcfg)
+    res = dspark_loss(
+        m,
+        out,
+        input_ids=ids,
+        final_states=final_states,
+        anchor_positions=torch.tensor([[1]]),
+        valid_anchors=torch.tensor([[True]]),
+        loss_mask=torch.ones(1, 4, dtype=torch.bool),
+        lengths=torch.tensor([4]),
+        cfg=lcfg,
+    )
 
     def softmax(z):
         e = [math.exp(v) for v in z]
@@ -36,8 +54,10 @@ def test_loss_matches_hand_computation():
         r = math.sqrt(sum(x * x for x in v) / len(v))
         return [x / r for x in v]
 
-    rows = [(hidden[0, 0, 0].tolist(), final_states[0, 1].tolist(), 1, 0.5),
-            (hidden[0, 0, 1].tolist(), final_states[0, 2].tolist(), 3, -1.0)]
+    rows = [
+        (hidden[0, 0, 0].tolist(), final_states[0, 1].tolist(), 1, 0.5),
+        (hidden[0, 0, 1].tolist(), final_states[0, 2].tolist(), 3, -1.0),
+    ]
     w = [1.0, math.exp(-1 / 4)]
     ce = tv = bce = 0.0
     matches = []
@@ -64,14 +84,37 @@ def test_loss_matches_hand_computation():
 def test_positions_outside_the_answer_do_not_count():
     torch.manual_seed(0)
     V, H = 7, 4
-    cfg = DSparkConfig(num_layers=1, hidden_size=H, intermediate_size=8, num_attention_heads=1, num_key_value_heads=1,
-                       markov_rank=0, block_size=3, enable_confidence_head=False)
+    cfg = DSparkConfig(
+        num_layers=1,
+        hidden_size=H,
+        intermediate_size=8,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        markov_rank=0,
+        block_size=3,
+        enable_confidence_head=False,
+    )
     dims = resolve_dims(cfg, target_config={"hidden_size": H}, vocab_size=V, num_context_layers=1, mask_token_id=0)
-    m = DSparkDrafter(cfg, dims, embed_tokens=torch.randn(V, H), lm_head=torch.randn(V, H), target_norm=torch.ones(H), target_norm_eps=1e-6)
+    m = DSparkDrafter(
+        cfg,
+        dims,
+        embed_tokens=torch.randn(V, H),
+        lm_head=torch.randn(V, H),
+        target_norm=torch.ones(H),
+        target_norm_eps=1e-6,
+    )
     ids = torch.randint(0, V, (1, 8))
     out = DraftOutput(hidden=torch.randn(1, 1, 3, H), markov_embed=None, confidence_logits=None)
     mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)  # labels x_3, x_4 in the answer, x_5 not
-    res = dspark_loss(m, out, input_ids=ids, final_states=torch.randn(1, 7, H), anchor_positions=torch.tensor([[2]]),
-                      valid_anchors=torch.tensor([[True]]), loss_mask=mask, lengths=torch.tensor([8]),
-                      cfg=LossConfig(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0))
+    res = dspark_loss(
+        m,
+        out,
+        input_ids=ids,
+        final_states=torch.randn(1, 7, H),
+        anchor_positions=torch.tensor([[2]]),
+        valid_anchors=torch.tensor([[True]]),
+        loss_mask=mask,
+        lengths=torch.tensor([8]),
+        cfg=LossConfig(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0),
+    )
     assert res.num_positions == 2

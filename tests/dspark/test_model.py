@@ -11,11 +11,27 @@ V, HT, NCTX = 97, 32, 2
 
 def make_model(**overrides) -> DSparkDrafter:
     torch.manual_seed(0)
-    cfg = DSparkConfig(**{"num_layers": 2, "hidden_size": HT, "intermediate_size": 64, "num_attention_heads": 4,
-                          "num_key_value_heads": 2, "markov_rank": 8, "block_size": 4, **overrides})
+    cfg = DSparkConfig(
+        **{
+            "num_layers": 2,
+            "hidden_size": HT,
+            "intermediate_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "markov_rank": 8,
+            "block_size": 4,
+            **overrides,
+        }
+    )
     dims = resolve_dims(cfg, target_config={"hidden_size": HT}, vocab_size=V, num_context_layers=NCTX, mask_token_id=3)
-    m = DSparkDrafter(cfg, dims, embed_tokens=torch.randn(V, HT), lm_head=torch.randn(V, HT) / 4,
-                      target_norm=torch.ones(HT), target_norm_eps=1e-6)
+    m = DSparkDrafter(
+        cfg,
+        dims,
+        embed_tokens=torch.randn(V, HT),
+        lm_head=torch.randn(V, HT) / 4,
+        target_norm=torch.ones(HT),
+        target_norm_eps=1e-6,
+    )
     for p in m.parameters():  # make heads non-trivial (zero-initialised at construction)
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.1)
@@ -52,8 +68,8 @@ def test_tokens_of_a_block_see_each_other_and_no_other_block():
     assert mask.shape == (2 * q, 12 + 2 * q)
     assert mask[:q, :4].all() and not mask[:q, 4:12].any()  # context strictly before anchor 4
     assert mask[q:, :9].all() and not mask[q:, 9:12].any()
-    assert mask[:q, 12:12 + q].all() and not mask[:q, 12 + q:].any()  # own block only, both directions
-    assert mask[q:, 12 + q:].all() and not mask[q:, 12:12 + q].any()
+    assert mask[:q, 12 : 12 + q].all() and not mask[:q, 12 + q :].any()  # own block only, both directions
+    assert mask[q:, 12 + q :].all() and not mask[q:, 12 : 12 + q].any()
 
 
 def test_anchor_batched_forward_equals_one_forward_per_anchor():
@@ -65,7 +81,9 @@ def test_anchor_batched_forward_equals_one_forward_per_anchor():
         # one anchor, and a context cut just before it: no mask is needed at all
         single = m(ids[:, : a + m.cfg.block_size + 1], ctx[:, :a], torch.tensor([[a]]))
         torch.testing.assert_close(batched.hidden[:, j], single.hidden[:, 0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(batched.confidence_logits[:, j], single.confidence_logits[:, 0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            batched.confidence_logits[:, j], single.confidence_logits[:, 0], rtol=1e-5, atol=1e-5
+        )
 
 
 def dflash_reference(m: DSparkDrafter, ids, ctx, a: int) -> torch.Tensor:
@@ -109,8 +127,14 @@ def test_only_backbone_and_heads_train():
     m = make_model()
     frozen = {n for n, p in m.named_parameters() if not p.requires_grad}
     assert frozen == {"embed_tokens.weight", "lm_head.weight", "target_norm.weight"}
-    assert {"fc.weight", "hidden_norm.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
-            "confidence_head.proj.weight", "confidence_head.proj.bias"} <= {n for n, p in m.named_parameters() if p.requires_grad}
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight",
+        "confidence_head.proj.bias",
+    } <= {n for n, p in m.named_parameters() if p.requires_grad}
 
 
 def test_anchors_start_on_answer_tokens_with_an_answer_label():

@@ -13,9 +13,19 @@ from dspark.shards import ShardDataset, open_dataset
 def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=8, val_rows=1):
     """Random sequences written through the extractor's own writer and finaliser."""
     gen = torch.Generator().manual_seed(0)
-    Manifest(target="toy", target_path="/x", revision=None, architecture="LlamaForCausalLM", tokenizer_sha256="t",
-             chat_template_sha256="c", layer_ids=list(range(n_layers - 1)) + [4], num_hidden_layers=4,
-             hidden_size=hidden, dtype=dtype, compression="zstd").save(directory)
+    Manifest(
+        target="toy",
+        target_path="/x",
+        revision=None,
+        architecture="LlamaForCausalLM",
+        tokenizer_sha256="t",
+        chat_template_sha256="c",
+        layer_ids=list(range(n_layers - 1)) + [4],
+        num_hidden_layers=4,
+        hidden_size=hidden,
+        dtype=dtype,
+        compression="zstd",
+    ).save(directory)
     store = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     written, units = {}, []
     for split, counts in (("train", rows), ("val", (val_rows,))):
@@ -25,8 +35,13 @@ def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=
                 t = int(torch.randint(3, 12, (1,), generator=gen))
                 hs = torch.randn(t - 1, n_layers, hidden, generator=gen).to(store)
                 ids = torch.randint(0, 100, (t,), generator=gen).tolist()
-                row = {"seq_id": f"{split}{k}-{r}", "num_tokens": t, "input_ids": ids, "loss_mask": [0] * 2 + [1] * (t - 2),
-                       "hidden_states": hs.contiguous().view(torch.uint8).numpy().tobytes()}
+                row = {
+                    "seq_id": f"{split}{k}-{r}",
+                    "num_tokens": t,
+                    "input_ids": ids,
+                    "loss_mask": [0] * 2 + [1] * (t - 2),
+                    "hidden_states": hs.contiguous().view(torch.uint8).numpy().tobytes(),
+                }
                 shard_rows.append(row)
                 written[row["seq_id"]] = (ids, hs)
             write_shard(shard_rows, directory, split, k, "zstd", Counter())
@@ -64,14 +79,18 @@ def test_rank_iterators_partition_each_epoch(tmp_path):
     parts = [ds.rank_indices(rank=r, world_size=2, seed=1, epoch=0) for r in range(2)]
     assert len(parts[0]) == len(parts[1]) == 5 and not set(parts[0]) & set(parts[1])
     assert parts != [ds.rank_indices(rank=r, world_size=2, seed=1, epoch=1) for r in range(2)]  # reshuffled per epoch
-    assert [s.seq_id for s in ds.iter_rank(rank=1, world_size=2, seed=1, start=3)] == [ds[i].seq_id for i in parts[1][3:]]
+    assert [s.seq_id for s in ds.iter_rank(rank=1, world_size=2, seed=1, start=3)] == [
+        ds[i].seq_id for i in parts[1][3:]
+    ]
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         ds.rank_indices(rank=2, world_size=2)
 
 
 def test_open_dataset_checks_layers_and_width(tmp_path):
     make_dataset(tmp_path)
-    with pytest.raises(ValueError, match=r"manifest.json: field 'layer_ids' is \[0, 1, 4\], the config expects \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"manifest.json: field 'layer_ids' is \[0, 1, 4\], the config expects \[1, 2, 4\]"
+    ):
         open_dataset(tmp_path, expect_layer_ids=[1, 2, 4])
     with pytest.raises(ValueError, match=r"field 'hidden_size' is 8, the config expects 576"):
         open_dataset(tmp_path, expect_hidden_size=576)

@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from data_tools.shard_writer import finalize, write_shard
 from dspark.core.files import file_sha256
-from dspark.core.shard_format import Manifest
 from dspark.core.layer_ids import reference_hidden_states
+from dspark.core.shard_format import Manifest
 from dspark.core.target import load_target_heads
 from dspark.trainer import Trainer
 
@@ -29,29 +29,57 @@ LAYERS = [1, 2]  # + final state 4
 def build_target_and_shards(root: Path, smollm2_dir: Path, *, n_train=12, n_val=3, nan_in=None) -> tuple[Path, Path]:
     torch.manual_seed(0)
     target = root / "target"
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    ).eval()
     model.model.norm.weight.data.fill_(8.0)  # peaked next-token distributions, like a trained LM's
     model.save_pretrained(str(target))
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (smollm2_dir / f).exists():
             shutil.copy(smollm2_dir / f, target / f)
     data = root / "shards"
-    Manifest(target="tiny", target_path=str(target), revision=None, architecture="LlamaForCausalLM",
-             tokenizer_sha256=file_sha256(target / "tokenizer.json"), chat_template_sha256="", layer_ids=LAYERS + [4],
-             num_hidden_layers=4, hidden_size=64, dtype="float32", compression="none").save(data)
+    Manifest(
+        target="tiny",
+        target_path=str(target),
+        revision=None,
+        architecture="LlamaForCausalLM",
+        tokenizer_sha256=file_sha256(target / "tokenizer.json"),
+        chat_template_sha256="",
+        layer_ids=LAYERS + [4],
+        num_hidden_layers=4,
+        hidden_size=64,
+        dtype="float32",
+        compression="none",
+    ).save(data)
     g = torch.Generator().manual_seed(1)
     for split, n in (("train", n_train), ("val", n_val)):
         rows = []
         for i in range(n):
             prompt = torch.randint(100, 2000, (6,), generator=g)
             with torch.no_grad():  # on-policy: the target's own greedy answer
-                ids = model.generate(prompt[None], max_new_tokens=26, do_sample=False, min_new_tokens=26, pad_token_id=0)[0]
+                ids = model.generate(
+                    prompt[None], max_new_tokens=26, do_sample=False, min_new_tokens=26, pad_token_id=0
+                )[0]
             hs = reference_hidden_states(model, ids[:-1], LAYERS + [4])
             if nan_in == (split, i):
                 hs[3, 0, 0] = float("nan")
-            rows.append({"seq_id": f"{split}-{i:02d}", "num_tokens": len(ids), "input_ids": ids.tolist(),
-                         "loss_mask": [0] * 6 + [1] * (len(ids) - 6), "hidden_states": hs.numpy().tobytes()})
+            rows.append(
+                {
+                    "seq_id": f"{split}-{i:02d}",
+                    "num_tokens": len(ids),
+                    "input_ids": ids.tolist(),
+                    "loss_mask": [0] * 6 + [1] * (len(ids) - 6),
+                    "hidden_states": hs.numpy().tobytes(),
+                }
+            )
         write_shard(rows, data, split, 0, "none", Counter())
     finalize(data, [("train", 0), ("val", 0)])
     return target, data
@@ -63,12 +91,32 @@ def tiny(tmp_path_factory, smollm2_dir):
 
 
 def overrides(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["target.source=hf_dir", f"target.path={target}", "target.name=tiny", "target.hidden_size=64",
-            "target.num_hidden_layers=4", f"target.layer_ids={LAYERS}", "drafter.num_layers=1", "drafter.intermediate_size=128",
-            "drafter.markov_rank=16", "drafter.block_size=4", f"data.shards_dir={data}", f"train.checkpoint_dir={out}/ckpt",
-            f"paths.output_dir={out}", "logging.wandb=false", "train.micro_batch_size=4", "train.anchors_per_seq=8",
-            "train.max_seq_len=64", "train.lr=3e-3", "train.warmup_steps=2", "train.log_every=1", "train.eval_every=1000",
-            "train.save_every=1000", "stages=[train]", *extra]
+    return [
+        "target.source=hf_dir",
+        f"target.path={target}",
+        "target.name=tiny",
+        "target.hidden_size=64",
+        "target.num_hidden_layers=4",
+        f"target.layer_ids={LAYERS}",
+        "drafter.num_layers=1",
+        "drafter.intermediate_size=128",
+        "drafter.markov_rank=16",
+        "drafter.block_size=4",
+        f"data.shards_dir={data}",
+        f"train.checkpoint_dir={out}/ckpt",
+        f"paths.output_dir={out}",
+        "logging.wandb=false",
+        "train.micro_batch_size=4",
+        "train.anchors_per_seq=8",
+        "train.max_seq_len=64",
+        "train.lr=3e-3",
+        "train.warmup_steps=2",
+        "train.log_every=1",
+        "train.eval_every=1000",
+        "train.save_every=1000",
+        "stages=[train]",
+        *extra,
+    ]
 
 
 def make_trainer(compose_config, tiny, out, *extra) -> Trainer:
@@ -87,25 +135,56 @@ def test_frozen_pieces_stay_frozen(compose_config, tiny, tmp_path):
             assert not p.requires_grad and p.grad is None and torch.equal(p, before[n])
         else:
             assert p.requires_grad
-    assert torch.equal(tr.model.lm_head.weight, heads.lm_head) and torch.equal(tr.model.embed_tokens.weight, heads.embed_tokens)
+    assert torch.equal(tr.model.lm_head.weight, heads.lm_head) and torch.equal(
+        tr.model.embed_tokens.weight, heads.embed_tokens
+    )
     changed = [n for n, p in tr.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
-    assert "fc.weight" in changed and "layers.0.self_attn.q_proj.weight" in changed and "markov_head.markov_w2.weight" in changed
+    assert (
+        "fc.weight" in changed
+        and "layers.0.self_attn.q_proj.weight" in changed
+        and "markov_head.markov_w2.weight" in changed
+    )
 
 
 @pytest.mark.slow
 def test_tiny_run_overfits_to_near_full_acceptance(compose_config, tiny, tmp_path):
-    tr = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=150", "train.log_every=50", "logging.wandb=true",
-                      "logging.mode=offline", "train.eval_every=150", "train.lr=5e-3", "train.min_lr_ratio=0.3",
-                      "train.anchors_per_seq=16")
+    tr = make_trainer(
+        compose_config,
+        tiny,
+        tmp_path,
+        "train.max_steps=150",
+        "train.log_every=50",
+        "logging.wandb=true",
+        "logging.mode=offline",
+        "train.eval_every=150",
+        "train.lr=5e-3",
+        "train.min_lr_ratio=0.3",
+        "train.anchors_per_seq=16",
+    )
     tr.train()
     res = tr.evaluate(tr.train_ds)  # acceptance on the sequences it was fitted to
-    assert res["accept_pos_1"] > 0.9 and res["accept_prob_pos_1"] > 0.85 and res["tau"] > 4.3, res  # tau <= 1 + gamma = 5
+    assert res["accept_pos_1"] > 0.9 and res["accept_prob_pos_1"] > 0.85 and res["tau"] > 4.3, (
+        res
+    )  # tau <= 1 + gamma = 5
     assert res["loss"] < tr.state.history[0]["loss"] / 2
     # W&B (offline, no key) recorded the stable metric names in its run file
     record = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
-    for k in ("train/loss", "train/ce", "train/tv", "train/confidence_bce", "train/lr", "train/grad_norm", "train/tokens_per_s",
-              "train/peak_mem_gb", "train/accept_pos_1", "train/accept_cond_pos_1", "val/tau", "val/confidence_ece",
-              "val/accept_pos_1", "drafter"):
+    for k in (
+        "train/loss",
+        "train/ce",
+        "train/tv",
+        "train/confidence_bce",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/peak_mem_gb",
+        "train/accept_pos_1",
+        "train/accept_cond_pos_1",
+        "val/tau",
+        "val/confidence_ece",
+        "val/accept_pos_1",
+        "drafter",
+    ):
         assert k.encode() in record, k
 
 
@@ -130,7 +209,12 @@ def test_finished_run_is_skipped_and_another_drafter_is_not_resumed(compose_conf
     cfg = compose_config(*overrides(target, data, tmp_path, "train.max_steps=2"))
     assert finished_checkpoint(cfg) == tmp_path / "ckpt" / "step00000002"
     assert finished_checkpoint(compose_config(*overrides(target, data, tmp_path, "train.max_steps=3"))) is None
-    assert finished_checkpoint(compose_config(*overrides(target, data, tmp_path, "train.max_steps=2", "drafter.markov_rank=0"))) is None
+    assert (
+        finished_checkpoint(
+            compose_config(*overrides(target, data, tmp_path, "train.max_steps=2", "drafter.markov_rank=0"))
+        )
+        is None
+    )
     with pytest.raises(ValueError, match=r"another drafter \(drafter.markov_rank: checkpoint 16, now 0\)"):
         make_trainer(compose_config, tiny, tmp_path, "train.max_steps=3", "drafter.markov_rank=0")
 
@@ -138,7 +222,9 @@ def test_finished_run_is_skipped_and_another_drafter_is_not_resumed(compose_conf
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_1_and_2_match_zero_0(compose_config, tiny, tmp_path, stage):
     ref = make_trainer(compose_config, tiny, tmp_path / "z0", "train.max_steps=4", "deepspeed=zero0").train()
-    got = make_trainer(compose_config, tiny, tmp_path / f"z{stage}", "train.max_steps=4", f"deepspeed=zero{stage}").train()
+    got = make_trainer(
+        compose_config, tiny, tmp_path / f"z{stage}", "train.max_steps=4", f"deepspeed=zero{stage}"
+    ).train()
     assert [h["loss"] for h in got.history] == pytest.approx([h["loss"] for h in ref.history], rel=1e-5)
 
 
@@ -147,8 +233,16 @@ def test_two_process_gloo_run(tiny, tmp_path):
     target, data = tiny
     from dspark.core.files import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "train.py",
-           *overrides(target, data, tmp_path, "train.max_steps=3", "train.micro_batch_size=2"), f"hydra.run.dir={tmp_path}/run"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "train.py",
+        *overrides(target, data, tmp_path, "train.max_steps=3", "train.micro_batch_size=2"),
+        f"hydra.run.dir={tmp_path}/run",
+    ]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
@@ -163,7 +257,9 @@ def test_shards_for_another_target_are_refused(compose_config, tiny, tmp_path):
     m = Manifest.load(bad)
     m.tokenizer_sha256 = "0" * 64
     m.save(bad)
-    with pytest.raises(ValueError, match=r"field 'tokenizer_sha256' is 000000000000\.\.\., the target's tokenizer.json hashes to"):
+    with pytest.raises(
+        ValueError, match=r"field 'tokenizer_sha256' is 000000000000\.\.\., the target's tokenizer.json hashes to"
+    ):
         Trainer(compose_config(*overrides(target, bad, tmp_path)), load_target_heads(target))
     with pytest.raises(ValueError, match=r"field 'layer_ids' is \[1, 2, 4\], the config expects \[1, 3, 4\]"):
         Trainer(compose_config(*overrides(target, data, tmp_path), "target.layer_ids=[1,3]"), load_target_heads(target))
@@ -179,9 +275,15 @@ def test_nan_loss_names_step_and_sequences(compose_config, tmp_path, smollm2_dir
 @pytest.mark.slow
 def test_kill_9_then_resume_neither_skips_nor_repeats(tiny, tmp_path, compose_config):
     target, data = tiny
-    base = [sys.executable, "train.py", *overrides(target, data, tmp_path, "train.max_steps=10", "train.save_every=2"),
-            f"hydra.run.dir={tmp_path}/run"]
-    proc = subprocess.Popen(base, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = [
+        sys.executable,
+        "train.py",
+        *overrides(target, data, tmp_path, "train.max_steps=10", "train.save_every=2"),
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    proc = subprocess.Popen(
+        base, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 300
     while not (tmp_path / "ckpt" / "step00000004").is_dir():
         assert proc.poll() is None and time.time() < deadline
@@ -201,22 +303,29 @@ def test_kill_9_then_resume_neither_skips_nor_repeats(tiny, tmp_path, compose_co
 
 
 def test_bad_override_gets_hydras_error_not_a_traceback():
-    out = subprocess.run([sys.executable, "train.py", "drafter.markov_rank=abc"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "train.py", "drafter.markov_rank=abc"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode != 0
     assert "Traceback" not in out.stderr and "markov_rank" in out.stderr
 
 
 # --- checkpoints -> vLLM export (dspark.export) -------------------------------------------------
 
+
 def test_export_from_zero0_and_zero3_checkpoints_gives_the_trained_weights(compose_config, tiny, tmp_path):
     from dspark.export import export
-    from dspark.serving_format import read_export
     from dspark.export_validate import validate
+    from dspark.serving_format import read_export
 
     target, _ = tiny
-    z0 = make_trainer(compose_config, tiny, tmp_path / "z0", "train.max_steps=3", "train.save_every=3", "deepspeed=zero0")
+    z0 = make_trainer(
+        compose_config, tiny, tmp_path / "z0", "train.max_steps=3", "train.save_every=3", "deepspeed=zero0"
+    )
     z0.train()
-    z3 = make_trainer(compose_config, tiny, tmp_path / "z3", "train.max_steps=3", "train.save_every=3", "deepspeed=zero3")
+    z3 = make_trainer(
+        compose_config, tiny, tmp_path / "z3", "train.max_steps=3", "train.save_every=3", "deepspeed=zero3"
+    )
     z3.train()
     s0 = export(tmp_path / "z0" / "ckpt", tmp_path / "e0")
     s3 = export(tmp_path / "z3" / "ckpt", tmp_path / "e3")
@@ -227,9 +336,13 @@ def test_export_from_zero0_and_zero3_checkpoints_gives_the_trained_weights(compo
     assert set(trained) == set(e0.weights) and len(trained) > 10
     for k, v in trained.items():
         assert torch.equal(e0.weights[k], v.float()), k
-        torch.testing.assert_close(e3.weights[k], e0.weights[k], rtol=1e-3, atol=1e-4)  # merged ZeRO-3 shards; weights ~0.02
+        torch.testing.assert_close(
+            e3.weights[k], e0.weights[k], rtol=1e-3, atol=1e-4
+        )  # merged ZeRO-3 shards; weights ~0.02
     cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["sample_from_anchor"] is True and cfg["markov_rank"] == 16
+    assert (
+        cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["sample_from_anchor"] is True and cfg["markov_rank"] == 16
+    )
     rep = validate(tmp_path / "e3", target_dir=target, num_speculative_tokens=4)
     assert rep.vllm_aux_layer_ids == LAYERS and rep.params_checked > 10
 
@@ -272,8 +385,8 @@ def test_export_refuses_bad_checkpoints_and_exports(compose_config, tiny, tmp_pa
 
 def test_validate_refuses_an_export_for_another_target(compose_config, tiny, tmp_path, smollm2_dir):
     from dspark.export import export
-    from dspark.serving_format import ExportError, read_export
     from dspark.export_validate import check_target, validate
+    from dspark.serving_format import ExportError, read_export
 
     make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
     export(tmp_path / "ckpt", tmp_path / "e")
@@ -283,8 +396,9 @@ def test_validate_refuses_an_export_for_another_target(compose_config, tiny, tmp
 
 
 def test_logged_loss_is_the_mean_over_the_steps_micro_batches(compose_config, tiny, tmp_path):
-    tr = make_trainer(compose_config, tiny, tmp_path, "train.grad_accum_steps=2", "train.micro_batch_size=2",
-                      "train.max_steps=2")
+    tr = make_trainer(
+        compose_config, tiny, tmp_path, "train.grad_accum_steps=2", "train.micro_batch_size=2", "train.max_steps=2"
+    )
     seen, scalars = [], tr._scalars
     tr._scalars = lambda out: seen.append(scalars(out)) or seen[-1]
     m, seq_ids = tr.train_step()
@@ -302,7 +416,9 @@ def test_checkpoint_history_is_bounded_and_the_digest_covers_all_steps():
         a.step = b.step = step + 1
         a.record(1.0, [f"s{step}", "x"])
         b.record(1.0, [f"s{step}", "x"] if step != 2 else ["x", "s2"])  # one early step in another order
-    assert len(a.history) == HISTORY_WINDOW and a.history[0]["step"] == 6 and a.history[-1]["step"] == HISTORY_WINDOW + 5
+    assert (
+        len(a.history) == HISTORY_WINDOW and a.history[0]["step"] == 6 and a.history[-1]["step"] == HISTORY_WINDOW + 5
+    )
     assert [h["seq_ids"] for h in a.history] == [h["seq_ids"] for h in b.history]  # the window cannot tell them apart
     assert a.data_digest != b.data_digest  # the digest can
 
@@ -313,7 +429,10 @@ def test_a_second_run_on_the_same_checkpoint_dir_is_refused(compose_config, tiny
     from dspark.checkpoint import CheckpointInUseError
 
     first = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1")
-    with pytest.raises(CheckpointInUseError, match=rf"ckpt: in use by another training run \(host {socket.gethostname()}, pid {os.getpid()}"):
+    with pytest.raises(
+        CheckpointInUseError,
+        match=rf"ckpt: in use by another training run \(host {socket.gethostname()}, pid {os.getpid()}",
+    ):
         make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1")
     first.train()  # releases the directory
     make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1").close()

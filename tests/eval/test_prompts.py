@@ -1,13 +1,12 @@
 """AA-LCR-style eval prompts: the release loader, the prompt layout, and sizing to the window."""
 
 import csv
+import itertools
 import json
 import re
 
 import pytest
 from transformers import AutoTokenizer
-
-import itertools
 
 from data_tools.prompts import LCR_TRAIN_QUESTIONS, bundled_conversations, bundled_lcr_conversations
 from eval.prompts import (
@@ -23,16 +22,24 @@ from eval.prompts import (
     save_eval_set,
 )
 
-HEADER = ["", "document_category", "document_set_id", "question_id", "question", "answer",
-          "data_source_filenames", "data_source_urls", "input_tokens"]
+HEADER = [
+    "",
+    "document_category",
+    "document_set_id",
+    "question_id",
+    "question",
+    "answer",
+    "data_source_filenames",
+    "data_source_urls",
+    "input_tokens",
+]
 TRICKY_QUESTION = 'Which clauses, if any, mention "notice"?\nAnswer per document, then compare.'
 BINS = [256, 512, 1024]
 
 
 def _text(tag: str, sentences: int) -> str:
     """A document of numbered sentences, so a cut shows where it happened."""
-    return " ".join(f"{tag} clause {i}: the party shall give notice within {i} days."
-                    for i in range(sentences))
+    return " ".join(f"{tag} clause {i}: the party shall give notice within {i} days." for i in range(sentences))
 
 
 DOCS = {
@@ -44,12 +51,29 @@ DOCS = {
 ROWS = [
     # ';'-separated as in the release, ',' and newlines accepted; names with or without .txt,
     # and a name may hold a comma
-    ["0", "Legal", "legal_a", "1", TRICKY_QUESTION, "Both, with 30 days' notice.",
-     "alpha;beta, revised.txt", "https://a.example/1;https://a.example/2", "95000"],
-    ["1", "Company_Documents", "co_b", "2", "Which company grew fastest?", "Gamma",
-     "gamma.txt, delta", "https://b.example/1", "80000"],
-    ["2", "Legal", "legal_a", "3", "Who gives notice?", "The party", "beta, revised\nalpha", "",
-     "40000"],
+    [
+        "0",
+        "Legal",
+        "legal_a",
+        "1",
+        TRICKY_QUESTION,
+        "Both, with 30 days' notice.",
+        "alpha;beta, revised.txt",
+        "https://a.example/1;https://a.example/2",
+        "95000",
+    ],
+    [
+        "1",
+        "Company_Documents",
+        "co_b",
+        "2",
+        "Which company grew fastest?",
+        "Gamma",
+        "gamma.txt, delta",
+        "https://b.example/1",
+        "80000",
+    ],
+    ["2", "Legal", "legal_a", "3", "Who gives notice?", "The party", "beta, revised\nalpha", "", "40000"],
 ]
 
 
@@ -82,8 +106,10 @@ def test_loader_reads_questions_answers_and_documents(tmp_path):
     assert (q1.answer, q2.answer) == ("Both, with 30 days' notice.", "Gamma")
     assert (q2.document_category, q2.document_set_id) == ("Company_Documents", "co_b")
     assert [d.name for d in q1.documents] == ["alpha", "beta, revised.txt"]
-    assert [d.text for d in q1.documents] == [DOCS["Legal", "legal_a", "alpha.txt"],
-                                              DOCS["Legal", "legal_a", "beta, revised.txt"]]
+    assert [d.text for d in q1.documents] == [
+        DOCS["Legal", "legal_a", "alpha.txt"],
+        DOCS["Legal", "legal_a", "beta, revised.txt"],
+    ]
     assert [d.name for d in q2.documents] == ["gamma.txt", "delta"]
     assert [d.name for d in q3.documents] == ["beta, revised", "alpha"]
     assert q3.documents[0].text == DOCS["Legal", "legal_a", "beta, revised.txt"]
@@ -138,8 +164,7 @@ def _check_bins(prompts, bins, per_bin):
 
 
 def test_offline_bins_fit_the_window(tokenizer):
-    prompts = build_eval_set(tokenizer, context_bins=BINS, prompts_per_bin=2, max_new_tokens=64,
-                             window=1024 + 64)
+    prompts = build_eval_set(tokenizer, context_bins=BINS, prompts_per_bin=2, max_new_tokens=64, window=1024 + 64)
     _check_bins(prompts, BINS, per_bin=2)
     assert len({p.prompt_id for p in prompts}) == len(prompts)
     for p in prompts:
@@ -154,14 +179,14 @@ def test_offline_bins_fit_the_window(tokenizer):
 def test_bin_past_the_window_is_refused(tokenizer):
     refused = r"context bin 1024 \+ max_new_tokens 64 = 1088 exceeds the target's window 1087"
     with pytest.raises(EvalPromptError, match=refused):
-        build_eval_set(tokenizer, context_bins=BINS, prompts_per_bin=1, max_new_tokens=64,
-                       window=1087)
+        build_eval_set(tokenizer, context_bins=BINS, prompts_per_bin=1, max_new_tokens=64, window=1087)
 
 
 def test_offline_set_is_deterministic_and_disjoint_from_training(tokenizer):
     def build(seed):
-        return build_eval_set(tokenizer, context_bins=[512, 1024], prompts_per_bin=2,
-                              max_new_tokens=64, window=2048, seed=seed)
+        return build_eval_set(
+            tokenizer, context_bins=[512, 1024], prompts_per_bin=2, max_new_tokens=64, window=2048, seed=seed
+        )
 
     assert eval_set_sha256(build(0)) == eval_set_sha256(build(0))
     assert eval_set_sha256(build(0)) != eval_set_sha256(build(1))
@@ -178,8 +203,11 @@ def test_offline_set_is_deterministic_and_disjoint_from_training(tokenizer):
     assert not copied
     # The long-context training prompts: other questions, other documents.
     assert not set(LCR_TRAIN_QUESTIONS) & set(OFFLINE_QUESTIONS)
-    long_docs = {doc for conv in itertools.islice(bundled_lcr_conversations(), 300)
-                 for doc in re.findall(r"BEGIN DOCUMENT \d+:\n(.*?)\nEND DOCUMENT", conv.messages[0][1], re.S)}
+    long_docs = {
+        doc
+        for conv in itertools.islice(bundled_lcr_conversations(), 300)
+        for doc in re.findall(r"BEGIN DOCUMENT \d+:\n(.*?)\nEND DOCUMENT", conv.messages[0][1], re.S)
+    }
     assert len(long_docs) > 500
     copied = [d[:80] for d in long_docs if len(_shingles(d) & pool) > 0.1 * max(len(_shingles(d)), 1)]
     assert not copied
@@ -187,14 +215,21 @@ def test_offline_set_is_deterministic_and_disjoint_from_training(tokenizer):
 
 def _shingles(text, n=8):
     words = text.split()
-    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def test_aa_lcr_cuts_documents_but_not_the_question(tmp_path, tokenizer):
     csv_path = _write_release(tmp_path)
-    prompts = build_eval_set(tokenizer, context_bins=[256, 512], prompts_per_bin=2,
-                             max_new_tokens=64, window=1024, source="aa_lcr",
-                             aa_lcr_csv=csv_path, aa_lcr_texts=tmp_path)
+    prompts = build_eval_set(
+        tokenizer,
+        context_bins=[256, 512],
+        prompts_per_bin=2,
+        max_new_tokens=64,
+        window=1024,
+        source="aa_lcr",
+        aa_lcr_csv=csv_path,
+        aa_lcr_texts=tmp_path,
+    )
     _check_bins(prompts, [256, 512], per_bin=2)
     questions = {q.question_id: q for q in load_aa_lcr(csv_path, tmp_path)}
     for p in prompts:
@@ -209,8 +244,7 @@ def test_aa_lcr_cuts_documents_but_not_the_question(tmp_path, tokenizer):
 
 
 def test_save_load_round_trip_and_bad_line(tmp_path, tokenizer):
-    prompts = build_eval_set(tokenizer, context_bins=[512], prompts_per_bin=2, max_new_tokens=64,
-                             window=1024)
+    prompts = build_eval_set(tokenizer, context_bins=[512], prompts_per_bin=2, max_new_tokens=64, window=1024)
     path = tmp_path / "eval" / "prompts.jsonl"
     save_eval_set(prompts, path)
     assert load_eval_set(path) == prompts
@@ -224,8 +258,7 @@ def test_save_load_round_trip_and_bad_line(tmp_path, tokenizer):
 
 def test_cli_prints_a_table_per_bin(smollm2_dir, tmp_path, capsys):
     out = tmp_path / "set.jsonl"
-    main(["--tokenizer", str(smollm2_dir), "--bins", "256", "512", "--per-bin", "1",
-          "--out", str(out)])
+    main(["--tokenizer", str(smollm2_dir), "--bins", "256", "512", "--per-bin", "1", "--out", str(out)])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["bin", "prompts", "min", "mean", "max", "docs"]
     assert [line.split()[:2] for line in lines[1:3]] == [["256", "1"], ["512", "1"]]

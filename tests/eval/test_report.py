@@ -25,9 +25,11 @@ GAMMA = 3
 BINS = [1024, 4096]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # accepted tokens per verification step, per drafter and context bin (4096 empty for ngram)
-STEPS = {"dspark": {"1024": [3, 3, 2, 1, 0], "4096": [3, 2, 2, 0]},
-         "dspark-markov-off": {"1024": [2, 1, 0, 1], "4096": [1, 0, 0]},
-         "ngram": {"1024": [1, 0, 0, 0], "4096": []}}
+STEPS = {
+    "dspark": {"1024": [3, 3, 2, 1, 0], "4096": [3, 2, 2, 0]},
+    "dspark-markov-off": {"1024": [2, 1, 0, 1], "4096": [1, 0, 0]},
+    "ngram": {"1024": [1, 0, 0, 0], "4096": []},
+}
 
 
 def counts(accepted: list[int]) -> AcceptanceCounts:
@@ -46,24 +48,38 @@ def overall(name: str) -> AcceptanceCounts:
 
 def drafter(name: str, **kw) -> DrafterResult:
     per_bin = {b: {**counts(s).summary(), "num_prompts": 2} for b, s in STEPS[name].items()}
-    return DrafterResult(name=name, runner="reference", method=name, overall=overall(name).summary(),
-                         per_bin=per_bin, **kw)
+    return DrafterResult(
+        name=name, runner="reference", method=name, overall=overall(name).summary(), per_bin=per_bin, **kw
+    )
 
 
 @pytest.fixture
 def results() -> EvalResults:
-    cond = EvalConditions(target="smollm2-135m", target_path="/models/smollm2", gamma=GAMMA, temperature=0.0,
-                          max_new_tokens=64, prompt_source="offline", context_bins=BINS,
-                          prompts_per_bin={"1024": 2, "4096": 2}, checkpoint="/ckpt/step_100")
-    cal = Calibration(ece=0.05, bin_edges=[0.0, 0.5, 1.0], bin_confidence=[0.3, 0.8], bin_accuracy=[0.25, 0.85],
-                      bin_count=[4, 6])
-    cal_gap = Calibration(ece=0.2, bin_edges=[0.0, 0.5, 1.0], bin_confidence=[None, 0.7], bin_accuracy=[None, 0.5],
-                          bin_count=[0, 5])
-    return EvalResults(cond, [
-        drafter("dspark", calibration=cal, draft_cost_ratio=0.25, tokens_per_s=180.0, baseline_tokens_per_s=100.0),
-        drafter("dspark-markov-off", calibration=cal_gap, draft_cost_ratio=0.2),
-        drafter("ngram", tokens_per_s=120.0, baseline_tokens_per_s=100.0),
-    ])
+    cond = EvalConditions(
+        target="smollm2-135m",
+        target_path="/models/smollm2",
+        gamma=GAMMA,
+        temperature=0.0,
+        max_new_tokens=64,
+        prompt_source="offline",
+        context_bins=BINS,
+        prompts_per_bin={"1024": 2, "4096": 2},
+        checkpoint="/ckpt/step_100",
+    )
+    cal = Calibration(
+        ece=0.05, bin_edges=[0.0, 0.5, 1.0], bin_confidence=[0.3, 0.8], bin_accuracy=[0.25, 0.85], bin_count=[4, 6]
+    )
+    cal_gap = Calibration(
+        ece=0.2, bin_edges=[0.0, 0.5, 1.0], bin_confidence=[None, 0.7], bin_accuracy=[None, 0.5], bin_count=[0, 5]
+    )
+    return EvalResults(
+        cond,
+        [
+            drafter("dspark", calibration=cal, draft_cost_ratio=0.25, tokens_per_s=180.0, baseline_tokens_per_s=100.0),
+            drafter("dspark-markov-off", calibration=cal_gap, draft_cost_ratio=0.2),
+            drafter("ngram", tokens_per_s=120.0, baseline_tokens_per_s=100.0),
+        ],
+    )
 
 
 def table_rows(md: str, heading: str, nth: int = 0) -> dict[str, list[str]]:
@@ -107,8 +123,10 @@ def test_ratio_check():
 
 
 def test_markdown_tables_carry_the_measured_numbers(results, tmp_path):
-    checks = [ratio_check("ours over ngram", "dspark", results.drafters[0].tau, "ngram", results.drafters[2].tau, 1.3),
-              ratio_check("markov helps", "dspark", results.drafters[0].tau, "off", results.drafters[1].tau, 5.0)]
+    checks = [
+        ratio_check("ours over ngram", "dspark", results.drafters[0].tau, "ngram", results.drafters[2].tau, 1.3),
+        ratio_check("markov helps", "dspark", results.drafters[0].tau, "off", results.drafters[1].tau, 5.0),
+    ]
     md = write_report(results, tmp_path, checks=checks).markdown.read_text()
 
     conditions = table_rows(md, "Conditions")
@@ -134,8 +152,13 @@ def test_markdown_tables_carry_the_measured_numbers(results, tmp_path):
 
     speed = table_rows(md, "Speedup")
     dspark_tau = overall("dspark").tau
-    assert speed["dspark"][1:] == [f"{dspark_tau:.3f}", f"{fit_p(dspark_tau, GAMMA):.3f}", "0.250",
-                                   f"{dspark_tau / 1.25:.2f}", "1.80"]
+    assert speed["dspark"][1:] == [
+        f"{dspark_tau:.3f}",
+        f"{fit_p(dspark_tau, GAMMA):.3f}",
+        "0.250",
+        f"{dspark_tau / 1.25:.2f}",
+        "1.80",
+    ]
     assert speed["ngram"][3:] == ["n/a", "n/a", "1.20"]  # no r: measured only
 
     cal = table_rows(md, "Confidence calibration")
@@ -243,8 +266,13 @@ def test_wandb_offline_run_gets_scalars_plots_and_tables(results, tmp_path, no_n
     # service, which is what guarantees the file is flushed (finish alone can return before)
     wandb.teardown()
     record = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
-    for key in ("eval/dspark-markov-off/tau", "eval/plots/acceptance_per_position", "eval/plots/calibration",
-                "eval/speedup_table", "eval/tau_per_bin_table"):
+    for key in (
+        "eval/dspark-markov-off/tau",
+        "eval/plots/acceptance_per_position",
+        "eval/plots/calibration",
+        "eval/speedup_table",
+        "eval/tau_per_bin_table",
+    ):
         assert key.encode() in record, key
     media = [p.suffix for p in (tmp_path / "wandb").glob("offline-run-*/files/media/**/*") if p.is_file()]
     assert media.count(".png") == 3 and media.count(".json") == 2  # the plots and the two tables

@@ -15,10 +15,18 @@ from eval.prompts import EvalPrompt, save_eval_set
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
-QUESTIONS = ["Name three uses of a hash table.", "What does the Python keyword 'yield' do?",
-             "Write one sentence about the sea.", "Explain recursion to a child.", "What is the capital of France?",
-             "Give an example of a list comprehension.", "List the planets of the solar system.",
-             "How do I reverse a string in Python?", "What is a prime number?", "Describe a cat in two sentences."]
+QUESTIONS = [
+    "Name three uses of a hash table.",
+    "What does the Python keyword 'yield' do?",
+    "Write one sentence about the sea.",
+    "Explain recursion to a child.",
+    "What is the capital of France?",
+    "Give an example of a list comprehension.",
+    "List the planets of the solar system.",
+    "How do I reverse a string in Python?",
+    "What is a prime number?",
+    "Describe a cat in two sentences.",
+]
 
 
 def _run(cmd: list[str], timeout: int = 1200) -> str:
@@ -31,15 +39,40 @@ def _run(cmd: list[str], timeout: int = 1200) -> str:
 def test_dflash_export_served_by_vllm_matches_the_reference_loop(tmp_path, smollm2_dir):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
-    common = ["+experiment=smollm2_cpu_demo", f"paths.output_dir={tmp_path}", "logging.wandb=false", "drafter=tiny",
-              "drafter.sample_from_anchor=false", "drafter.markov_rank=0", "drafter.enable_confidence_head=false",
-              "drafter.block_size=4"]
+    common = [
+        "+experiment=smollm2_cpu_demo",
+        f"paths.output_dir={tmp_path}",
+        "logging.wandb=false",
+        "drafter=tiny",
+        "drafter.sample_from_anchor=false",
+        "drafter.markov_rank=0",
+        "drafter.enable_confidence_head=false",
+        "drafter.block_size=4",
+    ]
     # the data and a drafter fitted to it (acceptance well above 1, so parity means something)
-    _run([sys.executable, "train.py", *common, "stages=[extract,train]", f"data.source={prompts}", "data.val_fraction=0",
-          "data.max_new_tokens=64", "data.max_seq_len=256", "data.rows_per_shard=8", "data.vllm.cpu_kvcache_gib=1",
-          "train.max_steps=150", "train.max_seq_len=256", "train.micro_batch_size=4", "train.anchors_per_seq=16",
-          "train.lr=3e-3", "train.warmup_steps=5", "train.eval_every=1000", "train.save_every=150",
-          f"hydra.run.dir={tmp_path}/run1"])
+    _run(
+        [
+            sys.executable,
+            "train.py",
+            *common,
+            "stages=[extract,train]",
+            f"data.source={prompts}",
+            "data.val_fraction=0",
+            "data.max_new_tokens=64",
+            "data.max_seq_len=256",
+            "data.rows_per_shard=8",
+            "data.vllm.cpu_kvcache_gib=1",
+            "train.max_steps=150",
+            "train.max_seq_len=256",
+            "train.micro_batch_size=4",
+            "train.anchors_per_seq=16",
+            "train.lr=3e-3",
+            "train.warmup_steps=5",
+            "train.eval_every=1000",
+            "train.save_every=150",
+            f"hydra.run.dir={tmp_path}/run1",
+        ]
+    )
     ds = ShardDataset(tmp_path / "data" / "smollm2-135m", "train")
     evalset = []
     for i in range(len(ds)):  # the prompts of the fitted sequences; the target regenerates the answers
@@ -47,16 +80,39 @@ def test_dflash_export_served_by_vllm_matches_the_reference_loop(tmp_path, smoll
         n = s.loss_mask.tolist().index(1)
         evalset.append(EvalPrompt(s.seq_id, 256, s.input_ids[:n].tolist(), n, "test", "", None, []))
     save_eval_set(evalset, tmp_path / "evalset.jsonl")
-    log = _run([sys.executable, "-m", "eval.run", *common, f"eval.prompts_file={tmp_path / 'evalset.jsonl'}",
-                "eval.gamma=4", "eval.max_new_tokens=64", "eval.baselines=[]", "eval.measure_plain=false",
-                f"hydra.run.dir={tmp_path}/run2"])
+    log = _run(
+        [
+            sys.executable,
+            "-m",
+            "eval.run",
+            *common,
+            f"eval.prompts_file={tmp_path / 'evalset.jsonl'}",
+            "eval.gamma=4",
+            "eval.max_new_tokens=64",
+            "eval.baselines=[]",
+            "eval.measure_plain=false",
+            f"hydra.run.dir={tmp_path}/run2",
+        ]
+    )
     assert "validated" in log and "method dflash" in log
-    results = json.loads((tmp_path / "eval" / "smollm2-135m" / "markov0-fillin-noconf-L1-b4-i256" / "results.json").read_text())
+    results = json.loads(
+        (tmp_path / "eval" / "smollm2-135m" / "markov0-fillin-noconf-L1-b4-i256" / "results.json").read_text()
+    )
     by_name = {d["name"]: d for d in results["drafters"]}
     ref, served = by_name["dspark"]["overall"], by_name["vllm-dflash-ours"]["overall"]
     assert ref["tau"] > 1.5, ref  # the drafter really drafts (1.79 when this was written)
     assert served["tau"] == pytest.approx(ref["tau"], rel=0.02), (served, ref)
     assert served["num_drafts"] == pytest.approx(ref["num_drafts"], rel=0.02)
     # the export that vLLM served is the one the reference loop read
-    cfg = json.loads((tmp_path / "exports" / "smollm2-135m" / "markov0-fillin-noconf-L1-b4-i256" / "dspark-dflash" / "config.json").read_text())
-    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [0, 7, 14, 21, 28]
+    cfg = json.loads(
+        (
+            tmp_path / "exports" / "smollm2-135m" / "markov0-fillin-noconf-L1-b4-i256" / "dspark-dflash" / "config.json"
+        ).read_text()
+    )
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [
+        0,
+        7,
+        14,
+        21,
+        28,
+    ]

@@ -24,8 +24,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sacct")
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-            "PREEMPTED"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 def missing_binaries() -> list[str]:
@@ -48,9 +57,11 @@ def _node_line(name: str) -> str:
     out = subprocess.run([_which("slurmd"), "-C"], capture_output=True, text=True, check=True).stdout
     fields = dict(re.findall(r"(\w+)=(\S+)", out.splitlines()[0]))
     mem = int(int(fields["RealMemory"]) * 0.9)
-    return (f"NodeName={name} NodeAddr=127.0.0.1 CPUs={fields['CPUs']} Boards={fields['Boards']} "
-            f"SocketsPerBoard={fields['SocketsPerBoard']} CoresPerSocket={fields['CoresPerSocket']} "
-            f"ThreadsPerCore={fields['ThreadsPerCore']} RealMemory={mem} State=UNKNOWN")
+    return (
+        f"NodeName={name} NodeAddr=127.0.0.1 CPUs={fields['CPUs']} Boards={fields['Boards']} "
+        f"SocketsPerBoard={fields['SocketsPerBoard']} CoresPerSocket={fields['CoresPerSocket']} "
+        f"ThreadsPerCore={fields['ThreadsPerCore']} RealMemory={mem} State=UNKNOWN"
+    )
 
 
 class LocalSlurm:
@@ -81,17 +92,27 @@ class LocalSlurm:
             (self.root / d).mkdir(parents=True, exist_ok=True)
         os.chmod(self.root / "munge", 0o700)
         key = self.root / "munge" / "munge.key"
-        subprocess.run([_which("mungekey"), "--create", f"--keyfile={key}", "--force"], check=True,
-                       capture_output=True)
+        subprocess.run([_which("mungekey"), "--create", f"--keyfile={key}", "--force"], check=True, capture_output=True)
         os.chmod(key, 0o600)
-        self._spawn("munged", [_which("munged"), "--foreground", "--force", f"--socket={self.socket}",
-                               f"--key-file={key}", f"--pid-file={self.root / 'munge' / 'munged.pid'}",
-                               f"--seed-file={self.root / 'munge' / 'munged.seed'}",
-                               f"--log-file={self.root / 'log' / 'munged.log'}"])
+        self._spawn(
+            "munged",
+            [
+                _which("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={self.socket}",
+                f"--key-file={key}",
+                f"--pid-file={self.root / 'munge' / 'munged.pid'}",
+                f"--seed-file={self.root / 'munge' / 'munged.seed'}",
+                f"--log-file={self.root / 'log' / 'munged.log'}",
+            ],
+        )
         self._wait_for(lambda: self.socket.exists(), timeout, "munged socket")
         self.ctld_port, self.slurmd_port = _free_port(), _free_port()
         self.conf.write_text(self.config())
-        (self.conf.parent / "cgroup.conf").write_text("# unused: proctrack/linuxproc, task/none\nCgroupPlugin=autodetect\n")
+        (self.conf.parent / "cgroup.conf").write_text(
+            "# unused: proctrack/linuxproc, task/none\nCgroupPlugin=autodetect\n"
+        )
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
         self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
         self._wait_for(self._node_idle, timeout, f"node {self.node} IDLE")
@@ -101,7 +122,10 @@ class LocalSlurm:
             # jobs a failed test left behind: their slurmstepd would outlive slurmd
             self.run("scancel", "--full", "--user=root", check=False)
             deadline = time.time() + 30
-            while time.time() < deadline and self.run("squeue", "-h", "-t", "RUNNING,COMPLETING", check=False).stdout.strip():
+            while (
+                time.time() < deadline
+                and self.run("squeue", "-h", "-t", "RUNNING,COMPLETING", check=False).stdout.strip()
+            ):
                 time.sleep(1)
         for name in ("slurmd", "slurmctld", "munged"):
             p = self.procs.pop(name, None)
@@ -116,8 +140,9 @@ class LocalSlurm:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.stdout", "wb")
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
 
     def _wait_for(self, ok, timeout: float, what: str) -> None:
         deadline = time.time() + timeout
@@ -148,12 +173,12 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.socket},cred_expire=20
 # ^ also the hold before a requeued batch job may start again (default 120 s)
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}
-SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'slurmd.pid'}
-SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
-SlurmdLogFile={r / 'log' / 'slurmd.log'}
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}
+SlurmctldPidFile={r / "slurmctld.pid"}
+SlurmdPidFile={r / "slurmd.pid"}
+SlurmctldLogFile={r / "log" / "slurmctld.log"}
+SlurmdLogFile={r / "log" / "slurmd.log"}
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -175,10 +200,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
     # -- clients -----------------------------------------------------------------------------
-    def run(self, *argv: str, check: bool = True, cwd: Path = REPO, env: dict | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess:
-        out = subprocess.run(list(argv), capture_output=True, text=True, cwd=cwd, timeout=timeout,
-                             env={**self.env, **(env or {})})
+    def run(
+        self, *argv: str, check: bool = True, cwd: Path = REPO, env: dict | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        out = subprocess.run(
+            list(argv), capture_output=True, text=True, cwd=cwd, timeout=timeout, env={**self.env, **(env or {})}
+        )
         if check and out.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} -> {out.returncode}\n{out.stdout}\n{out.stderr}")
         return out
@@ -203,9 +230,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             if all(self._settled(j, info, until) for j, info in jobs.items()):
                 return jobs
             if time.time() > deadline:
-                raise AssertionError(f"jobs not finished after {timeout:.0f}s: "
-                                     + ", ".join(f"{j} {i.get('JobState')} {i.get('Reason')}" for j, i in jobs.items())
-                                     + "\n" + self.logs())
+                raise AssertionError(
+                    f"jobs not finished after {timeout:.0f}s: "
+                    + ", ".join(f"{j} {i.get('JobState')} {i.get('Reason')}" for j, i in jobs.items())
+                    + "\n"
+                    + self.logs()
+                )
             time.sleep(2)
 
     def _settled(self, job_id: str, info: dict[str, str], until) -> bool:
@@ -227,8 +257,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 def slurm():
     missing = missing_binaries()
     if missing:
-        pytest.skip(f"no local Slurm: {', '.join(missing)} not installed "
-                    "(apt-get install slurm-wlm munge; .ci/run installs them)")
+        pytest.skip(
+            f"no local Slurm: {', '.join(missing)} not installed "
+            "(apt-get install slurm-wlm munge; .ci/run installs them)"
+        )
     if os.geteuid() != 0:
         pytest.skip("the local Slurm runs slurmd as root (SlurmdUser=root); not root here")
     root = Path(tempfile.mkdtemp(prefix="dspark-slurm-"))
@@ -246,6 +278,7 @@ def slurm():
 
 
 if __name__ == "__main__":
+
     def _interrupt(*_):
         raise KeyboardInterrupt
 

@@ -81,8 +81,15 @@ def header(script: Path) -> dict[str, str]:
 
 @pytest.fixture
 def render(tmp_path):
-    def _render(script: str, *overrides: str, nodes: int = 4, gpus: int | None = 4, env: dict | None = None,
-                stub_rc: dict | None = None, nvidia_smi: bool = True) -> Rendered:
+    def _render(
+        script: str,
+        *overrides: str,
+        nodes: int = 4,
+        gpus: int | None = 4,
+        env: dict | None = None,
+        stub_rc: dict | None = None,
+        nvidia_smi: bool = True,
+    ) -> Rendered:
         stubs, record = tmp_path / "bin", tmp_path / "record"
         stubs.mkdir(exist_ok=True)
         record.mkdir(exist_ok=True)
@@ -96,26 +103,49 @@ def render(tmp_path):
         for name, text in files.items():
             (stubs / name).write_text(text)
             (stubs / name).chmod(0o755)
-        base = {k: v for k, v in os.environ.items()
-                if not k.startswith(("SLURM_", "SBATCH_", "DSPARK_", "CUDA_")) and k not in ("EXPERIMENT", "PYTHON")}
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "SBATCH_", "DSPARK_", "CUDA_")) and k not in ("EXPERIMENT", "PYTHON")
+        }
         # no real nvidia-smi may answer for a GPU-less render
         path = f"{stubs}:/usr/bin:/bin" if not nvidia_smi else f"{stubs}:{os.environ['PATH']}"
         hosts = HOSTS[:nodes]
         full_env = {
-            **base, "PATH": path, "STUB_RECORD": str(record), "STUB_HOSTS": " ".join(hosts),
-            "STUB_RC": json.dumps(stub_rc or {}), "PYTHON": str(stubs / "python"),
-            "DSPARK_OUTPUT_DIR": str(tmp_path / "out"), "EXPERIMENT": "kimi_k3_gb300",
-            "SLURM_JOB_ID": "4242", "SLURM_JOBID": "4242", "SLURM_SUBMIT_DIR": str(REPO),
-            "SLURM_NNODES": str(nodes), "SLURM_JOB_NUM_NODES": str(nodes),
-            "SLURM_JOB_NODELIST": f"gb300-[001-{nodes:03d}]", "SLURM_NTASKS_PER_NODE": "1",
+            **base,
+            "PATH": path,
+            "STUB_RECORD": str(record),
+            "STUB_HOSTS": " ".join(hosts),
+            "STUB_RC": json.dumps(stub_rc or {}),
+            "PYTHON": str(stubs / "python"),
+            "DSPARK_OUTPUT_DIR": str(tmp_path / "out"),
+            "EXPERIMENT": "kimi_k3_gb300",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOBID": "4242",
+            "SLURM_SUBMIT_DIR": str(REPO),
+            "SLURM_NNODES": str(nodes),
+            "SLURM_JOB_NUM_NODES": str(nodes),
+            "SLURM_JOB_NODELIST": f"gb300-[001-{nodes:03d}]",
+            "SLURM_NTASKS_PER_NODE": "1",
             **({"SLURM_GPUS_ON_NODE": str(gpus), "SLURM_GPUS_PER_NODE": str(gpus)} if gpus is not None else {}),
             **(env or {}),
         }
-        out = subprocess.run(["bash", str(SLURM / script), *overrides], cwd=tmp_path, env=full_env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            ["bash", str(SLURM / script), *overrides],
+            cwd=tmp_path,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         read = lambda name: (record / name).read_text().splitlines() if (record / name).exists() else []  # noqa: E731
-        return Rendered(out.returncode, out.stdout + out.stderr, [json.loads(x) for x in read("python.jsonl")],
-                        [shlex.split(x) for x in read("srun.log")], read("scontrol.log"))
+        return Rendered(
+            out.returncode,
+            out.stdout + out.stderr,
+            [json.loads(x) for x in read("python.jsonl")],
+            [shlex.split(x) for x in read("srun.log")],
+            read("scontrol.log"),
+        )
 
     return _render
 
@@ -126,7 +156,7 @@ def k3_tp() -> int:
 
 
 def arg(argv: list[str], prefix: str) -> str:
-    hits = [a[len(prefix):] for a in argv if a.startswith(prefix)]
+    hits = [a[len(prefix) :] for a in argv if a.startswith(prefix)]
     assert len(hits) == 1, f"{prefix!r} in {argv}"
     return hits[0]
 
@@ -157,7 +187,7 @@ def test_train_renders_one_torchrun_per_node_for_16_ranks(render):
         assert arg(argv, "--rdzv_endpoint=") == f"{HOSTS[0]}:{port}"  # the head node, same for all
         ranks += int(arg(argv, "--nproc_per_node="))
         script = argv.index("train.py")
-        assert argv[script + 1:script + 4] == ["+experiment=kimi_k3_gb300", "stages=[train]", "train.resume=auto"]
+        assert argv[script + 1 : script + 4] == ["+experiment=kimi_k3_gb300", "stages=[train]", "train.resume=auto"]
         assert argv[-1] == "train.lr=3e-4" and arg(argv, "hydra.run.dir=").endswith(f"slurm/4242/train/node{i}")
     assert ranks == 16 == k3_tp()
     assert "4 node(s) x 4 rank(s) = 16 ranks" in r.log
@@ -170,7 +200,12 @@ def test_extract_renders_one_tp16_engine_over_four_nodes(render):
     port = str(29500 + 4242 % 1000)
     for i in range(4):
         argv = r.node(i)
-        assert argv[:4] == ["-m", "data_tools.extract", "+experiment=kimi_k3_gb300", "+data.vllm.engine_kwargs.nnodes=4"]
+        assert argv[:4] == [
+            "-m",
+            "data_tools.extract",
+            "+experiment=kimi_k3_gb300",
+            "+data.vllm.engine_kwargs.nnodes=4",
+        ]
         assert arg(argv, "+data.vllm.engine_kwargs.node_rank=") == str(i)
         assert arg(argv, "+data.vllm.engine_kwargs.master_addr=") == HOSTS[0]
         assert arg(argv, "+data.vllm.engine_kwargs.master_port=") == port
@@ -208,17 +243,24 @@ def test_the_job_result_is_node0s_not_the_headless_workers(render, script):
 
 
 def test_extract_array_task_renders_one_engine_on_its_share(render):
-    r = render("extract_array.sbatch", nodes=1, gpus=1,
-               env={"SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3", "EXPERIMENT": "smollm2_cpu_demo"})
+    r = render(
+        "extract_array.sbatch",
+        nodes=1,
+        gpus=1,
+        env={"SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3", "EXPERIMENT": "smollm2_cpu_demo"},
+    )
     assert r.rc == 0, r.log
     assert r.srun[0][0] == "--kill-on-bad-exit=1"
     argv = r.node(0)
     assert argv[:3] == ["-m", "data_tools.extract", "+experiment=smollm2_cpu_demo"]
     assert arg(argv, "hydra.run.dir=").endswith("slurm/77/extract-task3")
-    assert header(SLURM / "extract_array.sbatch")["gpus-per-node"] == "1"  # one override (--gpus-per-node) for every script
+    assert (
+        header(SLURM / "extract_array.sbatch")["gpus-per-node"] == "1"
+    )  # one override (--gpus-per-node) for every script
 
 
 # -- the early checks -------------------------------------------------------------------------
+
 
 def test_no_gpus_fails_before_anything_starts(render):
     r = render("train.sbatch", gpus=None, nvidia_smi=False)
@@ -241,8 +283,10 @@ def test_dspark_allow_cpu_skips_the_gpu_check(render):
 def test_tp16_on_two_nodes_is_refused_with_the_expected_shape(render):
     r = render("extract.sbatch", nodes=2)
     assert r.rc == 2 and not r.launches
-    assert ("target.tensor_parallel_size=16 x pipeline_parallel_size=1 needs 16 GPUs, the job has 2 nodes x 4 GPUs = 8; "
-            "expected --nodes=4") in r.log
+    assert (
+        "target.tensor_parallel_size=16 x pipeline_parallel_size=1 needs 16 GPUs, the job has 2 nodes x 4 GPUs = 8; "
+        "expected --nodes=4"
+    ) in r.log
     r = render("eval.sbatch", nodes=1, gpus=1)  # one GPU for a TP16 target
     assert r.rc == 2 and "expected --gpus-per-node=16" in r.log
     r = render("eval.sbatch", "target.tensor_parallel_size=1", nodes=1, gpus=1)
@@ -260,8 +304,11 @@ def test_a_misspelt_override_fails_on_the_batch_host(render):
 def test_missing_python_names_the_interpreter(render):
     r = render("extract.sbatch", env={"PYTHON": "/nonexistent/python"})
     assert r.rc == 2 and not r.srun
-    assert re.search(r"error: PYTHON=/nonexistent/python is not an executable in \S+; expected the project's "
-                     r"virtualenv interpreter", r.log)
+    assert re.search(
+        r"error: PYTHON=/nonexistent/python is not an executable in \S+; expected the project's "
+        r"virtualenv interpreter",
+        r.log,
+    )
 
 
 def test_outside_the_repository_says_where_to_submit_from(render, tmp_path):

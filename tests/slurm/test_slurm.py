@@ -20,15 +20,28 @@ from dspark.core.shard_format import Manifest
 REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "slurm"
 SCRIPTS = sorted(SLURM.glob("*.sbatch"))
-SHELL = [*SCRIPTS, SLURM / "pipeline.sh", SLURM / "common.sh", *sorted((REPO / "scripts").glob("*.sh")), REPO / ".ci" / "run"]
+SHELL = [
+    *SCRIPTS,
+    SLURM / "pipeline.sh",
+    SLURM / "common.sh",
+    *sorted((REPO / "scripts").glob("*.sh")),
+    REPO / ".ci" / "run",
+]
 CPU = ["--nodes=1", "--gpus-per-node=0"]  # what every script's header is overridden with here
 SMOKE = "smollm2_cpu_smoke"
 
 
 def job_env(out: Path, **extra: str) -> dict[str, str]:
     """The submitting shell: outputs in a tmp dir, the scripts' own defaults for the rest."""
-    return {"DSPARK_OUTPUT_DIR": str(out), "PYTHON": "", "DSPARK_ALLOW_CPU": "", "EXPERIMENT": SMOKE,
-            "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **extra}
+    return {
+        "DSPARK_OUTPUT_DIR": str(out),
+        "PYTHON": "",
+        "DSPARK_ALLOW_CPU": "",
+        "EXPERIMENT": SMOKE,
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        **extra,
+    }
 
 
 def submit_env(slurm, out: Path, **extra: str) -> dict[str, str]:
@@ -37,8 +50,14 @@ def submit_env(slurm, out: Path, **extra: str) -> dict[str, str]:
 
 
 def pipeline(slurm, out: Path, *args: str, **extra: str) -> dict[str, str]:
-    r = subprocess.run([str(SLURM / "pipeline.sh"), *args], capture_output=True, text=True, cwd="/",
-                       env=submit_env(slurm, out, **extra), timeout=60)
+    r = subprocess.run(
+        [str(SLURM / "pipeline.sh"), *args],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env=submit_env(slurm, out, **extra),
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     ids = dict(line.split()[:2] for line in r.stdout.splitlines() if line.split()[0] in ("extract", "train", "eval"))
     assert list(ids) == ["extract", "train", "eval"] and all(i.isdigit() for i in ids.values()), r.stdout
@@ -47,8 +66,14 @@ def pipeline(slurm, out: Path, *args: str, **extra: str) -> dict[str, str]:
 
 
 def sbatch(slurm, out: Path, *args: str, **extra: str) -> str:
-    r = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, cwd=REPO,
-                       env=submit_env(slurm, out, **extra), timeout=60)
+    r = subprocess.run(
+        ["sbatch", "--parsable", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=submit_env(slurm, out, **extra),
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout.strip().split(";")[0]
 
@@ -61,11 +86,13 @@ def batch_log(out: Path, job_id: str) -> str:
 
 # -- static ------------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
 @pytest.mark.parametrize("path", SHELL, ids=lambda p: str(p.relative_to(REPO)))
 def test_shellcheck_clean(path):
-    r = subprocess.run(["shellcheck", "-x", "-S", "style", str(path.relative_to(REPO))], cwd=REPO,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["shellcheck", "-x", "-S", "style", str(path.relative_to(REPO))], cwd=REPO, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -74,13 +101,18 @@ def test_sbatch_test_only_accepts_every_script(slurm, tmp_path, script):
     """sbatch parses each header; with the node count and GPUs this one-node cluster has, the
     controller would schedule it. As written (4 x 4 GPUs) it is refused here, not misread."""
     extra = ["--array=0-1"] if "array" in script else []
-    r = slurm.run("sbatch", "--test-only", *CPU, *extra, f"--output={tmp_path}/%x-%j.out", f"slurm/{script}", check=False)
-    assert r.returncode == 0 and re.search(r"Job \d+ to start at .* on nodes \S+ in partition debug", r.stderr), r.stderr
+    r = slurm.run(
+        "sbatch", "--test-only", *CPU, *extra, f"--output={tmp_path}/%x-%j.out", f"slurm/{script}", check=False
+    )
+    assert r.returncode == 0 and re.search(r"Job \d+ to start at .* on nodes \S+ in partition debug", r.stderr), (
+        r.stderr
+    )
     r = slurm.run("sbatch", "--test-only", f"slurm/{script}", check=False)
     assert r.returncode != 0 and "gres" in r.stderr.lower(), r.stderr  # GPUs asked for; this node has none
 
 
 # -- early environment checks and afterok, with jobs that fail in seconds ----------------------
+
 
 def test_failing_first_stage_means_dependents_never_run(slurm, tmp_path):
     ids = pipeline(slurm, tmp_path, "--cpu", PYTHON="/nonexistent/python")
@@ -108,8 +140,15 @@ def test_no_gpus_without_allow_cpu_fails_clearly(slurm, tmp_path):
 
 def test_a_misspelt_override_fails_the_job_before_srun(slurm, tmp_path):
     (tmp_path / "slurm").mkdir()
-    job = sbatch(slurm, tmp_path, *CPU, f"--output={tmp_path}/slurm/%x-%j.out", "slurm/eval.sbatch", "eval.gama=4",
-                 DSPARK_ALLOW_CPU="1")
+    job = sbatch(
+        slurm,
+        tmp_path,
+        *CPU,
+        f"--output={tmp_path}/slurm/%x-%j.out",
+        "slurm/eval.sbatch",
+        "eval.gama=4",
+        DSPARK_ALLOW_CPU="1",
+    )
     info = slurm.wait(job, timeout=300)[job]
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
     log = batch_log(tmp_path, job)
@@ -119,6 +158,7 @@ def test_a_misspelt_override_fails_the_job_before_srun(slurm, tmp_path):
 
 
 # -- the smoke pipeline, for real ---------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_smoke_pipeline_through_slurm_then_resume_and_requeue(slurm, tmp_path, smollm2_dir):
@@ -153,8 +193,15 @@ def test_smoke_pipeline_through_slurm_then_resume_and_requeue(slurm, tmp_path, s
 
     # Resubmitted as a 2-task array: both tasks find their shards complete and start no engine.
     manifest_before = (data / "manifest.json").read_text()
-    arr = sbatch(slurm, out, *CPU, "--array=0-1", f"--output={out}/slurm/%x-%A_%a.out", "slurm/extract_array.sbatch",
-                 DSPARK_ALLOW_CPU="1")
+    arr = sbatch(
+        slurm,
+        out,
+        *CPU,
+        "--array=0-1",
+        f"--output={out}/slurm/%x-%A_%a.out",
+        "slurm/extract_array.sbatch",
+        DSPARK_ALLOW_CPU="1",
+    )
     assert set(slurm.states(arr)) <= {"PENDING", "RUNNING", "COMPLETED", "CONFIGURING", "COMPLETING"}
     slurm.wait(arr, timeout=900)
     assert slurm.states(arr) == ["COMPLETED", "COMPLETED"], slurm.run("scontrol", "show", "job", arr).stdout
@@ -186,16 +233,41 @@ def test_smoke_pipeline_through_slurm_then_resume_and_requeue(slurm, tmp_path, s
 
 
 def test_pipeline_rejects_bad_options_without_submitting(slurm, tmp_path):
-    for args, msg in ((["--array", "x"], "--array expects a number"), (["--stages", "extract,tune"], "unknown stage 'tune'"),
-                      (["--bogus"], "unknown option --bogus")):
-        r = subprocess.run([str(SLURM / "pipeline.sh"), *args], capture_output=True, text=True,
-                           env=submit_env(slurm, tmp_path), timeout=60)
+    for args, msg in (
+        (["--array", "x"], "--array expects a number"),
+        (["--stages", "extract,tune"], "unknown stage 'tune'"),
+        (["--bogus"], "unknown option --bogus"),
+    ):
+        r = subprocess.run(
+            [str(SLURM / "pipeline.sh"), *args],
+            capture_output=True,
+            text=True,
+            env=submit_env(slurm, tmp_path),
+            timeout=60,
+        )
         assert r.returncode == 2 and msg in r.stderr, r.stderr
-    dry = subprocess.run([str(SLURM / "pipeline.sh"), "--dry-run", "--array", "2", "--gpus", "1", "-s", "--partition=gb300",
-                          "data.num_prompts=8"], capture_output=True, text=True, env=submit_env(slurm, tmp_path), timeout=60)
+    dry = subprocess.run(
+        [
+            str(SLURM / "pipeline.sh"),
+            "--dry-run",
+            "--array",
+            "2",
+            "--gpus",
+            "1",
+            "-s",
+            "--partition=gb300",
+            "data.num_prompts=8",
+        ],
+        capture_output=True,
+        text=True,
+        env=submit_env(slurm, tmp_path),
+        timeout=60,
+    )
     assert dry.returncode == 0, dry.stderr
     lines = dry.stderr.strip().splitlines()
     assert len(lines) == 3 and "extract_array.sbatch data.num_prompts=8" in lines[0] and "--array=0-1" in lines[0]
-    assert all("--gpus-per-node=1" in x and "--partition=gb300" in x and x.split()[-1] == "data.num_prompts=8" for x in lines)
+    assert all(
+        "--gpus-per-node=1" in x and "--partition=gb300" in x and x.split()[-1] == "data.num_prompts=8" for x in lines
+    )
     assert not (tmp_path / "slurm").exists()  # a dry run creates nothing
     assert "--dependency=afterok:\\<extract\\>" in lines[1] and "--dependency=afterok:\\<train\\>" in lines[2]

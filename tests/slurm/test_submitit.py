@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="hydra-submitit-launcher not installed (pip install -e .[slurm])")
+pytest.importorskip(
+    "hydra_plugins.hydra_submitit_launcher", reason="hydra-submitit-launcher not installed (pip install -e .[slurm])"
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,10 +23,19 @@ def test_submitit_slurm_launcher_composes_with_the_k3_experiment():
     import dspark.core.config  # noqa: F401  (registers the config schemas, as train.py does)
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", return_hydra_config=True, overrides=[
-            "+experiment=kimi_k3_gb300", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=1",
-            "hydra.launcher.gpus_per_node=4", "hydra.launcher.partition=gb300", "hydra.launcher.timeout_min=600",
-            "drafter.markov_rank=0"])
+        cfg = compose(
+            config_name="config",
+            return_hydra_config=True,
+            overrides=[
+                "+experiment=kimi_k3_gb300",
+                "hydra/launcher=submitit_slurm",
+                "hydra.launcher.nodes=1",
+                "hydra.launcher.gpus_per_node=4",
+                "hydra.launcher.partition=gb300",
+                "hydra.launcher.timeout_min=600",
+                "drafter.markov_rank=0",
+            ],
+        )
     launcher = cfg.hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert (launcher.nodes, launcher.gpus_per_node, launcher.partition, launcher.timeout_min) == (1, 4, "gb300", 600)
@@ -37,11 +48,24 @@ def test_submitit_runs_a_hydra_job_on_the_local_slurm(slurm, tmp_path, smollm2_d
     submitit pickles the job, sbatch runs it on the node, the launcher reads the result back."""
     sweep = tmp_path / "sweep"
     r = subprocess.run(
-        [sys.executable, "train.py", "--multirun", "+experiment=smollm2_cpu_smoke", "stages=[]",
-         "hydra/launcher=submitit_slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.timeout_min=30",
-         f"hydra.sweep.dir={sweep}", f"paths.output_dir={tmp_path}"],
-        cwd=REPO, env=slurm.env, capture_output=True,
-        text=True, timeout=900)
+        [
+            sys.executable,
+            "train.py",
+            "--multirun",
+            "+experiment=smollm2_cpu_smoke",
+            "stages=[]",
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.gpus_per_node=0",
+            "hydra.launcher.timeout_min=30",
+            f"hydra.sweep.dir={sweep}",
+            f"paths.output_dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env=slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:] + slurm.logs()
     assert "Submitit 'slurm' sweep output dir" in r.stdout + r.stderr
     logs = "\n".join(f.read_text() for f in sweep.glob(".submitit/*/*_log.*"))
