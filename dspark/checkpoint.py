@@ -140,12 +140,7 @@ class TrainingCheckpoint:
     weights: dict[str, torch.Tensor]  # trainable drafter tensors, no "drafter." prefix
     run_config: dict[str, Any]  # resolved Hydra config of the run (run.json)
     zero_stage: int
-
-    @property
-    def context_layer_ids(self) -> list[int]:
-        """Target layer ids (our convention) the drafter reads as context, in fc input order."""
-        tgt = self.run_config["target"]
-        return [int(i) for i in (self.drafter.target_layer_ids or tgt["layer_ids"])]
+    context_layer_ids: list[int]  # target layer ids (our convention) the drafter reads, in fc input order
 
 
 def load_training_checkpoint(path: Path) -> TrainingCheckpoint:
@@ -194,8 +189,11 @@ def load_training_checkpoint(path: Path) -> TrainingCheckpoint:
             f"{tag / RUN_FILE}: missing; the checkpoint's run config (target, layer ids) is needed to export"
         )
     dims = DrafterDims(**states["dims"])
+    drafter = DSparkConfig(**states["drafter"])
+    # recorded by the trainer; checkpoints from before it did: the drafter's ids, else the target's
+    ctx_ids = states.get("context_layer_ids") or drafter.target_layer_ids or run_config["target"]["layer_ids"]
     ckpt = TrainingCheckpoint(
-        tag, int(states["step"]), DSparkConfig(**states["drafter"]), dims, weights, run_config, stage
+        tag, int(states["step"]), drafter, dims, weights, run_config, stage, [int(i) for i in ctx_ids]
     )
     check_weights(ckpt.weights, ckpt.drafter, dims, where=str(tag))
     return ckpt

@@ -478,6 +478,7 @@ class Trainer:
 
         tag = tag_name(self.state.step)
         client = {
+            "context_layer_ids": self.cfg.drafter.target_layer_ids or self.cfg.target.layer_ids,
             "step": self.state.step,
             "data": asdict(self.state.data),
             "anchor_rng": self.anchor_gen.get_state(),

@@ -134,24 +134,24 @@ def vllm_eval(
     out_dir: Path,
     max_model_len: int,
 ) -> DrafterResult:
-    from eval.serve import run_in_subprocess
+    from eval.serve import ServeSpec, run_in_subprocess
 
-    gamma = cfg.eval.gamma
-    run = run_in_subprocess(
+    gamma, e = cfg.eval.gamma, cfg.eval
+    spec = ServeSpec(
         target_dir,
         method,
         prompts_file,
-        out_dir / f"vllm_{name}.json",
+        gamma,
+        max_model_len,
+        e.vllm_cpu_kvcache_gib,
         draft=draft,
-        gamma=gamma,
-        max_new_tokens=cfg.eval.max_new_tokens,
-        temperature=cfg.eval.temperature,
-        max_model_len=max_model_len,
-        cpu_kvcache_gib=cfg.eval.vllm_cpu_kvcache_gib,
+        max_new_tokens=e.max_new_tokens,
+        temperature=e.temperature,
         dtype=cfg.target.dtype,
-        timeout=cfg.eval.vllm_timeout_s,
+        seed=e.seed,
         engine_kwargs=engine_kwargs(cfg),
     )
+    run = run_in_subprocess(spec, out_dir / f"vllm_{name}.json", timeout=e.vllm_timeout_s)
     total, per = AcceptanceCounts(gamma), {}
     for b, d in run.per_bin.items():
         c = AcceptanceCounts(gamma, d["num_drafts"], d["num_draft_tokens"], d["num_accepted"], d["accepted_per_pos"])

@@ -17,7 +17,7 @@ import logging
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -74,43 +74,80 @@ def speculative_config(method: str, draft: Optional[Path], gamma: int) -> dict[s
     return {"method": method, "model": str(draft), "num_speculative_tokens": gamma}
 
 
-def serve(
-    target: Path,
-    method: str,
-    prompts_file: Path,
-    *,
-    draft: Optional[Path],
-    gamma: int,
-    max_new_tokens: int,
-    temperature: float,
-    max_model_len: int,
-    cpu_kvcache_gib: int,
-    dtype: str = "float32",
-    seed: int = 0,
-    engine_kwargs: Optional[dict[str, Any]] = None,
-) -> ServeRun:
+@dataclass
+class ServeSpec:
+    """One engine: the target served with one speculative method, over one eval set."""
+
+    target: Path
+    method: str
+    prompts_file: Path
+    gamma: int
+    max_model_len: int
+    cpu_kvcache_gib: int
+    draft: Optional[Path] = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    dtype: str = "float32"
+    seed: int = 0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def argv(self) -> list[str]:
+        """The command-line arguments of ``python -m eval.serve`` for this spec."""
+        args = [
+            "--target",
+            str(self.target),
+            "--method",
+            self.method,
+            "--prompts",
+            str(self.prompts_file),
+            "--gamma",
+            str(self.gamma),
+            "--max-new-tokens",
+            str(self.max_new_tokens),
+            "--temperature",
+            str(self.temperature),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--cpu-kvcache-gib",
+            str(self.cpu_kvcache_gib),
+            "--dtype",
+            self.dtype,
+            "--seed",
+            str(self.seed),
+        ]
+        if self.draft is not None:
+            args += ["--draft", str(self.draft)]
+        if self.engine_kwargs:
+            args += ["--engine-kwargs", json.dumps(self.engine_kwargs)]
+        return args
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        return dict(
+            model=str(self.target),
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            enforce_eager=True,
+            speculative_config=speculative_config(self.method, self.draft, self.gamma),
+            **self.engine_kwargs,
+        )
+
+
+def serve(spec: ServeSpec) -> ServeRun:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from eval.prompts import load_eval_set
 
-    prompts = load_eval_set(prompts_file)
+    prompts = load_eval_set(spec.prompts_file)
     t0 = time.perf_counter()
     llm = make_llm(
-        dict(
-            model=str(target),
-            dtype=dtype,
-            max_model_len=max_model_len,
-            enforce_eager=True,
-            seed=seed,
-            disable_log_stats=False,
-            speculative_config=speculative_config(method, draft, gamma),
-            **(engine_kwargs or {}),
-        ),
-        cpu_kvcache_gib=cpu_kvcache_gib,
+        dict(spec.llm_kwargs(), seed=spec.seed, disable_log_stats=False), cpu_kvcache_gib=spec.cpu_kvcache_gib
     )
     start_s = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=False)
+    gamma = spec.gamma
+    params = SamplingParams(
+        max_tokens=spec.max_new_tokens, temperature=spec.temperature, seed=spec.seed, ignore_eos=False
+    )
     warm = prompts[0].prompt_token_ids[-64:]
     llm.generate([TokensPrompt(prompt_token_ids=warm)], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     per_bin, outputs = {}, {}
@@ -125,56 +162,15 @@ def serve(
         per_bin[str(b)] = {**asdict(delta), "num_prompts": len(group)}
         for p, r in zip(group, results):
             outputs[p.prompt_id] = list(r.outputs[0].token_ids)
-        log.info("%s bin %d: %d prompts, tau %.3f", method, b, len(group), delta.tau)
-    return ServeRun(method, str(draft) if draft else None, gamma, per_bin, outputs, start_s, time.perf_counter() - t1)
+        log.info("%s bin %d: %d prompts, tau %.3f", spec.method, b, len(group), delta.tau)
+    draft = str(spec.draft) if spec.draft else None
+    return ServeRun(spec.method, draft, gamma, per_bin, outputs, start_s, time.perf_counter() - t1)
 
 
-def run_in_subprocess(
-    target: Path,
-    method: str,
-    prompts_file: Path,
-    out: Path,
-    *,
-    draft: Optional[Path],
-    gamma: int,
-    max_new_tokens: int,
-    temperature: float,
-    max_model_len: int,
-    cpu_kvcache_gib: int,
-    dtype: str = "float32",
-    timeout: int = 3600,
-    engine_kwargs: Optional[dict[str, Any]] = None,
-) -> ServeRun:
+def run_in_subprocess(spec: ServeSpec, out: Path, *, timeout: int = 3600) -> ServeRun:
     """Run :func:`serve` in a fresh process (vLLM wants its own main module) and read its JSON."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "eval.serve",
-        "--target",
-        str(target),
-        "--method",
-        method,
-        "--prompts",
-        str(prompts_file),
-        "--gamma",
-        str(gamma),
-        "--max-new-tokens",
-        str(max_new_tokens),
-        "--temperature",
-        str(temperature),
-        "--max-model-len",
-        str(max_model_len),
-        "--cpu-kvcache-gib",
-        str(cpu_kvcache_gib),
-        "--dtype",
-        dtype,
-        "--out",
-        str(out),
-    ]
-    if draft is not None:
-        cmd += ["--draft", str(draft)]
-    if engine_kwargs:
-        cmd += ["--engine-kwargs", json.dumps(engine_kwargs)]
+    cmd = [sys.executable, "-m", "eval.serve", *spec.argv(), "--out", str(out)]
+    method = spec.method
     log_file = out.with_suffix(".log")
     log.info("vLLM %s: %s (log: %s)", method, " ".join(cmd), log_file)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -216,6 +212,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="VLLM_CPU_KVCACHE_SPACE on CPU unless already set (eval.vllm_cpu_kvcache_gib)",
     )
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--engine-kwargs",
         type=json.loads,
@@ -231,36 +228,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    extra = dict(a.engine_kwargs)
-    if a.headless:
-        from dspark.core.vllm_engine import run_headless_workers
-
-        run_headless_workers(
-            dict(
-                model=str(a.target),
-                dtype=a.dtype,
-                max_model_len=a.max_model_len,
-                enforce_eager=True,
-                speculative_config=speculative_config(a.method, a.draft, a.gamma),
-                **extra,
-            )
-        )
-        return 0
-    if a.out is None:
-        p.error("--out is required (except with --headless)")
-    run = serve(
+    spec = ServeSpec(
         a.target,
         a.method,
         a.prompts,
+        a.gamma,
+        a.max_model_len,
+        a.cpu_kvcache_gib,
         draft=a.draft,
-        gamma=a.gamma,
         max_new_tokens=a.max_new_tokens,
         temperature=a.temperature,
-        max_model_len=a.max_model_len,
-        cpu_kvcache_gib=a.cpu_kvcache_gib,
         dtype=a.dtype,
-        engine_kwargs=extra,
+        seed=a.seed,
+        engine_kwargs=dict(a.engine_kwargs),
     )
+    if a.headless:
+        from dspark.core.vllm_engine import run_headless_workers
+
+        run_headless_workers(spec.llm_kwargs())
+        return 0
+    if a.out is None:
+        p.error("--out is required (except with --headless)")
+    run = serve(spec)
     atomic_write_json(a.out, asdict(run))
     total = AcceptanceCounts(a.gamma)
     for b in run.per_bin.values():
