@@ -345,7 +345,8 @@ class DSparkDrafter(nn.Module):
         """[..., H] (+ [..., R]) -> [...]: the confidence head's logit, sigmoid(.) = P(accept)."""
         use_markov = markov_embed is not None and self.cfg.confidence_head_with_markov
         feats = torch.cat([hidden, markov_embed], dim=-1) if use_markov else hidden
-        return self.confidence_head["proj"](feats.float()).squeeze(-1)
+        proj = self.confidence_head["proj"]  # fp32 when kept so (as vLLM serves it), else the model's dtype
+        return proj(feats.to(proj.weight.dtype)).float().squeeze(-1)
 
     def target_logits(self, final_states: torch.Tensor) -> torch.Tensor:
         """[..., Ht] target final pre-norm states -> [..., V] target logits (frozen norm + head)."""

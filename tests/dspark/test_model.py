@@ -147,3 +147,17 @@ def test_anchors_start_on_answer_tokens_with_an_answer_label():
             if v:
                 assert mask[i, a] and mask[i, a + 1] and a + 1 < [12, 11][i]
     assert valid[0].all() and valid[1].sum() == 1 and anchors[1, 0] == 9  # only a=9 qualifies (a+1=10 < 11)
+
+
+@pytest.mark.parametrize("confidence_head_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_model_runs_with_its_confidence_head_in_either_dtype(confidence_head_dtype):
+    """DeepSpeed's bf16 engine casts the whole drafter; vLLM keeps the confidence head fp32."""
+    m = make_model()
+    ids = torch.randint(0, V, (1, 12))
+    ctx = torch.randn(1, 11, NCTX * HT)
+    ref = m(ids, ctx, torch.tensor([[2, 5]]))
+    m = m.to(torch.bfloat16)
+    m.confidence_head.to(confidence_head_dtype)
+    out = m(ids, ctx.bfloat16(), torch.tensor([[2, 5]]))
+    assert out.hidden.dtype == torch.bfloat16 and out.confidence_logits.dtype == torch.float32
+    assert torch.allclose(out.confidence_logits, ref.confidence_logits, atol=0.1)
