@@ -4,8 +4,8 @@ Format: :mod:`dspark.core.shard_format`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from dspark.core.files import atomic_write_text, file_sha256
+from dspark.core.files import atomic_path, atomic_write_text, file_sha256
 from dspark.core.shard_format import SCHEMA, Manifest, ShardInfo, shard_name
 
 
@@ -28,7 +28,8 @@ class ShardWriter:
         self.name = shard_name(index)
         self.split = split
         self.final = self.dir / f"{self.name}.parquet"
-        self.tmp = self.dir / f".{self.name}.parquet.tmp-{os.getpid()}"
+        self._publish = contextlib.ExitStack()  # leaving it fsyncs and renames the temporary file
+        self.tmp = self._publish.enter_context(atomic_path(self.final))
         self.writer = pq.ParquetWriter(
             self.tmp,
             SCHEMA,
@@ -46,9 +47,7 @@ class ShardWriter:
 
     def finish(self, skipped: Counter) -> ShardInfo:
         self.writer.close()
-        with open(self.tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(self.tmp, self.final)
+        self._publish.close()
         info = ShardInfo(
             split=self.split,
             name=self.name,

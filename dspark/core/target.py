@@ -17,7 +17,6 @@ This module imports neither vLLM nor DeepSpeed: the extractor (vLLM-only env) us
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -32,7 +31,7 @@ from filelock import FileLock
 from safetensors import safe_open
 
 from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, default_cache_dir
-from dspark.core.files import atomic_path
+from dspark.core.files import atomic_path, file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +109,6 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()[:12]
-
-
 @dataclass(frozen=True)
 class ResolvedTarget:
     path: Path
@@ -136,7 +127,7 @@ def resolve_target(spec: TargetConfig, *, cache_dir: Optional[Path] = None) -> R
         return ResolvedTarget(path=path, converted=False)
     gguf = embedded_gguf_path()
     root = Path(cache_dir) if cache_dir is not None else cache_root()
-    return convert_gguf_once(gguf, root / "targets" / f"{spec.name}-{_file_digest(gguf)}")
+    return convert_gguf_once(gguf, root / "targets" / f"{spec.name}-{file_sha256(gguf)[:12]}")
 
 
 def convert_gguf_once(gguf: Path, out_dir: Path) -> ResolvedTarget:
