@@ -153,7 +153,7 @@ def test_a_misspelt_override_fails_the_job_before_srun(slurm, tmp_path):
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
     log = batch_log(tmp_path, job)
     assert f"cannot compose +experiment={SMOKE} eval.gama=4: Could not override 'eval.gama'." in log, log
-    assert "Key 'gama' is not in struct" in log
+    assert "Key 'gama' not in 'EvalConfig'" in log  # the typed schema names the group's dataclass
     assert "node exit codes" not in log  # srun never ran
 
 
