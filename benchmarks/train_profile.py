@@ -1,0 +1,196 @@
+"""Where a training step's time goes, by part of the drafter, forward and backward.
+
+    python benchmarks/train_profile.py                       # the demo's step: 2 x 512 tokens, 16 anchors
+    python benchmarks/train_profile.py --anchors 64 --json outputs/benchmarks/profile.json
+
+Times the trainer's own model and loss (SmolLM2-135M's shapes, random frozen heads: no target
+or shards needed) with wall-clock hooks on the drafter's modules: the context projection
+(fc + hidden_norm), the decoder layers (+ final norm), the LM head for the draft distribution
+(with grad) and for the target distribution (without, with the target's final norm), the
+Markov head and the confidence head. What the hooks do not cover is the rest of the loss
+(softmaxes, CE/TV, gathers, the embedding of the blocks) and is reported as such; the
+optimizer step is timed on its own. Work done in backward (gradients, and the loss chunks
+recomputed under activation checkpointing) counts as that part's backward. Median over
+``--steps`` after one warm-up step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from dspark.core.config import DSparkConfig
+from dspark.loss import LossConfig, dspark_loss
+from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
+
+CTX, LAYERS = "context projection (fc + hidden_norm)", "decoder layers (+ final norm)"
+DRAFT_HEAD, TARGET = "draft LM head (with grad)", "target distribution (final norm + LM head, no grad)"
+MARKOV, CONF = "Markov head (W1 embedding, W2 output)", "confidence head"
+REST, OPT = "rest of the loss and glue (softmaxes, CE/TV, gathers, block embedding)", "optimizer step (AdamW)"
+
+
+class PartTimer:
+    """Wall-clock time per part and phase from forward and full-backward hooks."""
+
+    def __init__(self, model: DSparkDrafter):
+        self.time: dict[tuple[str, str], float] = defaultdict(float)
+        self.phase = "forward"
+        self._start: dict[tuple[int, str], float] = {}
+        parts = [
+            (model.fc, CTX),
+            (model.hidden_norm, CTX),
+            *[(m, LAYERS) for m in model.layers],
+            (model.norm, LAYERS),
+            (model.lm_head, None),
+            (model.target_norm, TARGET),
+        ]
+        if model.markov_head is not None:
+            parts += [(m, MARKOV) for m in model.markov_head.children()]
+        if model.confidence_head is not None:
+            parts += [(model.confidence_head["proj"], CONF)]
+        for mod, part in parts:
+            mod.register_forward_pre_hook(self._begin(mod, "f"))
+            mod.register_forward_hook(self._end(mod, "f", part))
+            mod.register_full_backward_pre_hook(self._begin(mod, "b"))
+            mod.register_full_backward_hook(self._end(mod, "b", part))
+
+    def _begin(self, mod, kind):  # noqa: ANN001, ANN202
+        def hook(*_):
+            self._start[(id(mod), kind)] = time.perf_counter()
+
+        return hook
+
+    def _end(self, mod, kind, part):  # noqa: ANN001, ANN202
+        def hook(*_):
+            start = self._start.pop((id(mod), kind), None)
+            if start is None:
+                return
+            name = part or (DRAFT_HEAD if torch.is_grad_enabled() or kind == "b" else TARGET)  # lm_head: both
+            self.time[(name, self.phase)] += time.perf_counter() - start
+
+        return hook
+
+
+def build(args: argparse.Namespace) -> tuple[DSparkDrafter, dict, LossConfig]:
+    torch.manual_seed(0)
+    h, v = args.hidden, args.vocab
+    cfg = DSparkConfig(markov_rank=args.markov_rank)
+    dims = resolve_dims(
+        cfg,
+        target_config={"hidden_size": h, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads},
+        vocab_size=v,
+        num_context_layers=args.context_layers,
+        mask_token_id=0,
+    )
+    model = DSparkDrafter(
+        cfg,
+        dims,
+        embed_tokens=torch.randn(v, h) * 0.02,
+        lm_head=torch.randn(v, h) * 0.02,
+        target_norm=torch.ones(h),
+        target_norm_eps=1e-6,
+    )
+    ids = torch.randint(0, v, (args.batch, args.seq))
+    mask = torch.zeros(args.batch, args.seq, dtype=torch.bool)
+    mask[:, args.seq // 4 :] = True  # the answer: the last three quarters
+    lengths = torch.full((args.batch,), args.seq)
+    anchors, valid = sample_anchors(mask, lengths, args.anchors, torch.Generator().manual_seed(0))
+    batch = dict(
+        input_ids=ids,
+        loss_mask=mask,
+        lengths=lengths,
+        anchor_positions=anchors,
+        valid_anchors=valid,
+        context_states=torch.randn(args.batch, args.seq - 1, args.context_layers * h),
+        final_states=torch.randn(args.batch, args.seq - 1, h),
+    )
+    return model, batch, LossConfig(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--context-layers", type=int, default=5)
+    p.add_argument("--markov-rank", type=int, default=256)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--anchors", type=int, default=16)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")  # fc's input needs no grad: fine
+    model, b, lcfg = build(args)
+    timer = PartTimer(model)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4, betas=(0.9, 0.95))
+    rows: list[dict[tuple[str, str], float]] = []
+    predictions = 0
+    for step in range(args.steps + 1):
+        timer.time.clear()
+        timer.phase = "forward"
+        t0 = time.perf_counter()
+        out = model(b["input_ids"], b["context_states"], b["anchor_positions"])
+        res = dspark_loss(
+            model,
+            out,
+            input_ids=b["input_ids"],
+            final_states=b["final_states"],
+            anchor_positions=b["anchor_positions"],
+            valid_anchors=b["valid_anchors"],
+            loss_mask=b["loss_mask"],
+            lengths=b["lengths"],
+            cfg=lcfg,
+        )
+        t1 = time.perf_counter()
+        timer.phase = "backward"
+        res.loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        row = dict(timer.time)
+        row[(REST, "forward")] = (t1 - t0) - sum(v for (_, ph), v in timer.time.items() if ph == "forward")
+        row[(REST, "backward")] = (t2 - t1) - sum(v for (_, ph), v in timer.time.items() if ph == "backward")
+        row[(OPT, "step")] = t3 - t2
+        row[("total", "step")] = t3 - t0
+        predictions = res.num_positions
+        if step > 0:
+            rows.append(row)
+    keys = sorted({k for r in rows for k in r})
+    med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+    total = med[("total", "step")]
+    order = [CTX, LAYERS, DRAFT_HEAD, TARGET, MARKOV, CONF, REST, OPT]
+    print(
+        f"step {1e3 * total:.0f} ms for {predictions} predictions ({predictions / total:.0f} predictions/s), "
+        f"{args.batch} x {args.seq} tokens, {args.anchors} anchors, {args.threads} threads"
+    )
+    print(f"{'part':<72} {'forward ms':>10} {'backward ms':>11} {'share':>6}")
+    report = {
+        "args": vars(args) | {"json": str(args.json)},
+        "step_ms": 1e3 * total,
+        "predictions": predictions,
+        "parts": {},
+    }
+    for part in order:
+        f = med.get((part, "forward"), 0.0)
+        bw = med.get((part, "backward"), 0.0) + med.get((part, "step"), 0.0)
+        report["parts"][part] = {"forward_ms": 1e3 * f, "backward_ms": 1e3 * bw, "share": (f + bw) / total}
+        print(f"{part:<72} {1e3 * f:>10.1f} {1e3 * bw:>11.1f} {100 * (f + bw) / total:>5.1f}%")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
