@@ -25,10 +25,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from synthetic_step import add_shape_args, build
 
-from dspark.core.config import DSparkConfig
-from dspark.loss import LossConfig, dspark_loss
-from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
+from dspark.model import DSparkDrafter
 
 CTX, LAYERS = "context projection (fc + hidden_norm)", "decoder layers (+ final norm)"
 DRAFT_HEAD, TARGET = "draft LM head (with grad)", "target distribution (final norm + LM head, no grad)"
@@ -78,60 +77,16 @@ class PartTimer:
         return hook
 
 
-def build(args: argparse.Namespace) -> tuple[DSparkDrafter, dict, LossConfig]:
-    torch.manual_seed(0)
-    h, v = args.hidden, args.vocab
-    cfg = DSparkConfig(markov_rank=args.markov_rank)
-    dims = resolve_dims(
-        cfg,
-        target_config={"hidden_size": h, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads},
-        vocab_size=v,
-        num_context_layers=args.context_layers,
-        mask_token_id=0,
-    )
-    model = DSparkDrafter(
-        cfg,
-        dims,
-        embed_tokens=torch.randn(v, h) * 0.02,
-        lm_head=torch.randn(v, h) * 0.02,
-        target_norm=torch.ones(h),
-        target_norm_eps=1e-6,
-    )
-    ids = torch.randint(0, v, (args.batch, args.seq))
-    mask = torch.zeros(args.batch, args.seq, dtype=torch.bool)
-    mask[:, args.seq // 4 :] = True  # the answer: the last three quarters
-    lengths = torch.full((args.batch,), args.seq)
-    anchors, valid = sample_anchors(mask, lengths, args.anchors, torch.Generator().manual_seed(0))
-    batch = dict(
-        input_ids=ids,
-        loss_mask=mask,
-        lengths=lengths,
-        anchor_positions=anchors,
-        valid_anchors=valid,
-        context_states=torch.randn(args.batch, args.seq - 1, args.context_layers * h),
-        final_states=torch.randn(args.batch, args.seq - 1, h),
-    )
-    return model, batch, LossConfig(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=576)
-    p.add_argument("--vocab", type=int, default=49152)
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--context-layers", type=int, default=5)
-    p.add_argument("--markov-rank", type=int, default=256)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--anchors", type=int, default=16)
-    p.add_argument("--steps", type=int, default=5)
+    add_shape_args(p, steps=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # fc's input needs no grad: fine
-    model, b, lcfg = build(args)
+    syn = build(args)
+    model = syn.model
     timer = PartTimer(model)
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4, betas=(0.9, 0.95))
     rows: list[dict[tuple[str, str], float]] = []
@@ -140,18 +95,7 @@ def main() -> None:
         timer.time.clear()
         timer.phase = "forward"
         t0 = time.perf_counter()
-        out = model(b["input_ids"], b["context_states"], b["anchor_positions"])
-        res = dspark_loss(
-            model,
-            out,
-            input_ids=b["input_ids"],
-            final_states=b["final_states"],
-            anchor_positions=b["anchor_positions"],
-            valid_anchors=b["valid_anchors"],
-            loss_mask=b["loss_mask"],
-            lengths=b["lengths"],
-            cfg=lcfg,
-        )
+        res = syn.loss()
         t1 = time.perf_counter()
         timer.phase = "backward"
         res.loss.backward()
