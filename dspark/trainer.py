@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from dspark.batching import Batch, DataPosition, RankBatches, collate
 from dspark.calibration import calibration_sums, expected_calibration_error
-from dspark.checkpoint import checkpoint_config_differences, lock_checkpoint_dir, publish_tag, tag_name
+from dspark.checkpoint import checkpoint_config_differences, latest_tag, lock_checkpoint_dir, publish_tag, tag_name
 from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, load_config
 from dspark.core.files import file_sha256, free_port
 from dspark.core.target import TargetHeads
@@ -123,12 +123,9 @@ def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: Tar
 
 def build_drafter(cfg: RunConfig, heads: TargetHeads) -> tuple[DSparkDrafter, list[int], int]:
     """The model plus, for the shard layout, the context-layer indices and the final-state index."""
-    target, dcfg = cfg.target, cfg.drafter
-    captured = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
-    ctx_ids = dcfg.target_layer_ids or target.layer_ids
-    missing = [i for i in ctx_ids if i not in target.layer_ids]
-    if missing:
-        raise ValueError(f"drafter.target_layer_ids {ctx_ids} must be a subset of target.layer_ids {target.layer_ids}")
+    dcfg = cfg.drafter
+    captured = cfg.target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
+    ctx_ids = cfg.context_layer_ids()  # a subset of target.layer_ids: load_config checked it
     tok = heads.tokenizer
     mask_id = (
         dcfg.mask_token_id
@@ -478,7 +475,7 @@ class Trainer:
 
         tag = tag_name(self.state.step)
         client = {
-            "context_layer_ids": self.cfg.drafter.target_layer_ids or self.cfg.target.layer_ids,
+            "context_layer_ids": self.cfg.context_layer_ids(),
             "step": self.state.step,
             "data": asdict(self.state.data),
             "anchor_rng": self.anchor_gen.get_state(),
@@ -501,10 +498,15 @@ class Trainer:
         mode = self.t.resume
         if mode == "never":
             return
-        path, tag = (self.ckpt_dir, None) if mode == "auto" else (Path(mode).parent, Path(mode).name)
-        if mode == "auto" and not (self.ckpt_dir / "latest").is_file():
-            return
-        self._check_resume_config(path / (tag or (path / "latest").read_text().strip()))
+        if mode == "auto":
+            tag_dir = latest_tag(self.ckpt_dir)
+            if tag_dir is None:
+                return
+            path, tag = self.ckpt_dir, None  # DeepSpeed reads latest itself
+        else:
+            tag_dir = Path(mode)
+            path, tag = tag_dir.parent, tag_dir.name
+        self._check_resume_config(tag_dir)
         loaded, client = self.engine.load_checkpoint(str(path), tag=tag)
         if loaded is None:
             raise FileNotFoundError(

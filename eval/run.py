@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from dspark.checkpoint import CheckpointError, checkpoint_model_file, load_training_checkpoint
+from dspark.checkpoint import CheckpointError, checkpoint_model_file, latest_tag, load_training_checkpoint
 from dspark.core.config import RunConfig, config_fingerprint, load_config, load_or_exit
 from dspark.export import ExportSummary, export
 from dspark.serving_format import load_drafter, read_export
@@ -224,7 +224,7 @@ def ablation_checkpoint(cfg: RunConfig) -> Optional[Path]:
     if cfg.ablation_dir is None:
         return None  # this run is the ablation
     path = Path(cfg.ablation_dir).expanduser()
-    return path if (path / "latest").is_file() else None
+    return path if latest_tag(path) is not None else None
 
 
 def quality_checks(results: EvalResults) -> list:

@@ -527,6 +527,10 @@ class RunConfig:
                 f"expected a subset of target.layer_ids={self.target.layer_ids}",
             )
 
+    def context_layer_ids(self) -> list[int]:
+        """The target layers the drafter reads as context, in fc input order."""
+        return list(self.drafter.target_layer_ids or self.target.layer_ids)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -66,17 +66,6 @@ def text_sha256(text: Optional[str]) -> str:
     return hashlib.sha256((text or "").encode()).hexdigest()
 
 
-def read_json(path: Path | str, *, what: str = "JSON file") -> Any:
-    """Parse a JSON file; a missing or malformed file is a ``ValueError`` naming the path."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing {what}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a valid {what} ({e.msg} at line {e.lineno}, column {e.colno})") from None
-
-
 def read_jsonl(path: Path | str) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) for each non-blank line; bad JSON is a ``ValueError`` naming
     the file and line."""
