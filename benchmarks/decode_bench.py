@@ -51,19 +51,19 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
     from transformers import AutoModelForCausalLM
 
-    import dspark.core.config  # noqa: F401
+    from dspark.core.config import load_config
     from dspark.core.target import prepare_target
     from dspark.trainer import build_drafter
     from eval.reference import DraftRunner, TargetRunner
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["+experiment=smollm2_cpu_demo"])
+        cfg = load_config(compose(config_name="config", overrides=["+experiment=smollm2_cpu_demo"]))
     heads, target_dir = prepare_target(cfg)
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     drafter, _, _ = build_drafter(cfg, heads)
     drafter.eval()
-    ctx_ids = list(cfg.target.layer_ids)
+    ctx_ids = cfg.context_layer_ids()
     g = args.gamma
     gen = torch.Generator().manual_seed(0)
     rows = []
