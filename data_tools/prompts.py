@@ -100,13 +100,8 @@ def _conversation(record: Any, where: str) -> Conversation:
 
 def read_conversations(path: Path) -> Iterator[Conversation]:
     """Conversations from a JSONL file, one per line; errors name the file and line."""
-    try:
-        for n, record in read_jsonl(path):
-            yield _conversation(record, f"{path}:{n}")
-    except PromptFileError:
-        raise
-    except ValueError as e:  # bad JSON
-        raise PromptFileError(str(e)) from None
+    for n, record in read_jsonl(path, error=PromptFileError):
+        yield _conversation(record, f"{path}:{n}")
 
 
 def read_records(records: Iterable[dict[str, Any]], where: str) -> Iterator[Conversation]:

@@ -494,19 +494,14 @@ def save_eval_set(prompts: Sequence[EvalPrompt], path: PathLike) -> None:
 def load_eval_set(path: PathLike) -> list[EvalPrompt]:
     names = sorted(f.name for f in fields(EvalPrompt))
     prompts = []
-    try:
-        for n, record in read_jsonl(path):
-            if not isinstance(record, dict) or sorted(record) != names:
-                found = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise EvalPromptError(f"{path}:{n}: expected an object with fields {names}, got {found}")
-            try:
-                prompts.append(EvalPrompt(**record))
-            except EvalPromptError as e:
-                raise EvalPromptError(f"{path}:{n}: {e}") from e
-    except EvalPromptError:
-        raise
-    except ValueError as e:  # bad JSON, named by file and line
-        raise EvalPromptError(str(e)) from None
+    for n, record in read_jsonl(path, error=EvalPromptError):
+        if not isinstance(record, dict) or sorted(record) != names:
+            found = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise EvalPromptError(f"{path}:{n}: expected an object with fields {names}, got {found}")
+        try:
+            prompts.append(EvalPrompt(**record))
+        except EvalPromptError as e:
+            raise EvalPromptError(f"{path}:{n}: {e}") from e
     return prompts
 
 

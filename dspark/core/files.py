@@ -66,9 +66,9 @@ def text_sha256(text: Optional[str]) -> str:
     return hashlib.sha256((text or "").encode()).hexdigest()
 
 
-def read_jsonl(path: Path | str) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value) for each non-blank line; bad JSON is a ``ValueError`` naming
-    the file and line."""
+def read_jsonl(path: Path | str, *, error: type[ValueError] = ValueError) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) for each non-blank line; bad JSON raises ``error`` (the
+    caller's own ValueError subclass) naming the file and line."""
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -76,7 +76,7 @@ def read_jsonl(path: Path | str) -> Iterator[tuple[int, Any]]:
             try:
                 yield n, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise error(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
 
 
 def write_jsonl(path: Path | str, records: Iterator[Any] | list[Any]) -> None:
