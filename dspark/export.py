@@ -92,15 +92,16 @@ def _target_config(ckpt: TrainingCheckpoint, target_dir: Optional[Path]) -> tupl
 
 
 def export(
-    checkpoint: Path,
+    checkpoint: Path | TrainingCheckpoint,
     out_dir: Path,
     *,
     layout: str = "dspark",
     dtype: Optional[str] = None,
     target_dir: Optional[Path] = None,
 ) -> ExportSummary:
-    """Write ``out_dir`` (config.json, model.safetensors, export.json) from a training checkpoint."""
-    ckpt = load_training_checkpoint(checkpoint)
+    """Write ``out_dir`` (config.json, model.safetensors, export.json) from a training checkpoint
+    (its path, or one already read: a ZeRO checkpoint is merged once for several layouts)."""
+    ckpt = checkpoint if isinstance(checkpoint, TrainingCheckpoint) else load_training_checkpoint(checkpoint)
     check_layout(ckpt.drafter, layout)
     dtype = dtype or str(ckpt.run_config.get("train", {}).get("dtype", "float32"))
     if dtype not in TORCH_DTYPES:

@@ -205,7 +205,7 @@ def export_all(cfg: RunConfig, ckpt_path: Path, target_dir: Path, prefix: str) -
     out = {}
     for layout in layouts:
         d = export_path(cfg, prefix, layout)
-        s = export(ckpt_path, d, layout=layout, dtype=cfg.eval.export_dtype, target_dir=target_dir)
+        s = export(ckpt, d, layout=layout, dtype=cfg.eval.export_dtype, target_dir=target_dir)
         log.info("%s", s.render())
         log.info("%s", validate(d, target_dir=target_dir, num_speculative_tokens=cfg.eval.gamma).render())
         out[layout] = s

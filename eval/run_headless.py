@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -20,12 +21,12 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(raw: DictConfig) -> None:
-        from dspark.core.target import prepare_target
+        from dspark.core.target import resolve_target
         from eval.run import engine_kwargs, export_path, vllm_max_model_len
         from eval.serve import main as serve_main
 
         cfg = load_or_exit(raw)
-        _, target_dir = prepare_target(cfg)
+        target_dir = resolve_target(cfg.target, cache_dir=Path(cfg.paths.cache_dir).expanduser()).path
         export = export_path(cfg, "dspark", "dspark")
         deadline = time.time() + 3600
         while not (export / "export.json").is_file():  # node 0 exports (and validates) first
