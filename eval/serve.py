@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.core.config import ExtractEngineConfig
+from dspark.core.config import EvalConfig, ExtractEngineConfig, TargetConfig
 from dspark.core.files import atomic_write_json
 from dspark.core.vllm_engine import make_llm
 from eval.results import AcceptanceCounts
@@ -84,11 +84,11 @@ class ServeSpec:
     gamma: int
     max_model_len: int
     cpu_kvcache_gib: int
+    max_new_tokens: int
+    temperature: float
+    dtype: str
+    seed: int
     draft: Optional[Path] = None
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    dtype: str = "float32"
-    seed: int = 0
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def argv(self) -> list[str]:
@@ -196,14 +196,15 @@ def load_run(path: Path) -> ServeRun:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    defaults = EvalConfig()  # the CLI defaults are the eval stage's
     p = argparse.ArgumentParser(prog="python -m eval.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", type=Path, required=True, help="target model directory")
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--draft", type=Path, default=None, help="export directory (dflash/dspark)")
     p.add_argument("--prompts", type=Path, required=True, help="eval set JSONL (eval.prompts.save_eval_set)")
     p.add_argument("--gamma", type=int, required=True, help="num_speculative_tokens (eval.gamma)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=defaults.temperature)
     p.add_argument("--max-model-len", type=int, required=True, help="the engine window (eval.run.vllm_max_model_len)")
     p.add_argument(
         "--cpu-kvcache-gib",
@@ -211,8 +212,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=ExtractEngineConfig().cpu_kvcache_gib,
         help="VLLM_CPU_KVCACHE_SPACE on CPU unless already set (eval.vllm_cpu_kvcache_gib)",
     )
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=TargetConfig().dtype)
+    p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument(
         "--engine-kwargs",
         type=json.loads,
