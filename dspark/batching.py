@@ -4,6 +4,7 @@ checkpoints record so a resumed run neither skips nor repeats data."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -20,6 +21,8 @@ class Batch:
     lengths: torch.Tensor  # [B]
     context_states: torch.Tensor  # [B, S, C]
     final_states: torch.Tensor  # [B, S, Ht]
+    topk_ids: Optional[torch.Tensor] = None  # [B, S, K] int64: the target's cached top-k at each state row
+    topk_probs: Optional[torch.Tensor] = None  # [B, S, K] float32 (0 where nothing is cached)
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "Batch":
         return Batch(
@@ -29,6 +32,8 @@ class Batch:
             self.lengths.to(device),
             self.context_states.to(device, dtype),
             self.final_states.to(device, dtype),
+            None if self.topk_ids is None else self.topk_ids.to(device),
+            None if self.topk_probs is None else self.topk_probs.to(device),
         )
 
     @property
@@ -56,7 +61,18 @@ def collate(seqs: list[ShardSequence], *, context_index: list[int], final_index:
         mask[i, :n] = s.loss_mask[start:]
         ctx[i, : n - 1] = s.hidden_states[start:, context_index]
         fin[i, : n - 1] = s.hidden_states[start:, final_index]
-    return Batch([s.seq_id for s in seqs], ids, mask, torch.tensor(lengths), ctx.flatten(2), fin)
+    batch = Batch([s.seq_id for s in seqs], ids, mask, torch.tensor(lengths), ctx.flatten(2), fin)
+    if seqs[0].target_topk is not None:
+        k = seqs[0].target_topk.ids.shape[1]
+        batch.topk_ids = torch.zeros(b, t - 1, k, dtype=torch.long)
+        batch.topk_probs = torch.zeros(b, t - 1, k)
+        for i, (s, n) in enumerate(zip(seqs, lengths)):
+            start, tk = len(s.input_ids) - n, s.target_topk
+            keep = (tk.positions >= start) & (tk.positions < start + n - 1)
+            rows = tk.positions[keep] - start
+            batch.topk_ids[i, rows] = tk.ids[keep]
+            batch.topk_probs[i, rows] = tk.probs[keep]
+    return batch
 
 
 @dataclass

@@ -10,6 +10,10 @@ positions (answer-token label inside the sequence):
     BCE = bce(confidence_logit_k, 1 - TV)              (target detached)
     loss = sum_k w_k (ce_weight*CE + tv_weight*TV + confidence_weight*BCE) / sum_k w_k
 
+With the target's distribution cached as its top k (``topk_ids``/``topk_probs``,
+:mod:`dspark.target_topk`), the target logits are not computed at all and TV is taken on the
+stored support (:func:`topk_tv`); the greedy match compares with the cached argmax.
+
 Vocabulary-sized logits exist only for ``chunk_rows`` positions at a time, and each chunk is
 recomputed in backward (activation checkpointing), so thousands of positions never hold
 [rows, V] tensors at once.
@@ -77,6 +81,31 @@ def _chunk_terms(model: DSparkDrafter, hidden, markov, target_final, labels):  #
     return ce, tv, match
 
 
+def topk_tv(p_d: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """TV between a full draft distribution and a target known by its top k.
+
+    p_d [P, V]; ids, probs [P, K]. On the k ids the exact |p_d - p_t|; outside them only the
+    remaining masses are known, so their difference stands for the tail's L1 distance:
+
+        TV_k = 1/2 (sum_{i in S} |p_d,i - p_t,i| + |(1 - sum_S p_d) - (1 - sum_S p_t)|) <= TV
+
+    (triangle inequality), with equality when the target's tail is 0 or the two tails are
+    proportional.
+    """
+    pd_s = p_d.gather(-1, ids)
+    tail = (probs.sum(-1) - pd_s.sum(-1)).abs()  # |(1 - sum pd_S) - (1 - sum pt_S)|
+    return 0.5 * ((pd_s - probs).abs().sum(-1) + tail)
+
+
+def _chunk_terms_topk(model: DSparkDrafter, hidden, markov, topk_ids, topk_probs, labels):  # noqa: ANN001
+    """As :func:`_chunk_terms` with the target's cached top k ([P, K] ids and probabilities)."""
+    logp_d = F.log_softmax(model.draft_logits(hidden, markov), dim=-1)
+    ce = -logp_d.gather(-1, labels[:, None]).squeeze(-1)
+    tv = topk_tv(logp_d.exp(), topk_ids, topk_probs)
+    match = (logp_d.argmax(-1) == topk_ids[:, 0]).float()
+    return ce, tv, match
+
+
 @dataclass
 class _Targets:
     """Where each of the B*A*K predictions is supervised. P = number of valid predictions."""
@@ -116,18 +145,20 @@ def _vocab_terms(
     model: DSparkDrafter,
     hidden: torch.Tensor,
     markov: Optional[torch.Tensor],
-    target_final: torch.Tensor,
+    target: tuple[torch.Tensor, ...],
     labels: torch.Tensor,
     cfg: LossConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CE, TV and greedy match per prediction, ``chunk_rows`` rows of vocabulary-wide logits at a
-    time (recomputed in backward unless ``recompute_chunks`` is off)."""
+    time (recomputed in backward unless ``recompute_chunks`` is off). ``target``: the target's
+    final states ([P, Ht]) or its cached top k (ids and probabilities, [P, K] each)."""
+    fn = _chunk_terms if len(target) == 1 else _chunk_terms_topk
     parts = []
     for s in range(0, len(labels), cfg.chunk_rows):
         sl = slice(s, s + cfg.chunk_rows)
-        args = (model, hidden[sl], markov[sl] if markov is not None else None, target_final[sl], labels[sl])
+        args = (model, hidden[sl], markov[sl] if markov is not None else None, *(t[sl] for t in target), labels[sl])
         recompute = cfg.recompute_chunks and torch.is_grad_enabled()
-        parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False) if recompute else _chunk_terms(*args))
+        parts.append(checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
     if not parts:
         empty = hidden.new_zeros(0)
         return empty, empty, empty
@@ -165,6 +196,8 @@ def dspark_loss(
     loss_mask: torch.Tensor,  # [B, T] bool, answer tokens
     lengths: torch.Tensor,  # [B]
     cfg: LossConfig,
+    topk_ids: Optional[torch.Tensor] = None,  # [B, S, K] the target's cached top k (replaces final_states)
+    topk_probs: Optional[torch.Tensor] = None,  # [B, S, K]
 ) -> LossOutput:
     b, a, k, _ = out.hidden.shape
     tg = _targets(
@@ -179,10 +212,15 @@ def dspark_loss(
     )
     hidden = out.hidden.reshape(b * a * k, -1)[tg.idx]
     markov = out.markov_embed.reshape(b * a * k, -1)[tg.idx] if out.markov_embed is not None else None
-    tfinal = final_states.gather(1, tg.state_pos[..., None].expand(-1, -1, final_states.shape[-1])).view(b * a * k, -1)[
-        tg.idx
-    ]
-    ce_v, tv_v, match_v = _vocab_terms(model, hidden, markov, tfinal, tg.labels, cfg)
+
+    def at_predictions(per_state: torch.Tensor) -> torch.Tensor:  # [B, S, X] -> [P, X]
+        rows = per_state.gather(1, tg.state_pos[..., None].expand(-1, -1, per_state.shape[-1]))
+        return rows.view(b * a * k, -1)[tg.idx]
+
+    target = (
+        (at_predictions(final_states),) if topk_ids is None else (at_predictions(topk_ids), at_predictions(topk_probs))
+    )
+    ce_v, tv_v, match_v = _vocab_terms(model, hidden, markov, target, tg.labels, cfg)
     w, wsum = tg.weights, tg.weights.sum().clamp_min(1e-8)
     ce = (w * ce_v).sum() / wsum
     tv = (w * tv_v).sum() / wsum

@@ -269,6 +269,26 @@ class DSparkDrafter(nn.Module):
         with torch.no_grad():
             self.norm.weight.copy_(self.target_norm.weight.to(self.norm.weight.dtype))
 
+    @torch.no_grad()
+    def init_layers_from(self, layers: list[dict[str, torch.Tensor]]) -> None:
+        """Copy target decoder layers into the drafter's (one per layer, names relative to the
+        layer as :func:`dspark.core.target.load_target_layer` gives them). Norms the target lacks
+        (Llama has no q/k norm) keep their identity init; a shape that differs is an error."""
+        if len(layers) != len(self.layers):
+            raise ValueError(f"{len(layers)} target layers for {len(self.layers)} drafter layers")
+        for i, (layer, weights) in enumerate(zip(self.layers, layers)):
+            own = dict(layer.named_parameters())
+            missing = [n for n in own if n not in weights and not n.endswith(("q_norm.weight", "k_norm.weight"))]
+            if missing:
+                raise ValueError(f"drafter layer {i}: the target layer has no {missing}")
+            for name, p in own.items():
+                if name in weights:
+                    if tuple(weights[name].shape) != tuple(p.shape):
+                        raise ValueError(
+                            f"drafter layer {i}: {name} is {list(p.shape)}, the target's is {list(weights[name].shape)}"
+                        )
+                    p.copy_(weights[name].to(p.dtype))
+
     @property
     def queries_per_block(self) -> int:
         return self.cfg.block_size if self.cfg.sample_from_anchor else self.cfg.block_size + 1
@@ -371,13 +391,37 @@ def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str
     return {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
+def copy_continuations(ids: torch.Tensor) -> torch.Tensor:
+    """[n] token ids -> [n] bool: True at a when the bigram (x_a, x_{a+1}) occurred earlier in the
+    sequence (at some j < a), i.e. the next token continues something already in the context,
+    which is where answers copy from documents. False at the last position."""
+    n = len(ids)
+    out = torch.zeros(n, dtype=torch.bool)
+    if n < 3:
+        return out
+    bigram = ids[:-1] * (int(ids.max()) + 1) + ids[1:]  # [n-1]
+    _, inverse = torch.unique(bigram, return_inverse=True)
+    pos = torch.arange(n - 1)
+    first = torch.full((int(inverse.max()) + 1,), n, dtype=torch.long).scatter_reduce(0, inverse, pos, reduce="amin")
+    out[: n - 1] = first[inverse] < pos
+    return out
+
+
 def sample_anchors(
-    loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int, generator: torch.Generator
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator,
+    *,
+    input_ids: Optional[torch.Tensor] = None,
+    copy_boost: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors where the anchor and its first label are answer tokens.
 
     loss_mask: [B, T] bool; lengths: [B]. Returns (anchor_positions [B, A], valid [B, A]); rows
     with fewer candidates than A are padded with their first candidate (or 1) and valid=False.
+    ``copy_boost`` > 0 (needs ``input_ids``): a candidate whose next token continues a bigram
+    seen earlier (:func:`copy_continuations`) is drawn with weight 1 + copy_boost instead of 1.
     """
     b, t = loss_mask.shape
     anchors = torch.ones(b, num_anchors, dtype=torch.long)
@@ -388,7 +432,13 @@ def sample_anchors(
         cand = torch.nonzero(m[1 : n - 1] & m[2:n], as_tuple=False).flatten() + 1  # a in [1, n-2]
         if len(cand) == 0:
             continue
-        pick = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
+        if copy_boost > 0 and len(cand) > num_anchors:
+            assert input_ids is not None, "copy_boost needs input_ids"
+            w = 1.0 + copy_boost * copy_continuations(input_ids[i, :n])[cand].double()
+            order = torch.multinomial(w, num_anchors, replacement=False, generator=generator)
+        else:
+            order = torch.randperm(len(cand), generator=generator)[:num_anchors]
+        pick = cand[order].sort().values
         anchors[i, : len(pick)] = pick
         anchors[i, len(pick) :] = pick[0]
         valid[i, : len(pick)] = True

@@ -21,6 +21,7 @@ import torch
 
 from dspark.core.files import atomic_path
 from dspark.core.shard_format import SCHEMA, Manifest, ShardInfo, decode_hidden_states
+from dspark.target_topk import SequenceTopK
 
 
 @dataclass
@@ -31,6 +32,8 @@ class ShardSequence:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool, True on answer tokens
     hidden_states: torch.Tensor  # [T-1, L, H]; row t = state after input_ids[:t+1]; read-only view
+    target_topk: Optional[SequenceTopK] = None
+    """The target's cached top-k distribution (:mod:`dspark.target_topk`), when attached."""
 
 
 class ShardDataset:
@@ -56,6 +59,8 @@ class ShardDataset:
         self._len = total
         self.n_layers = len(self.manifest.layer_ids)
         self.hidden_size = self.manifest.hidden_size
+        self.target_topk: Optional[list[SequenceTopK]] = None
+        """Set by the trainer (:class:`dspark.target_topk.TargetTopK`): attached to every sequence read."""
 
     def _open(self, info: ShardInfo) -> list[pa.RecordBatch]:
         cache = self.directory / ".arrow_cache" / info.split / f"{info.name}-{info.sha256[:12]}.arrow"
@@ -71,6 +76,13 @@ class ShardDataset:
         return self._len
 
     def __getitem__(self, index: int) -> ShardSequence:
+        seq = self.read(index)
+        if self.target_topk is not None:
+            seq.target_topk = self.target_topk[index]
+        return seq
+
+    def read(self, index: int) -> ShardSequence:
+        """The sequence as stored (no cached target distribution attached)."""
         if not 0 <= index < self._len:
             raise IndexError(f"sequence {index} out of range for {self._len} in {self.directory}/{self.split}")
         b = bisect.bisect_right(self._starts, index) - 1

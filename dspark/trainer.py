@@ -17,7 +17,7 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,13 +27,14 @@ from omegaconf import DictConfig
 from dspark.batching import Batch, DataPosition, RankBatches, collate
 from dspark.calibration import calibration_sums, expected_calibration_error
 from dspark.checkpoint import checkpoint_config_differences, latest_tag, lock_checkpoint_dir, publish_tag, tag_name
-from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, load_config
+from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
 from dspark.core.files import file_sha256, free_port
-from dspark.core.target import TargetHeads
+from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
 from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
 from dspark.shards import ShardDataset, check_dataset
+from dspark.target_topk import TargetTopK, head_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,31 @@ def build_drafter(cfg: RunConfig, heads: TargetHeads) -> tuple[DSparkDrafter, li
     return model, [captured.index(i) for i in ctx_ids], len(captured) - 1
 
 
+def init_from_target(model: DSparkDrafter, cfg: RunConfig, heads: TargetHeads) -> None:
+    """``train.init_from_target_layers``: copy those target layers into the drafter, after
+    checking that the drafter has the target's layer shape and RoPE base."""
+    ids = cfg.train.init_from_target_layers
+    assert ids is not None
+    tc, d = heads.config, model.dims
+    n_layers = int(tc["num_hidden_layers"])
+    if max(ids) >= n_layers:
+        raise ConfigError(f"train.init_from_target_layers={ids}: expected ids < the target's {n_layers} layers")
+    theta = tc.get("rope_theta", (tc.get("rope_parameters") or {}).get("rope_theta"))
+    for key, ours, theirs in (
+        ("drafter.intermediate_size", d.intermediate_size, tc.get("intermediate_size")),
+        ("drafter.rope_theta", cfg.drafter.rope_theta, theta),
+        ("drafter.num_attention_heads", d.num_heads, tc.get("num_attention_heads")),
+        ("drafter.num_key_value_heads", d.num_kv_heads, tc.get("num_key_value_heads", tc.get("num_attention_heads"))),
+    ):
+        if theirs is not None and float(ours) != float(theirs):
+            raise ConfigError(
+                f"{key}={ours}: expected the target's {theirs} to initialise from its layers "
+                f"(train.init_from_target_layers={ids}); set {key}={theirs}"
+            )
+    model.init_layers_from([load_target_layer(heads.path, i) for i in ids])
+    log.info("drafter layers initialised from target layers %s", ids)
+
+
 def loss_config(cfg: RunConfig) -> LossConfig:
     t = cfg.train
     zero3 = cfg.deepspeed.zero_optimization.stage == 3
@@ -158,8 +184,17 @@ def loss_config(cfg: RunConfig) -> LossConfig:
         tv_weight=t.tv_weight,
         confidence_weight=t.confidence_weight,
         position_decay=t.position_decay,
-        recompute_chunks=not zero3,
+        recompute_chunks=t.recompute_vocab_chunks and not zero3,
     )
+
+
+def ce_weight_at(t, step: int) -> float:  # noqa: ANN001 - TrainConfig
+    """The CE weight at ``step`` (0-based) under ``train.ce_weight_start``'s linear schedule."""
+    if t.ce_weight_start is None:
+        return t.ce_weight
+    span = max(1, round(t.ce_anneal_frac * t.max_steps))
+    frac = min(1.0, step / span)
+    return t.ce_weight_start + (t.ce_weight - t.ce_weight_start) * frac
 
 
 class DrafterWithLoss(torch.nn.Module):
@@ -183,6 +218,8 @@ class DrafterWithLoss(torch.nn.Module):
             loss_mask=batch.loss_mask,
             lengths=batch.lengths,
             cfg=self.lcfg,
+            topk_ids=batch.topk_ids,
+            topk_probs=batch.topk_probs,
         )
 
 
@@ -244,6 +281,10 @@ class Trainer:
             else None
         )
         model, self.ctx_index, self.final_index = build_drafter(cfg, heads)
+        if self.t.init_from_target_layers is not None:
+            init_from_target(model, cfg, heads)
+        if self.t.target_topk:
+            self._attach_target_topk(model, heads)
         self.dtype = TORCH_DTYPES[self.t.dtype]
         self.lcfg = loss_config(cfg)
         model = DrafterWithLoss(model, self.lcfg)
@@ -285,6 +326,24 @@ class Trainer:
     def model(self) -> DSparkDrafter:
         return self.engine.module.drafter
 
+    def _attach_target_topk(self, model: DSparkDrafter, heads: TargetHeads) -> None:
+        """``train.target_topk``: the training split's target distributions, computed once (each
+        rank a share of the missing shards) and attached to every sequence the dataset reads."""
+        import torch.distributed as dist
+
+        cache = TargetTopK(
+            self.train_ds,
+            k=self.t.target_topk,
+            rule=self.t.supervise,
+            target_logits=model.target_logits,
+            head_id=head_fingerprint(heads.lm_head, heads.final_norm),
+            final_index=self.final_index,
+            rank=self.rank,
+            world_size=self.world,
+        )
+        dist.barrier()
+        self.train_ds.target_topk = cache.load()
+
     # --- one optimizer step -------------------------------------------------------------------
     def train_step(self) -> tuple[dict[str, float], list[str]]:
         """One optimizer step over grad_accum_steps micro batches; returns the step's scalars (loss
@@ -298,8 +357,19 @@ class Trainer:
             td = time.perf_counter()
             batch = self.batches.next()
             seq_ids += batch.seq_ids
-            anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, self.t.anchors_per_seq, self.anchor_gen)
+            if self.t.supervise == "all":  # every token after the first (padding excluded)
+                batch.loss_mask = torch.arange(batch.input_ids.shape[1])[None, :] < batch.lengths[:, None]
+                batch.loss_mask[:, 0] = False
+            anchors, valid = sample_anchors(
+                batch.loss_mask,
+                batch.lengths,
+                self.t.anchors_per_seq,
+                self.anchor_gen,
+                input_ids=batch.input_ids,
+                copy_boost=self.t.copy_anchor_boost,
+            )
             batch = batch.to(self.engine.device, self.dtype)
+            self.engine.module.lcfg = replace(self.lcfg, ce_weight=ce_weight_at(self.t, self.state.step))
             timing["data_s"] += time.perf_counter() - td
             out = self.engine(batch, anchors.to(self.engine.device), valid.to(self.engine.device))
             if not torch.isfinite(out.loss):
@@ -313,7 +383,12 @@ class Trainer:
             per_micro.append(self._scalars(out))
         norm = self.engine.get_global_grad_norm() if norm is None else norm
         metrics = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
-        metrics.update(timing, lr=self.engine.get_lr()[0], grad_norm=float(norm) if norm is not None else float("nan"))
+        metrics.update(
+            timing,
+            ce_weight=self.engine.module.lcfg.ce_weight,
+            lr=self.engine.get_lr()[0],
+            grad_norm=float(norm) if norm is not None else float("nan"),
+        )
         metrics["step_s"] = time.perf_counter() - t0
         return metrics, seq_ids
 
@@ -420,6 +495,7 @@ class Trainer:
         ds = ds or self.val_ds
         assert ds is not None
         self.engine.eval()
+        self.engine.module.lcfg = self.lcfg  # the recipe's weights, whatever the schedule is at
         gen = torch.Generator().manual_seed(12345 + self.rank)
         mine = list(range(self.rank, len(ds), self.world))
         names = self._scalar_names()

@@ -205,6 +205,13 @@ def test_wrong_type_fails_at_compose_naming_the_key(override, key):
         ("logging.mode=loud", r"logging.mode='loud'"),
         ("deepspeed.zero_optimization.stage=4", r"deepspeed.zero_optimization.stage=4: expected one of \[0, 1, 2, 3\]"),
         ("drafter.target_layer_ids=[2]", r"drafter.target_layer_ids=\[2\]: expected a subset of target.layer_ids"),
+        ("train.supervise=prompt", r"train.supervise='prompt': expected one of \['answer', 'all'\]"),
+        ("train.target_topk=-1", r"train.target_topk=-1: expected a number >= 0"),
+        ("train.ce_anneal_frac=0", r"train.ce_anneal_frac=0.0: expected a fraction in \(0, 1\]"),
+        (
+            "train.init_from_target_layers=[1,2]",
+            r"train.init_from_target_layers=\[1, 2\]: expected drafter.num_layers=5 target layer ids",
+        ),
     ],
 )
 def test_bad_values_fail_naming_key_value_and_what_is_allowed(override, message):

@@ -30,6 +30,7 @@ ON_OVERLONG = ("skip", "truncate")
 STAGES = ("extract", "train", "eval")
 EVAL_SOURCES = ("offline", "aa_lcr")
 SERVE_EXPORT = ("auto", "never")
+SUPERVISE = ("answer", "all")
 BASELINES = ("ngram",)
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
@@ -331,9 +332,40 @@ class TrainConfig:
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
     position_decay: float = 4.0
+    ce_weight_start: Optional[float] = None
+    """A loss schedule: the CE weight starts here and moves linearly to ``ce_weight`` over the
+    first ``ce_anneal_frac`` of ``max_steps`` (TV's gradient is weak while the draft is spread
+    over the vocabulary; CE's is not). None: ``ce_weight`` throughout."""
+    ce_anneal_frac: float = 0.5
+    target_topk: int = 0
+    """0: the target's full distribution is computed every step from its final states. k > 0:
+    its top k are computed once per dataset and cached beside the shards (``.target_topk/``);
+    TV is then taken on that support (a lower bound of the exact TV; error in docs/benchmarks.md).
+    Validation always uses the full distribution."""
+    recompute_vocab_chunks: bool = True
+    """Recompute the vocabulary-wide logits in backward (memory ~ loss.chunk_rows x V instead of
+    predictions x V); off trades that memory for one LM-head forward less per step."""
+    supervise: str = "answer"
+    """Where training anchors and labels may lie: ``answer`` tokens (what serving drafts) or
+    ``all`` tokens (prompts too: long documents give many more predictions per sequence).
+    Validation always measures the answers."""
+    copy_anchor_boost: float = 0.0
+    """Anchor sampling weight 1 + boost for anchors whose next token continues a bigram seen
+    earlier in the sequence (where answers copy from the context); 0: uniform."""
+    init_from_target_layers: Optional[list[int]] = None
+    """Target decoder layers copied into the drafter's layers (one id per drafter layer, e.g.
+    [25, 26, 27, 28, 29]); needs the target's head layout, MLP width and RoPE base. None: random."""
 
     def __post_init__(self) -> None:
         _choice("train.dtype", self.dtype, DTYPES)
+        _choice("train.supervise", self.supervise, SUPERVISE)
+        _at_least("train.target_topk", self.target_topk, 0)
+        _at_least("train.copy_anchor_boost", self.copy_anchor_boost, 0)
+        if self.ce_weight_start is not None:
+            _at_least("train.ce_weight_start", self.ce_weight_start, 0)
+        _check(
+            0 < self.ce_anneal_frac <= 1, "train.ce_anneal_frac", self.ce_anneal_frac, "expected a fraction in (0, 1]"
+        )
         for key in (
             "micro_batch_size",
             "grad_accum_steps",
@@ -518,6 +550,14 @@ class RunConfig:
             self.eval.gamma,
             f"expected at most drafter.block_size={self.drafter.block_size} (the drafter drafts that many per pass)",
         )
+        init = self.train.init_from_target_layers
+        if init is not None:
+            _check(
+                len(init) == self.drafter.num_layers and min(init) >= 0,
+                "train.init_from_target_layers",
+                init,
+                f"expected drafter.num_layers={self.drafter.num_layers} target layer ids >= 0",
+            )
         ctx = self.drafter.target_layer_ids
         if ctx is not None:
             _check(

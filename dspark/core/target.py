@@ -323,6 +323,23 @@ def load_target_heads(
     )
 
 
+def load_target_layer(path: Path, layer: int, *, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """One decoder layer's weights of a target directory, named relative to the layer
+    (``self_attn.q_proj.weight``, ``mlp.gate_proj.weight``, ``input_layernorm.weight``...): the
+    tensors under ``<text model prefix>layers.<layer>.``, the prefix being the embedding's."""
+    path = Path(path)
+    arch, layout, _, _ = read_config(path)
+    src = _TensorSource(path)
+    embed = src.find(layout.embed)
+    if embed is None:
+        raise TargetError(f"{src.where}: missing tensor for the input embedding; expected one of {list(layout.embed)}")
+    prefix = f"{embed[: embed.index('embed_tokens')]}layers.{layer}."
+    names = [n for n in src.weight_map if n.startswith(prefix)]
+    if not names:
+        raise TargetError(f"{src.where}: no tensors under {prefix!r}; the target ({arch}) has no layer {layer}")
+    return {n[len(prefix) :]: src.get(n, dtype) for n in names}
+
+
 def prepare_target(cfg: RunConfig) -> tuple[TargetHeads, Path]:
     """Resolve the run's target to a directory and load its frozen heads (in ``train.dtype``):
     what every entry point does once, handing both to the stages."""

@@ -454,3 +454,54 @@ def test_latest_moves_only_after_the_tag_has_its_run_json(compose_config, tiny, 
     tr.train()
     assert seen == [("step00000001", False)]
     assert latest.read_text() == "step00000002" and (tmp_path / "ckpt" / "step00000002" / "run.json").is_file()
+
+
+def test_cached_target_topk_is_computed_once_and_trains(compose_config, tiny, tmp_path):
+    target, data = tiny
+    shards = tmp_path / "shards"  # the cache is written beside the shards: keep the shared fixture clean
+    shutil.copytree(data, shards, ignore=shutil.ignore_patterns(".arrow_cache", ".target_topk"))
+    levers = (
+        "train.target_topk=8",
+        "train.supervise=all",
+        "train.copy_anchor_boost=4",
+        "train.ce_weight_start=1.0",
+        "train.recompute_vocab_chunks=false",
+        "train.max_steps=3",
+    )
+    tr = Trainer(compose_config(*overrides(target, shards, tmp_path / "a", *levers)), load_target_heads(target))
+    files = sorted((shards / ".target_topk" / "train").glob("*-k8-all-*.safetensors"))
+    assert len(files) == 1 and not (shards / ".target_topk" / "val").exists()  # validation uses the full distribution
+    seq = tr.train_ds[0]
+    tk = seq.target_topk
+    assert tk.positions.tolist() == list(range(len(seq.input_ids) - 1))  # supervise=all: every state row
+    with torch.no_grad():
+        logits = tr.model.target_logits(seq.hidden_states[tk.positions, tr.final_index].float())
+    assert torch.equal(tk.ids[:, 0], logits.argmax(-1))
+    torch.testing.assert_close(tk.probs, torch.softmax(logits, -1).topk(8, -1).values)
+    state = tr.train()
+    assert state.step == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in state.history)
+    stamp = files[0].stat().st_mtime_ns
+    Trainer(compose_config(*overrides(target, shards, tmp_path / "b", *levers)), load_target_heads(target)).close()
+    assert files[0].stat().st_mtime_ns == stamp  # read, not recomputed
+
+
+def test_drafter_layers_start_from_the_targets(compose_config, tiny, tmp_path):
+    from dspark.core.config import ConfigError
+    from dspark.core.target import load_target_layer
+
+    with pytest.raises(ConfigError, match=r"drafter.rope_theta=1000000.0: expected the target's 10000.0"):
+        make_trainer(compose_config, tiny, tmp_path / "a", "train.init_from_target_layers=[3]")
+    tr = make_trainer(
+        compose_config, tiny, tmp_path / "b", "train.init_from_target_layers=[3]", "drafter.rope_theta=10000"
+    )
+    want = load_target_layer(tiny[0], 3)
+    layer = dict(tr.model.layers[0].named_parameters())
+    for name in (
+        "self_attn.q_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+    ):
+        assert torch.equal(layer[name], want[name]), name
+    assert torch.equal(layer["self_attn.q_norm.weight"], torch.ones(16))  # Llama has no q norm: identity
+    tr.close()

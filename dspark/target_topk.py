@@ -1,0 +1,132 @@
+"""The target's next-token distribution, computed once per dataset instead of every step.
+
+The target is frozen, so ``softmax(lm_head(final_norm(s_t)))`` at a supervised position never
+changes; recomputing it every step costs a [rows, V] matmul and softmax per prediction (13% of
+the demo's step, benchmarks/train_profile.py). This module computes the top ``k`` probabilities
+and their token ids once per shard, at the positions the loss can read (states whose next
+token is an answer token, or every state for ``train.supervise=all``), and stores them beside
+the shards' Arrow cache (``<dataset>/.target_topk/``), keyed by the shard's sha256, ``k``, the
+position rule and a fingerprint of the target's head. A killed computation leaves no partial
+file (atomic writes); a rerun computes only the missing shards.
+
+The loss then works on the stored support (:func:`dspark.loss.topk_tv`): the total variation on
+the k ids plus the difference of the remaining masses, a lower bound of the exact TV that is
+exact when the target's mass outside the top k is negligible (measured in docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from dspark.core.files import atomic_path
+from dspark.core.shard_format import ShardInfo
+
+log = logging.getLogger(__name__)
+
+POSITION_RULES = ("answer", "all")
+
+
+@dataclass(frozen=True)
+class SequenceTopK:
+    """One sequence's cached target distribution. N cached state rows, K kept tokens."""
+
+    positions: torch.Tensor  # [N] int64 state rows t (the state that predicts token t+1)
+    ids: torch.Tensor  # [N, K] int64, by decreasing probability (ids[:, 0] is the target's argmax)
+    probs: torch.Tensor  # [N, K] float32
+
+
+def cached_positions(loss_mask: torch.Tensor, rule: str) -> torch.Tensor:
+    """State rows whose distribution the loss can read: t in [0, T-2] with token t+1 supervised
+    (``answer``) or every row (``all``)."""
+    if rule == "all":
+        return torch.arange(len(loss_mask) - 1)
+    return torch.nonzero(loss_mask[1:], as_tuple=False).flatten()
+
+
+def head_fingerprint(lm_head: torch.Tensor, final_norm: torch.Tensor) -> str:
+    """A short hash of the frozen head that defines the target distribution."""
+    h = hashlib.sha256()
+    for t in (lm_head, final_norm):
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+class TargetTopK:
+    """Top-k target distributions for every sequence of a :class:`~dspark.shards.ShardDataset`
+    split, computed on first use and cached on disk per shard."""
+
+    def __init__(
+        self,
+        ds,  # noqa: ANN001 - dspark.shards.ShardDataset (imported lazily: shards imports this module's users)
+        *,
+        k: int,
+        rule: str,
+        target_logits: Callable[[torch.Tensor], torch.Tensor],
+        head_id: str,
+        final_index: int,
+        rank: int = 0,
+        world_size: int = 1,
+        rows_per_call: int = 256,
+    ):
+        if rule not in POSITION_RULES:
+            raise ValueError(f"position rule must be one of {POSITION_RULES}, got {rule!r}")
+        self.ds, self.k, self.rule = ds, k, rule
+        self.target_logits, self.head_id, self.final_index = target_logits, head_id, final_index
+        self.rows_per_call = rows_per_call
+        self.root = Path(ds.directory) / ".target_topk" / ds.split
+        # each rank computes every world_size-th missing shard; the caller synchronises, then loads
+        missing = [s for s in ds.shards if not self.path(s).is_file()]
+        for info in tqdm(
+            missing[rank::world_size], desc=f"target top-{k} ({ds.split})", unit="shard", disable=rank != 0
+        ):
+            self._compute(info)
+
+    def path(self, info: ShardInfo) -> Path:
+        return self.root / f"{info.name}-{info.sha256[:12]}-k{self.k}-{self.rule}-{self.head_id}.safetensors"
+
+    def _shard_rows(self, info: ShardInfo) -> range:
+        i = self.ds.shards.index(info)
+        start = sum(s.rows for s in self.ds.shards[:i])
+        return range(start, start + info.rows)
+
+    @torch.no_grad()
+    def _compute(self, info: ShardInfo) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        for j, index in enumerate(self._shard_rows(info)):
+            seq = self.ds.read(index)
+            pos = cached_positions(seq.loss_mask, self.rule)
+            ids, probs = [], []
+            for s in range(0, len(pos), self.rows_per_call):
+                rows = seq.hidden_states[pos[s : s + self.rows_per_call], self.final_index].float()
+                p = torch.softmax(self.target_logits(rows).float(), dim=-1)
+                top = p.topk(self.k, dim=-1)
+                ids.append(top.indices.to(torch.int32))
+                probs.append(top.values)
+            tensors[f"{j}.positions"] = pos.to(torch.int32)
+            tensors[f"{j}.ids"] = torch.cat(ids) if ids else torch.zeros(0, self.k, dtype=torch.int32)
+            tensors[f"{j}.probs"] = torch.cat(probs) if probs else torch.zeros(0, self.k)
+        path = self.path(info)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"k": str(self.k), "rule": self.rule, "shard_sha256": info.sha256})
+
+    def load(self) -> list[SequenceTopK]:
+        """Every sequence's cache, in dataset order (raises if a shard's file is missing)."""
+        out: list[SequenceTopK] = []
+        for info in self.ds.shards:
+            path = self.path(info)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: missing target top-k cache for shard {info.name}")
+            t = load_file(str(path))
+            for j in range(info.rows):
+                out.append(SequenceTopK(t[f"{j}.positions"].long(), t[f"{j}.ids"].long(), t[f"{j}.probs"].float()))
+        return out

@@ -1,0 +1,151 @@
+"""The learning-efficiency levers in isolation: the top-k target distribution and its TV, copy-aware
+anchors and the CE schedule (their trainer wiring is in test_trainer.py)."""
+
+import pytest
+import torch
+
+from dspark.batching import collate
+from dspark.core.config import DSparkConfig, TrainConfig
+from dspark.loss import LossConfig, dspark_loss, topk_tv
+from dspark.model import DSparkDrafter, copy_continuations, resolve_dims, sample_anchors
+from dspark.shards import ShardSequence
+from dspark.target_topk import SequenceTopK, cached_positions
+from dspark.trainer import ce_weight_at
+
+
+def _tv(p, q):
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def test_topk_tv_is_a_lower_bound_exact_on_the_whole_support_and_for_a_target_inside_it():
+    g = torch.Generator().manual_seed(0)
+    p_d = torch.softmax(torch.randn(6, 50, generator=g), -1)
+    p_t = torch.softmax(3 * torch.randn(6, 50, generator=g), -1)
+    exact = _tv(p_d, p_t)
+    for k in (1, 5, 20):
+        top = p_t.topk(k, -1)
+        approx = topk_tv(p_d, top.indices, top.values)
+        assert (approx <= exact + 1e-6).all()
+    full = p_t.topk(50, -1)
+    torch.testing.assert_close(topk_tv(p_d, full.indices, full.values), exact)
+    # a target whose mass lies in 5 tokens: its top 5 give the exact TV
+    sparse = torch.zeros_like(p_t)
+    sparse[:, :5] = torch.softmax(torch.randn(6, 5, generator=g), -1)
+    top = sparse.topk(5, -1)
+    torch.testing.assert_close(topk_tv(p_d, top.indices, top.values), _tv(p_d, sparse))
+    # and k grows toward the exact TV
+    errs = [float((exact - topk_tv(p_d, *p_t.topk(k, -1)[::-1])).mean()) for k in (2, 10, 40)]
+    assert errs[0] > errs[1] > errs[2] > -1e-6
+
+
+def _tiny_drafter(V=40, H=8):
+    cfg = DSparkConfig(
+        num_layers=1,
+        hidden_size=H,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        markov_rank=4,
+        block_size=3,
+    )
+    dims = resolve_dims(cfg, target_config={"hidden_size": H}, vocab_size=V, num_context_layers=1, mask_token_id=0)
+    torch.manual_seed(0)
+    return DSparkDrafter(
+        cfg,
+        dims,
+        embed_tokens=torch.randn(V, H),
+        lm_head=torch.randn(V, H),
+        target_norm=torch.ones(H),
+        target_norm_eps=1e-6,
+    )
+
+
+def test_loss_on_the_cached_full_support_equals_the_loss_on_final_states():
+    m = _tiny_drafter()
+    b, t, V = 2, 12, 40
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, V, (b, t), generator=g)
+    ctx = torch.randn(b, t - 1, 8, generator=g)
+    final = torch.randn(b, t - 1, 8, generator=g)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[:, :3] = False
+    lengths = torch.tensor([t, t - 2])
+    anchors, valid = sample_anchors(mask, lengths, 4, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        p_t = torch.softmax(m.target_logits(final), -1)
+    top = p_t.topk(V, -1)
+    kw = dict(
+        input_ids=ids,
+        final_states=final,
+        anchor_positions=anchors,
+        valid_anchors=valid,
+        loss_mask=mask,
+        lengths=lengths,
+        cfg=LossConfig(ce_weight=0.3, tv_weight=0.7, confidence_weight=1.0, position_decay=4.0),
+    )
+    results, grads = [], []
+    for extra in ({}, {"topk_ids": top.indices, "topk_probs": top.values}):
+        m.zero_grad()
+        res = dspark_loss(m, m(ids, ctx, anchors), **kw, **extra)
+        res.loss.backward()
+        results.append(res)
+        grads.append(m.fc.weight.grad.clone())
+    full, cached = results
+    torch.testing.assert_close(cached.loss, full.loss)
+    torch.testing.assert_close(cached.tv, full.tv)
+    torch.testing.assert_close(cached.accept_per_position, full.accept_per_position)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_collate_crops_the_cached_distribution_like_the_states():
+    n, k = 10, 3
+    ids = torch.arange(n)
+    mask = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
+    pos = cached_positions(mask, "answer")
+    assert pos.tolist() == [4, 5, 6, 7, 8]  # the states predicting tokens 5..9
+    assert cached_positions(mask, "all").tolist() == list(range(9))
+    tk = SequenceTopK(pos, pos[:, None].repeat(1, k) + 100, torch.full((len(pos), k), 0.25))
+    seq = ShardSequence("s", ids, mask, torch.zeros(n - 1, 2, 4), target_topk=tk)
+    batch = collate([seq], context_index=[0], final_index=1, max_len=6)  # keeps tokens 4..9
+    assert batch.input_ids[0].tolist() == [4, 5, 6, 7, 8, 9]
+    # state row r of the window is the full sequence's row r + 4
+    assert batch.topk_ids[0, :, 0].tolist() == [104, 105, 106, 107, 108]
+    assert batch.topk_probs[0].sum().item() == pytest.approx(5 * k * 0.25)
+
+
+def test_copy_continuations_marks_bigrams_seen_before():
+    ids = torch.tensor([5, 6, 7, 5, 6, 8, 6, 7])
+    # bigrams: (5,6)@0 (6,7)@1 (7,5)@2 (5,6)@3 (6,8)@4 (8,6)@5 (6,7)@6
+    assert copy_continuations(ids).tolist() == [False, False, False, True, False, False, True, False]
+
+
+def test_copy_boost_oversamples_copy_anchors_and_zero_keeps_uniform_sampling():
+    t = 200
+    ids = torch.randint(1000, 2000, (t,), generator=torch.Generator().manual_seed(0))
+    ids[120:160] = ids[20:60]  # the answer copies a stretch of its context
+    mask = torch.zeros(1, t, dtype=torch.bool)
+    mask[0, 100:] = True
+    copy = copy_continuations(ids)
+    cand = torch.arange(100, t - 1)
+    base_rate = float(copy[cand].float().mean())  # about 0.4
+    fracs = {}
+    for boost in (0.0, 9.0):
+        g = torch.Generator().manual_seed(0)
+        hits = total = 0
+        for _ in range(40):
+            a, v = sample_anchors(mask, torch.tensor([t]), 16, g, input_ids=ids[None], copy_boost=boost)
+            hits += int(copy[a[0][v[0]]].sum())
+            total += int(v.sum())
+        fracs[boost] = hits / total
+    assert abs(fracs[0.0] - base_rate) < 0.1
+    assert fracs[9.0] > base_rate + 0.3
+    # boost 0 draws exactly what the uniform sampler draws
+    a0, _ = sample_anchors(mask, torch.tensor([t]), 16, torch.Generator().manual_seed(3))
+    a1, _ = sample_anchors(mask, torch.tensor([t]), 16, torch.Generator().manual_seed(3), input_ids=ids[None])
+    assert torch.equal(a0, a1)
+
+
+def test_ce_weight_schedule():
+    t = TrainConfig(max_steps=100, ce_weight=0.1, ce_weight_start=1.0, ce_anneal_frac=0.5)
+    assert [round(ce_weight_at(t, s), 4) for s in (0, 25, 50, 99)] == [1.0, 0.55, 0.1, 0.1]
+    assert ce_weight_at(TrainConfig(ce_weight=0.2), 7) == 0.2
