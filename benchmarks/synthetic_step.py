@@ -25,6 +25,10 @@ def add_shape_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--topk", type=int, default=0, help="train.target_topk: the target's top k cached (0: full)")
+    p.add_argument(
+        "--no-recompute", action="store_true", help="train.recompute_vocab_chunks=false: keep the chunk's logits"
+    )
 
 
 @dataclass
@@ -34,7 +38,7 @@ class SyntheticStep:
     loss_cfg: LossConfig
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> SyntheticStep:
-        floats = ("context_states", "final_states")
+        floats = ("context_states", "final_states", "topk_probs")
         batch = {k: t.to(device, dtype) if k in floats else t.to(device) for k, t in self.batch.items()}
         return SyntheticStep(self.model.to(device, dtype), batch, self.loss_cfg)
 
@@ -52,6 +56,8 @@ class SyntheticStep:
             loss_mask=b["loss_mask"],
             lengths=b["lengths"],
             cfg=self.loss_cfg,
+            topk_ids=b.get("topk_ids"),
+            topk_probs=b.get("topk_probs"),
         )
 
 
@@ -89,6 +95,15 @@ def build(args: argparse.Namespace, *, seed: int = 0) -> SyntheticStep:
         context_states=torch.randn(args.batch, args.seq - 1, args.context_layers * h),
         final_states=torch.randn(args.batch, args.seq - 1, h),
     )
-    return SyntheticStep(
-        model, batch, LossConfig(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0)
+    if getattr(args, "topk", 0):
+        with torch.no_grad():  # what the dataset's cache holds (computed once, not per step)
+            top = torch.softmax(model.target_logits(batch["final_states"]), -1).topk(args.topk, -1)
+        batch.update(topk_ids=top.indices, topk_probs=top.values)
+    lcfg = LossConfig(
+        ce_weight=0.1,
+        tv_weight=0.9,
+        confidence_weight=1.0,
+        position_decay=4.0,
+        recompute_chunks=not getattr(args, "no_recompute", False),
     )
+    return SyntheticStep(model, batch, lcfg)

@@ -81,6 +81,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_args(p, steps=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fused-adamw", action="store_true", help="torch's fused AdamW kernel (CPU and CUDA)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -88,7 +89,8 @@ def main() -> None:
     syn = build(args)
     model = syn.model
     timer = PartTimer(model)
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4, betas=(0.9, 0.95))
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=args.fused_adamw or None)
     rows: list[dict[tuple[str, str], float]] = []
     predictions = 0
     for step in range(args.steps + 1):
@@ -117,7 +119,9 @@ def main() -> None:
     order = [CTX, LAYERS, DRAFT_HEAD, TARGET, MARKOV, CONF, REST, OPT]
     print(
         f"step {1e3 * total:.0f} ms for {predictions} predictions ({predictions / total:.0f} predictions/s), "
-        f"{args.batch} x {args.seq} tokens, {args.anchors} anchors, {args.threads} threads"
+        f"{args.batch} x {args.seq} tokens, {args.anchors} anchors, {args.threads} threads, "
+        f"target {'top-' + str(args.topk) if args.topk else 'full'}, recompute {not args.no_recompute}, "
+        f"fused AdamW {args.fused_adamw}"
     )
     print(f"{'part':<72} {'forward ms':>10} {'backward ms':>11} {'share':>6}")
     report = {

@@ -95,6 +95,20 @@ def test_presets_list_only_what_they_change(experiment):
     assert not _redundant(CONF / "experiment" / f"{experiment}.yaml", base)
 
 
+RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_ablation_recipes_compose_under_their_own_run_name_and_change_something(recipe):
+    base = _load("+experiment=smollm2_cpu_ablate")
+    cfg = _load("+experiment=smollm2_cpu_ablate", f"+recipe={recipe}")
+    assert cfg.train.run_name == f"ablate-{recipe.replace('_', '-')}"  # checkpoints never shared or resumed across
+    assert cfg.data == base.data and cfg.logging.group == "ablation-smollm2-135m"  # same data, one W&B group
+    assert not _redundant(CONF / "recipe" / f"{recipe}.yaml", base)
+    changed = {k for k, v in vars(cfg.train).items() if v != getattr(base.train, k)} - {"run_name", "checkpoint_dir"}
+    assert recipe == "today" or changed or cfg.drafter != base.drafter
+
+
 def test_redundancy_check_finds_a_repeated_default(tmp_path):
     preset = tmp_path / "x.yaml"
     preset.write_text("train:\n  lr: 6.0e-4\n  max_steps: 5\n")

@@ -516,6 +516,8 @@ class LoggingConfig:
     entity: Optional[str] = None
     mode: str = "auto"
     """auto | online | offline | disabled."""
+    group: Optional[str] = None
+    """W&B group: the runs of one experiment (an ablation multirun) side by side."""
 
     def __post_init__(self) -> None:
         _choice("logging.mode", self.mode, WANDB_MODES)

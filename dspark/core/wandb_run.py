@@ -36,6 +36,7 @@ def init_wandb(cfg: RunConfig, out_dir: Path, job_type: str) -> Optional[Any]:
         dir=str(out_dir),
         job_type=job_type,
         tags=list(cfg.tags),
+        group=lg.group,
         config=cfg.to_dict(),
-        name=f"{cfg.target.name}{suffix}-{int(time.time())}",
+        name=f"{cfg.target.name}-{cfg.train.run_name}{suffix}-{int(time.time())}",
     )
