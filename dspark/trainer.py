@@ -8,6 +8,7 @@ and clipping; this module owns the cadence: step, log, validate, checkpoint.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -28,7 +29,7 @@ from dspark.batching import Batch, DataPosition, RankBatches, collate
 from dspark.calibration import calibration_sums, expected_calibration_error
 from dspark.checkpoint import checkpoint_config_differences, latest_tag, lock_checkpoint_dir, publish_tag, tag_name
 from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
-from dspark.core.files import file_sha256, free_port
+from dspark.core.files import atomic_write_text, file_sha256, free_port
 from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
 from dspark.loss import LossConfig, LossOutput, dspark_loss
@@ -102,6 +103,13 @@ class TrainState:
     """The last HISTORY_WINDOW steps: {"step", "loss", "seq_ids"}."""
     data_digest: str = ""
     """Hash chain over every consumed sequence id in order: equal digests, equal data order."""
+    predictions: int = 0
+    """Supervised predictions consumed so far, all ranks (the x axis of a scaling curve)."""
+    train_seconds: float = 0.0
+    """Wall-clock seconds spent in training steps (validation and checkpoints excluded)."""
+    validations: list[dict] = field(default_factory=list)
+    """Every validation: {"step", "predictions", "train_seconds", **metrics}; also written to
+    ``<checkpoint_dir>/validation.jsonl`` for plots without W&B."""
 
     def record(self, loss: float, seq_ids: list[str]) -> None:
         self.history = [*self.history[-(HISTORY_WINDOW - 1) :], {"step": self.step, "loss": loss, "seq_ids": seq_ids}]
@@ -289,7 +297,13 @@ class Trainer:
         self.lcfg = loss_config(cfg)
         model = DrafterWithLoss(model, self.lcfg)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.t.lr, weight_decay=self.t.weight_decay, betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(
+            params,
+            lr=self.t.lr,
+            weight_decay=self.t.weight_decay,
+            betas=(0.9, 0.95),
+            fused=self.t.fused_optimizer or None,
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda s: lr_lambda(s, warmup=self.t.warmup_steps, total=self.t.max_steps, min_ratio=self.t.min_lr_ratio),
@@ -352,6 +366,7 @@ class Trainer:
         timing = {"data_s": 0.0, "tokens": 0.0}
         per_micro: list[dict[str, float]] = []
         seq_ids: list[str] = []
+        predictions = 0
         norm = None
         for _ in range(self.t.grad_accum_steps):
             td = time.perf_counter()
@@ -381,6 +396,7 @@ class Trainer:
             self.engine.step()
             timing["tokens"] += batch.num_tokens
             per_micro.append(self._scalars(out))
+            predictions += out.num_positions
         norm = self.engine.get_global_grad_norm() if norm is None else norm
         metrics = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
         metrics.update(
@@ -390,6 +406,7 @@ class Trainer:
             grad_norm=float(norm) if norm is not None else float("nan"),
         )
         metrics["step_s"] = time.perf_counter() - t0
+        metrics["predictions"] = predictions
         return metrics, seq_ids
 
     def _grad_norm_before_step(self) -> Optional[float]:
@@ -444,10 +461,12 @@ class Trainer:
             self.state.step += 1
             self.state.data = self.batches.pos
             self.state.record(m["loss"], seq_ids)
+            self.state.predictions += int(m["predictions"]) * self.world
+            self.state.train_seconds += m["step_s"]
             if self.state.step % self.t.log_every == 0 or self.state.step == max_steps:
                 self._log_train(m, time.perf_counter() - t_start)
             if self.val_ds is not None and (self.state.step % self.t.eval_every == 0 or self.state.step == max_steps):
-                self._log({f"val/{k}": v for k, v in self.evaluate().items()})
+                self._record_validation(self.evaluate())
             if self.state.step % self.t.save_every == 0 or self.state.step == max_steps:
                 self.save()
         if self.wandb is not None and self.state.step >= max_steps:
@@ -457,8 +476,8 @@ class Trainer:
     def _log_train(self, m: dict[str, float], elapsed: float) -> None:
         tok_s = m["tokens"] / m["step_s"]
         log.info(
-            "step %d/%d | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s | data "
-            "%.1f%% | mem %.2f GB",
+            "step %d/%d | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s "
+            "%.0f pred/s | data %.1f%% | mem %.2f GB",
             self.state.step,
             self.t.max_steps,
             m["loss"],
@@ -469,17 +488,28 @@ class Trainer:
             m["lr"],
             m["grad_norm"],
             tok_s * self.world,
+            m["predictions"] * self.world / m["step_s"],
             100 * m["data_s"] / m["step_s"],
             peak_memory_gb(),
         )
-        scalars = {k: v for k, v in m.items() if k not in ("tokens", "data_s", "step_s")}
+        scalars = {k: v for k, v in m.items() if k not in ("tokens", "data_s", "step_s", "predictions")}
         scalars.update(
             tokens_per_s=tok_s * self.world,
+            predictions_per_s=m["predictions"] * self.world / m["step_s"],
+            predictions=self.state.predictions,
             data_wait_frac=m["data_s"] / m["step_s"],
             peak_mem_gb=peak_memory_gb(),
             elapsed_s=elapsed,
         )
         self._log({f"train/{k}": v for k, v in scalars.items()})
+
+    def _record_validation(self, res: dict[str, float]) -> None:
+        s = self.state
+        s.validations.append({"step": s.step, "predictions": s.predictions, "train_seconds": s.train_seconds, **res})
+        self._log({f"val/{k}": v for k, v in res.items()} | {"val/predictions": s.predictions})
+        if self.rank == 0:  # the whole list each time: a resumed run rewrites what its checkpoint knows
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.ckpt_dir / "validation.jsonl", "".join(json.dumps(v) + "\n" for v in s.validations))
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.wandb is not None:
@@ -559,6 +589,9 @@ class Trainer:
             "python_rng": random.getstate(),
             "history": self.state.history,
             "data_digest": self.state.data_digest,
+            "predictions": self.state.predictions,
+            "train_seconds": self.state.train_seconds,
+            "validations": self.state.validations,
             "drafter": asdict(self.model.cfg),
             "dims": asdict(self.model.dims),
         }
@@ -593,6 +626,9 @@ class Trainer:
             data=DataPosition(**client["data"]),
             history=client["history"],
             data_digest=client.get("data_digest", ""),
+            predictions=client.get("predictions", 0),
+            train_seconds=client.get("train_seconds", 0.0),
+            validations=client.get("validations", []),
         )
         self.anchor_gen.set_state(client["anchor_rng"])
         torch.set_rng_state(client["torch_rng"])
