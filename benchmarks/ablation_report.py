@@ -1,0 +1,86 @@
+"""The ablation table and the scaling curve from the runs' own records.
+
+Every training run keeps its validations in ``<checkpoint_dir>/validation.jsonl`` (step,
+predictions consumed, training seconds, val tau and per-position acceptance). This reads the
+runs named on the command line (checkpoint directories, or a parent holding several), prints a
+Markdown table (recipe, steps, training time, predictions per second, val tau, pos-1,
+loss) and plots val tau against training predictions and against training time, one line per
+run: the scaling curve.
+
+    .venv/bin/python benchmarks/ablation_report.py outputs/checkpoints/smollm2-135m/ablate-* \\
+        --plot docs/img/ablation.png [--json outputs/benchmarks/ablation.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dspark.core.files import read_jsonl
+
+
+def runs(paths: list[Path]) -> dict[str, list[dict]]:
+    found: dict[str, list[dict]] = {}
+    for p in paths:
+        for f in (
+            [p / "validation.jsonl"] if (p / "validation.jsonl").is_file() else sorted(p.glob("*/validation.jsonl"))
+        ):
+            found[f.parent.name] = [v for _, v in read_jsonl(f)]
+    if not found:
+        raise SystemExit(f"error: no validation.jsonl under {[str(p) for p in paths]}")
+    return found
+
+
+def table(found: dict[str, list[dict]]) -> str:
+    head = "| run | steps | train min | predictions | pred/s | val tau | val pos-1 | val loss |\n" + "|---" * 8 + "|"
+    rows = []
+    for name, vals in sorted(found.items(), key=lambda kv: -kv[1][-1]["tau"]):
+        v = vals[-1]
+        rate = v["predictions"] / v["train_seconds"] if v["train_seconds"] else float("nan")
+        rows.append(
+            f"| {name} | {v['step']} | {v['train_seconds'] / 60:.1f} | {v['predictions']:,} | {rate:.0f} | "
+            f"{v['tau']:.3f} | {v['accept_pos_1']:.3f} | {v['loss']:.3f} |"
+        )
+    return "\n".join([head, *rows])
+
+
+def plot(found: dict[str, list[dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, vals in sorted(found.items()):
+        for ax, key, scale in ((axes[0], "predictions", 1), (axes[1], "train_seconds", 1 / 60)):
+            ax.plot([v[key] * scale for v in vals], [v["tau"] for v in vals], marker="o", label=name)
+    axes[0].set_xlabel("training predictions")
+    axes[1].set_xlabel("training minutes (2 CPU cores)")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_ylabel("val tau (greedy, teacher-forced)")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", type=Path, nargs="+", help="checkpoint dirs (or their parent)")
+    p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    found = runs(args.runs)
+    print(table(found))
+    if args.plot:
+        plot(found, args.plot)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(found, indent=1))
+
+
+if __name__ == "__main__":
+    main()
