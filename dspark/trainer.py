@@ -465,7 +465,10 @@ class Trainer:
             self.state.train_seconds += m["step_s"]
             if self.state.step % self.t.log_every == 0 or self.state.step == max_steps:
                 self._log_train(m, time.perf_counter() - t_start)
-            if self.val_ds is not None and (self.state.step % self.t.eval_every == 0 or self.state.step == max_steps):
+            step = self.state.step
+            if self.val_ds is not None and (
+                step % self.t.eval_every == 0 or step == max_steps or step in self.t.eval_at_steps
+            ):
                 self._record_validation(self.evaluate())
             if self.state.step % self.t.save_every == 0 or self.state.step == max_steps:
                 self.save()

@@ -322,6 +322,8 @@ class TrainConfig:
     max_seq_len: int = 2048
     log_every: int = 10
     eval_every: int = 200
+    eval_at_steps: list[int] = field(default_factory=list)
+    """Extra steps to validate at (a log-spaced list gives a scaling curve from one run)."""
     save_every: int = 200
     resume: str = "auto"
     """auto (newest in checkpoint_dir) | never | path to a checkpoint tag dir."""

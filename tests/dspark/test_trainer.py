@@ -508,12 +508,14 @@ def test_drafter_layers_start_from_the_targets(compose_config, tiny, tmp_path):
 
 
 def test_validations_are_kept_in_the_checkpoint_and_a_plain_jsonl(compose_config, tiny, tmp_path):
-    tr = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=4", "train.eval_every=2", "train.save_every=2")
+    tr = make_trainer(
+        compose_config, tiny, tmp_path, "train.max_steps=4", "train.eval_at_steps=[1,3]", "train.save_every=2"
+    )
     state = tr.train()
     lines = [json.loads(x) for x in (tmp_path / "ckpt" / "validation.jsonl").read_text().splitlines()]
-    assert [v["step"] for v in lines] == [2, 4] and lines == state.validations
-    assert 0 < lines[0]["predictions"] < lines[1]["predictions"] == state.predictions
-    assert 0 < lines[0]["train_seconds"] < lines[1]["train_seconds"] and "tau" in lines[1]
+    assert [v["step"] for v in lines] == [1, 3, 4] and lines == state.validations
+    assert 0 < lines[0]["predictions"] < lines[1]["predictions"] < lines[2]["predictions"] == state.predictions
+    assert 0 < lines[0]["train_seconds"] < lines[2]["train_seconds"] and "tau" in lines[2]
     # a resumed run carries the counters on from its checkpoint
     resumed = make_trainer(
         compose_config, tiny, tmp_path, "train.max_steps=6", "train.eval_every=2", "train.save_every=2"
