@@ -26,6 +26,7 @@ from dspark.core.target import resolve_target
 from dspark.shards import ShardDataset
 
 SIZES = (4096, 8192, 16384, 32768)
+VOCAB = 49152  # SmolLM2-135M
 
 
 def coverage(tokens: list[int], vocab: set[int]) -> float:
@@ -50,7 +51,7 @@ def main() -> None:
     for i in range(len(val)):
         seq = val.read(i)
         val_answers += seq.input_ids[seq.loss_mask].tolist()
-    prompts = read_jsonl(args.eval_set)
+    prompts = [r for _, r in read_jsonl(args.eval_set)]
     docs = [t for r in prompts for t in r["prompt_token_ids"]]
     eval_answers: list[int] = []
     if args.answers:
@@ -62,21 +63,26 @@ def main() -> None:
             with torch.no_grad():
                 out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
             eval_answers += out[0, ids.shape[1] :].tolist()
-    ranked = [t for t, _ in freq.most_common()]
+    by_freq = [t for t, _ in freq.most_common()]
+    seen = set(by_freq)
+    # then the tokenizer's own order: BPE ids rise with merge rank, roughly falling frequency
+    rankings = {"train frequency": by_freq, "+ BPE order": by_freq + [t for t in range(VOCAB) if t not in seen]}
     rows = []
-    print(f"{len(freq)} distinct tokens in {len(train)} training sequences; vocabulary {49152}")
-    print(f"{'N':>6} {'val answers':>12} {'eval prompts':>13} {'eval answers':>13}")
-    for n in SIZES:
-        vocab = set(ranked[:n])
-        row = {
-            "n": n,
-            "val_answers": coverage(val_answers, vocab),
-            "eval_prompts": coverage(docs, vocab),
-            "eval_answers": coverage(eval_answers, vocab) if eval_answers else None,
-        }
-        rows.append(row)
-        ea = f"{row['eval_answers']:.4f}" if eval_answers else "-"
-        print(f"{n:>6} {row['val_answers']:>12.4f} {row['eval_prompts']:>13.4f} {ea:>13}")
+    print(f"{len(freq)} distinct tokens in {len(train)} training sequences; vocabulary {VOCAB}")
+    print(f"{'ranking':>16} {'N':>6} {'val answers':>12} {'eval prompts':>13} {'eval answers':>13}")
+    for name, ranked in rankings.items():
+        for n in SIZES:
+            vocab = set(ranked[:n])
+            row = {
+                "ranking": name,
+                "n": n,
+                "val_answers": coverage(val_answers, vocab),
+                "eval_prompts": coverage(docs, vocab),
+                "eval_answers": coverage(eval_answers, vocab) if eval_answers else None,
+            }
+            rows.append(row)
+            ea = f"{row['eval_answers']:.4f}" if eval_answers else "-"
+            print(f"{name:>16} {n:>6} {row['val_answers']:>12.4f} {row['eval_prompts']:>13.4f} {ea:>13}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"distinct_train_tokens": len(freq), "rows": rows}, indent=2))

@@ -209,7 +209,10 @@ OWN_DISTRIBUTION = "dspark-train"
 
 
 def _package_descriptions() -> Iterator[tuple[str, str, str]]:
-    for dist in sorted(metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+    # the environment's own site-packages, not sys.path: libraries put their vendored packages on
+    # sys.path at import time (wandb does), which would change the prompt set mid-process
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    for dist in sorted(metadata.distributions(path=site), key=lambda d: (d.metadata["Name"] or "").lower()):
         name = dist.metadata["Name"]
         if name == OWN_DISTRIBUTION:  # our README changes with every commit; the prompt set must not
             continue

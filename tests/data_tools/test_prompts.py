@@ -135,3 +135,18 @@ def test_overlong_prompts_are_skipped_or_truncated(smollm2_dir):
     assert len(long.prompt_ids) + long.max_new_tokens <= 128 and long.max_new_tokens == 32
     # the end of the prompt (generation prompt) survives truncation
     assert tok.decode(long.prompt_ids).endswith("<|im_start|>assistant\n")
+
+
+def test_bundled_prompts_ignore_packages_put_on_sys_path_at_run_time(tmp_path, monkeypatch):
+    """wandb puts its vendored packages on sys.path when it starts; the prompt set must not change
+    mid-process (a multirun's second job refused the dataset its first job extracted)."""
+    from data_tools.prompts import bundled_conversations
+
+    before = [c.seq_id for c in bundled_conversations()]
+    dist = tmp_path / "vendored_pkg-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vendored-pkg\nVersion: 1.0\nSummary: " + "a vendored package " * 20 + "\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert [c.seq_id for c in bundled_conversations()] == before
