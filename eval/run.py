@@ -8,6 +8,7 @@ the reference loop and with vLLM itself, and write the report.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from dspark.checkpoint import CheckpointError, checkpoint_model_file, latest_tag, load_training_checkpoint
-from dspark.core.config import RunConfig, config_fingerprint, load_config, load_or_exit
+from dspark.core.config import EvalConfig, RunConfig, config_fingerprint, load_config, load_or_exit
 from dspark.export import ExportSummary, export
 from dspark.serving_format import load_drafter, read_export
 from eval.results import AcceptanceCounts, DrafterResult, EvalConditions, EvalResults
@@ -227,8 +228,9 @@ def ablation_checkpoint(cfg: RunConfig) -> Optional[Path]:
     return path if latest_tag(path) is not None else None
 
 
-def quality_checks(results: EvalResults) -> list:
-    """The targets of the demo (issue #6), each beside its measured value."""
+def quality_checks(results: EvalResults, e: Optional[EvalConfig] = None) -> list:
+    """The targets of the demo (issue #6) and the preset's own goals (``eval.target_tau``,
+    ``eval.target_pos1``), each beside its measured value."""
     from eval.report import Check, ratio_check, speedup_row
 
     by = {d.name: d for d in results.drafters}
@@ -236,6 +238,27 @@ def quality_checks(results: EvalResults) -> list:
     if ours is None:
         return []
     checks = []
+    if e is not None and e.target_tau is not None:
+        checks.append(
+            Check(
+                "tau on the eval set",
+                ours.tau,
+                e.target_tau,
+                ours.tau >= e.target_tau,
+                f"tau dspark {ours.tau:.3f} (need >= {e.target_tau:g})",
+            )
+        )
+    pos1 = float((ours.overall or {}).get("accept_per_pos", [math.nan])[0])
+    if e is not None and e.target_pos1 is not None:
+        checks.append(
+            Check(
+                "first-position acceptance on the eval set",
+                pos1,
+                e.target_pos1,
+                pos1 >= e.target_pos1,
+                f"pos-1 acceptance {pos1:.3f} (need >= {e.target_pos1:g})",
+            )
+        )
     if "markov-off" in by:
         checks.append(
             ratio_check(
@@ -458,7 +481,7 @@ def _report(cfg: RunConfig, results: EvalResults, out_dir: Path, exports: dict) 
     """The quality checks, results.json, report.md, plots and the W&B run."""
     from eval.report import write_report
 
-    checks = quality_checks(results)
+    checks = quality_checks(results, cfg.eval)
     for c in checks:
         log.info("target %-48s %s  %s", c.name, "PASS" if c.passed else "MISS", c.detail)
     run = _wandb(cfg, out_dir)

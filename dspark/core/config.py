@@ -453,6 +453,10 @@ class EvalConfig:
     """Draft tokens per step (num_speculative_tokens); at most drafter.block_size."""
     confidence_threshold: Optional[float] = None
     """End a draft block at the first position the confidence head puts below this."""
+    target_tau: Optional[float] = None
+    """A preset's goal for tau on the eval set, reported by the main job's checks (not enforced)."""
+    target_pos1: Optional[float] = None
+    """A preset's goal for first-position acceptance on the eval set, reported likewise."""
     checkpoint: Optional[str] = None
     """A training checkpoint (dir with 'latest' or a stepNNNNNNNN tag); None = this run's."""
     ablation_checkpoint: Optional[str] = "auto"

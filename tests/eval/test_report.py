@@ -276,3 +276,17 @@ def test_wandb_offline_run_gets_scalars_plots_and_tables(results, tmp_path, no_n
         assert key.encode() in record, key
     media = [p.suffix for p in (tmp_path / "wandb").glob("offline-run-*/files/media/**/*") if p.is_file()]
     assert media.count(".png") == 3 and media.count(".json") == 2  # the plots and the two tables
+
+
+def test_preset_goals_are_reported_beside_the_measured_tau_and_pos1(results):
+    from dspark.core.config import EvalConfig
+    from eval.run import quality_checks
+
+    ours = overall("dspark").summary()  # 9 steps: tau = 1 + 16/9, pos-1 = 7/9
+    tau, pos1 = ours["tau"], ours["accept_per_pos"][0]
+    assert tau == pytest.approx(1 + 16 / 9) and pos1 == pytest.approx(7 / 9)
+    checks = {c.name: c for c in quality_checks(results, EvalConfig(target_tau=2.5, target_pos1=0.8))}
+    t, p = checks["tau on the eval set"], checks["first-position acceptance on the eval set"]
+    assert (t.measured, t.target, t.passed) == (pytest.approx(tau), 2.5, True)
+    assert (p.measured, p.target, p.passed) == (pytest.approx(pos1), 0.8, False)
+    assert "tau on the eval set" not in {c.name for c in quality_checks(results, EvalConfig())}  # no goal, no check
