@@ -51,6 +51,7 @@ def main() -> None:
         for i in range(0, len(ds), tr.t.micro_batch_size):
             seqs = [ds[j] for j in range(i, min(len(ds), i + tr.t.micro_batch_size))]
             b = collate(seqs, context_index=tr.ctx_index, final_index=tr.final_index, max_len=tr.t.max_seq_len)
+            b = b.to("cpu", torch.float32)
             anchors, valid = sample_anchors(b.loss_mask, b.lengths, tr.t.anchors_per_seq, gen)
             out = model(b.input_ids, b.context_states, anchors)
             tg = _targets(
