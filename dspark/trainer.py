@@ -345,11 +345,21 @@ class Trainer:
         rank a share of the missing shards) and attached to every sequence the dataset reads."""
         import torch.distributed as dist
 
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        norm_w = model.target_norm.weight.detach().to(device or "cpu")
+        head_w = model.lm_head.weight.detach().to(device or "cpu")
+        eps = model.target_norm.eps
+
+        def target_logits(rows: torch.Tensor) -> torch.Tensor:  # the frozen head, on the GPU when there is one
+            x = rows.to(head_w.device, torch.float32)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
+            return (x.to(head_w.dtype) @ head_w.T).float().cpu()
+
         cache = TargetTopK(
             self.train_ds,
             k=self.t.target_topk,
             rule=self.t.supervise,
-            target_logits=model.target_logits,
+            target_logits=target_logits,
             head_id=head_fingerprint(heads.lm_head, heads.final_norm),
             final_index=self.final_index,
             rank=self.rank,
