@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from dspark.core.files import read_jsonl
@@ -45,7 +46,20 @@ def table(found: dict[str, list[dict]]) -> str:
     return "\n".join([head, *rows])
 
 
-def plot(found: dict[str, list[dict]], out: Path) -> None:
+def fit(vals: list[dict], goal: float) -> dict:
+    """Least-squares tau = a + b log10(predictions) over a run's validations, and where that
+    line reaches ``goal``: predictions, and training hours at the run's own predictions/s."""
+    xs = [math.log10(v["predictions"]) for v in vals]
+    ys = [v["tau"] for v in vals]
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    rate = vals[-1]["predictions"] / vals[-1]["train_seconds"]
+    need = 10 ** ((goal - a) / b) if b > 0 else math.inf
+    return {"a": a, "b": b, "points": n, "goal": goal, "predictions": need, "hours": need / rate / 3600}
+
+
+def plot(found: dict[str, list[dict]], out: Path, fits: dict[str, dict] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,6 +69,18 @@ def plot(found: dict[str, list[dict]], out: Path) -> None:
     for name, vals in sorted(found.items()):
         for ax, key, scale in ((axes[0], "predictions", 1), (axes[1], "train_seconds", 1 / 60)):
             ax.plot([v[key] * scale for v in vals], [v["tau"] for v in vals], marker="o", label=name)
+    for name, f in (fits or {}).items():
+        lo = found[name][0]["predictions"]
+        xs = [lo * (f["predictions"] / lo) ** (i / 20) for i in range(21)]
+        axes[0].plot(xs, [f["a"] + f["b"] * math.log10(x) for x in xs], "--", color="gray", lw=1)
+        axes[0].axhline(f["goal"], color="gray", lw=0.8, ls=":")
+        axes[0].annotate(
+            f"fit reaches {f['goal']:.2f} at {f['predictions']:.1e}",
+            (xs[-1], f["goal"]),
+            fontsize=7,
+            ha="right",
+            va="bottom",
+        )
     axes[0].set_xlabel("training predictions")
     axes[1].set_xlabel("training minutes (2 CPU cores)")
     for ax in axes:
@@ -72,14 +98,30 @@ def main() -> None:
     p.add_argument("runs", type=Path, nargs="+", help="checkpoint dirs (or their parent)")
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--fit",
+        action="append",
+        default=[],
+        metavar="RUN=TAU",
+        help="fit tau against log10(predictions) for RUN and say where it reaches TAU",
+    )
     args = p.parse_args()
     found = runs(args.runs)
     print(table(found))
+    fits = {}
+    for spec in args.fit:
+        name, goal = spec.split("=")
+        fits[name] = fit(found[name], float(goal))
+        f = fits[name]
+        print(
+            f"{name}: tau = {f['a']:.3f} + {f['b']:.3f} log10(predictions) over {f['points']} validations; "
+            f"reaches {f['goal']} at {f['predictions']:.2e} predictions, {f['hours']:.3g} h at its predictions/s"
+        )
     if args.plot:
-        plot(found, args.plot)
+        plot(found, args.plot, fits)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(found, indent=1))
+        args.json.write_text(json.dumps({"runs": found, "fits": fits}, indent=1))
 
 
 if __name__ == "__main__":
