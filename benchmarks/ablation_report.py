@@ -67,27 +67,27 @@ def plot(found: dict[str, list[dict]], out: Path, fits: dict[str, dict] | None =
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, vals in sorted(found.items()):
-        for ax, key, scale in ((axes[0], "predictions", 1), (axes[1], "train_seconds", 1 / 60)):
-            ax.plot([v[key] * scale for v in vals], [v["tau"] for v in vals], marker="o", label=name)
+        for ax, key in ((axes[0], "tau"), (axes[1], "accept_pos_1")):
+            ax.plot([v["predictions"] for v in vals], [v[key] for v in vals], marker="o", label=name)
     for name, f in (fits or {}).items():
         lo = found[name][0]["predictions"]
         xs = [lo * (f["predictions"] / lo) ** (i / 20) for i in range(21)]
-        axes[0].plot(xs, [f["a"] + f["b"] * math.log10(x) for x in xs], "--", color="gray", lw=1)
+        axes[0].plot(xs, [f["a"] + f["b"] * math.log10(x) for x in xs], "--", color="gray", lw=1, label=f"{name} fit")
         axes[0].axhline(f["goal"], color="gray", lw=0.8, ls=":")
         axes[0].annotate(
-            f"fit reaches {f['goal']:.2f} at {f['predictions']:.1e}",
+            f"fit reaches {f['goal']:.2f} at {f['predictions']:.1e} predictions",
             (xs[-1], f["goal"]),
             fontsize=7,
             ha="right",
             va="bottom",
         )
-    axes[0].set_xlabel("training predictions")
-    axes[1].set_xlabel("training minutes (2 CPU cores)")
+    axes[0].set_ylabel("val tau (greedy, teacher-forced)")
+    axes[1].set_ylabel("val acceptance at position 1")
     for ax in axes:
         ax.set_xscale("log")
-        ax.set_ylabel("val tau (greedy, teacher-forced)")
+        ax.set_xlabel("training predictions")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

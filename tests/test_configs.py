@@ -271,7 +271,7 @@ def test_train_py_prints_resolved_config():
     assert out.returncode == 0, out.stderr
     cfg = OmegaConf.create(out.stdout)
     assert cfg.target.name == "smollm2-135m" and cfg.drafter.block_size == 7
-    assert cfg.tags == ["smollm2", "cpu", "demo"] and cfg.train.max_steps == 600
+    assert cfg.tags == ["smollm2", "cpu", "demo"] and cfg.train.max_steps == 800
 
 
 def test_auto_ablation_is_this_configs_markov_off_run(tmp_path):
