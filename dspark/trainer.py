@@ -345,15 +345,12 @@ class Trainer:
         rank a share of the missing shards) and attached to every sequence the dataset reads."""
         import torch.distributed as dist
 
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        norm_w = model.target_norm.weight.detach().to(device or "cpu")
-        head_w = model.lm_head.weight.detach().to(device or "cpu")
-        eps = model.target_norm.eps
+        if torch.cuda.is_available():  # the frozen head on the GPU (DeepSpeed puts the model there anyway)
+            model.to(torch.device("cuda", torch.cuda.current_device()))
+        device = model.lm_head.weight.device
 
-        def target_logits(rows: torch.Tensor) -> torch.Tensor:  # the frozen head, on the GPU when there is one
-            x = rows.to(head_w.device, torch.float32)
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
-            return (x.to(head_w.dtype) @ head_w.T).float().cpu()
+        def target_logits(rows: torch.Tensor) -> torch.Tensor:
+            return model.target_logits(rows.to(device)).cpu()
 
         cache = TargetTopK(
             self.train_ds,
