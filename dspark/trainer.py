@@ -15,8 +15,10 @@ import os
 import platform
 import random
 import resource
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -40,6 +42,66 @@ from dspark.target_topk import TargetTopK, head_fingerprint
 log = logging.getLogger(__name__)
 
 
+#: A JIT build of DeepSpeed's shared-memory op takes about a minute here; a build lock older
+#: than this was left by a killed build (torch's lock file records no owner to ask).
+STALE_BUILD_LOCK_S = 600.0
+
+
+def prepare_deepspeed_cpu_ops(
+    world_size: int, *, stale_after_s: float = STALE_BUILD_LOCK_S, poll_s: float = 2.0
+) -> None:
+    """Keep DeepSpeed's CPU start-up from waiting forever on a build lock.
+
+    On CPU, ``deepspeed.init_distributed`` JIT-builds its shared-memory all-reduce op under
+    torch's lock file ``<torch_extensions>/<py>_cpu/deepspeed_shm_comm/lock``. A process killed
+    during that build (Ctrl-C, a timeout, a preemption) leaves the file behind, and torch then
+    waits on it forever, printing nothing. Here:
+
+    * one process (``python train.py``) has nobody to talk to: the op is marked unavailable, so
+      nothing is built or waited for;
+    * several ranks need the op: a lock is waited for at most until it is ``stale_after_s`` old
+      (no build takes that long), then removed with a warning that names it.
+    """
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:
+        return
+    if world_size <= 1:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False  # read by deepspeed.comm.torch.build_shm_op
+        return
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(builder.name, verbose=False)) / "lock"
+    told = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age >= stale_after_s:
+            lock.unlink(missing_ok=True)
+            log.warning(
+                "removed %s: a build lock %.0f s old, left by a build that was killed (no build takes %.0f s)",
+                lock,
+                age,
+                stale_after_s,
+            )
+            return
+        if not told:
+            log.info(
+                "waiting for %s (another process is building DeepSpeed's %s op); it is removed once %.0f s old",
+                lock,
+                builder.name,
+                stale_after_s,
+            )
+            told = True
+        time.sleep(min(poll_s, stale_after_s - age))
+
+
 def init_distributed() -> tuple[int, int]:
     """Join the launcher's process group (torchrun/deepspeed/srun set RANK etc.), or create a
     one-process group for a plain ``python train.py`` on a free port, which is not exported:
@@ -47,6 +109,7 @@ def init_distributed() -> tuple[int, int]:
     import deepspeed
     import torch.distributed as dist
 
+    prepare_deepspeed_cpu_ops(int(os.environ.get("WORLD_SIZE", "1")))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         if "RANK" in os.environ:
@@ -261,6 +324,26 @@ def provenance(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+class Preempted(SystemExit):
+    """Training stopped on SIGTERM/SIGUSR1 (a Slurm preemption or time limit, ``scancel``, a
+    launcher passing on Ctrl-C) after saving a checkpoint; the same command resumes it. A
+    SystemExit with the shell's code for that signal (128 + signum), so the later stages of the
+    main job do not run and Slurm's ``afterok`` dependents keep waiting."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.message = (
+            f"{signal.Signals(signum).name} at step {step}: checkpoint {checkpoint} saved; "
+            f"rerun the same command to resume from it"
+        )
+        super().__init__(128 + signum)
+
+
+#: The signals that mean "save and stop": Slurm sends SIGTERM before killing a job step (and
+#: to a requeued job), ``#SBATCH --signal=USR1@...`` warns of the time limit.
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig | DictConfig, heads: TargetHeads):
         cfg = load_config(cfg)
@@ -450,10 +533,37 @@ class Trainer:
     def train(self, *, until: Optional[int] = None) -> TrainState:
         """Train to ``train.max_steps`` (or stop early at step ``until``, as a preempted job would);
         the checkpoint directory is released at the end."""
+        previous = self._catch_preemption()
         try:
             return self._train(until)
         finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self.close()
+
+    def _catch_preemption(self) -> dict[int, Any]:
+        """Note SIGTERM/SIGUSR1 instead of dying mid-step; the loop saves and stops at the next
+        step boundary. Only the main thread can install handlers (tests may train elsewhere)."""
+        self._signal = 0
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def note(signum: int, _frame: Any) -> None:
+            self._signal = signum
+
+        return {sig: signal.signal(sig, note) for sig in PREEMPT_SIGNALS}
+
+    def _preempted(self) -> int:
+        """The signal that stops the run (0 = none), agreed by every rank: a rank that got none
+        must still stop with the others, at the same step."""
+        sig = getattr(self, "_signal", 0)
+        if self.world == 1:
+            return sig
+        import torch.distributed as dist
+
+        flag = torch.tensor([sig], dtype=torch.int64, device=self.engine.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
     def close(self) -> None:
         """Release the checkpoint directory (the OS would at process exit anyway)."""
@@ -477,8 +587,17 @@ class Trainer:
                 step % self.t.eval_every == 0 or step == max_steps or step in self.t.eval_at_steps
             ):
                 self._record_validation(self.evaluate())
-            if self.state.step % self.t.save_every == 0 or self.state.step == max_steps:
+            saved = self.state.step % self.t.save_every == 0 or self.state.step == max_steps
+            if saved:
                 self.save()
+            sig = self._preempted()
+            if sig:
+                path = self.ckpt_dir / tag_name(step) if saved else self.save()
+                if self.wandb is not None:
+                    self.wandb.finish(exit_code=128 + sig)
+                stop = Preempted(sig, step, path)
+                log.warning("%s", stop.message)
+                raise stop
         if self.wandb is not None and self.state.step >= max_steps:
             self.wandb.finish()
         return self.state

@@ -20,7 +20,7 @@ from dspark.core.files import file_sha256
 from dspark.core.layer_ids import reference_hidden_states
 from dspark.core.shard_format import Manifest
 from dspark.core.target import load_target_heads
-from dspark.trainer import Trainer
+from dspark.trainer import Preempted, Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = [1, 2]  # + final state 4
@@ -281,8 +281,14 @@ def test_kill_9_then_resume_neither_skips_nor_repeats(tiny, tmp_path, compose_co
         *overrides(target, data, tmp_path, "train.max_steps=10", "train.save_every=2"),
         f"hydra.run.dir={tmp_path}/run",
     ]
+    # A build lock left by an earlier killed start-up (issue #17): torch would wait on it forever;
+    # a one-process run must not even look at it.
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    stale = tmp_path / "ext" / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / "deepspeed_shm_comm" / "lock"
+    stale.parent.mkdir(parents=True)
+    stale.touch()
     proc = subprocess.Popen(
-        base, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        base, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     deadline = time.time() + 300
     while not (tmp_path / "ckpt" / "step00000004").is_dir():
@@ -291,7 +297,7 @@ def test_kill_9_then_resume_neither_skips_nor_repeats(tiny, tmp_path, compose_co
     time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=600).returncode == 0
+    assert subprocess.run(base, cwd=REPO, env=env, capture_output=True, text=True, timeout=600).returncode == 0
     client = torch.load(tmp_path / "ckpt" / "step00000010" / "mp_rank_00_model_states.pt", weights_only=False)
     resumed = client["history"]
     full_state = make_trainer(compose_config, tiny, tmp_path / "full", "train.max_steps=10").train()
@@ -300,6 +306,60 @@ def test_kill_9_then_resume_neither_skips_nor_repeats(tiny, tmp_path, compose_co
     assert client["data_digest"] == full_state.data_digest
     seen = Counter(s for h in resumed for s in h["seq_ids"])
     assert max(seen.values()) - min(seen.values()) <= 1  # 40 draws over 12 sequences: balanced epochs
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_saves_stops_and_the_rerun_continues_the_same_run(compose_config, tiny, tmp_path, sig):
+    """Issue #17: Slurm's SIGTERM (preemption, requeue) and USR1 (time limit near) save a checkpoint
+    at the step boundary and stop with 128 + signum; the rerun matches an uninterrupted run."""
+    before = signal.getsignal(sig)
+    tr = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=6")
+    step, calls = tr.train_step, []
+
+    def step_then_signal():
+        out = step()
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), sig)  # arrives mid-loop, before the step is logged or counted
+        return out
+
+    tr.train_step = step_then_signal
+    with pytest.raises(Preempted) as stop:
+        tr.train()
+    assert (stop.value.code, stop.value.step) == (128 + sig, 3)
+    assert stop.value.checkpoint == tmp_path / "ckpt" / "step00000003"
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step00000003"
+    assert f"{signal.Signals(sig).name} at step 3: checkpoint" in stop.value.message
+    assert signal.getsignal(sig) == before
+    resumed = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=6").train()
+    full = make_trainer(compose_config, tiny, tmp_path / "full", "train.max_steps=6").train()
+    assert [h["seq_ids"] for h in resumed.history] == [h["seq_ids"] for h in full.history]
+    assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in full.history], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sigterm_to_train_py_saves_and_exits_143(tiny, tmp_path):
+    target, data = tiny
+    cmd = [
+        sys.executable,
+        "train.py",
+        *overrides(target, data, tmp_path, "train.max_steps=500"),
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # Hydra logs to stdout
+        lines.append(line)
+        if "step 2/500" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stdout.readlines()
+    assert proc.wait(timeout=120) == 143, "".join(lines[-30:])
+    text = "".join(lines)
+    assert "SIGTERM at step" in text and "rerun the same command to resume" in text
+    assert "Traceback" not in text
+    tag = (tmp_path / "ckpt" / "latest").read_text().strip()
+    assert int(tag.removeprefix("step")) >= 2
 
 
 def test_bad_override_gets_hydras_error_not_a_traceback():
