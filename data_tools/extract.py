@@ -270,6 +270,7 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
 
     data, target = cfg.data, cfg.target
     rank, world = (data.rank, data.world_size) if data.rank is not None else default_rank_world()
+    conversations = load_source(data.source, split=data.hf_split)  # a wrong source fails here, before any work
     out = Path(data.shards_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     if target_dir is None:
@@ -277,9 +278,7 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
     arch, _, _, text_cfg = read_config(target_dir)
     capture_ids = target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=target.trust_remote_code)
-    splits = dedupe_and_split(
-        load_source(data.source, split=data.hf_split), val_fraction=data.val_fraction, limit=data.num_prompts
-    )
+    splits = dedupe_and_split(conversations, val_fraction=data.val_fraction, limit=data.num_prompts)
     manifest = build_manifest(
         target,
         target_dir,
