@@ -50,6 +50,11 @@ SCHEMA = pa.schema(
 )
 
 
+class DatasetError(ValueError):
+    """A dataset directory that is missing, damaged or made differently; the message names the
+    directory or file, what is wrong and the command that fixes it."""
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
@@ -90,6 +95,10 @@ class Manifest:
     """Hash of the ordered prompt ids per split and the generation settings: a resume with
     other prompts would assign different prompts to the same shard names."""
     rows_per_shard: int = 0
+    prompt_settings: dict[str, Any] = field(default_factory=dict)
+    """The ``data.*`` settings that pick and answer the prompts (what ``prompt_set_sha256``
+    depends on besides the source's content), so a refusal can say which one changed. Empty in
+    manifests written before they were recorded."""
     layer_id_convention: str = "hf_hidden_states"
     schema_version: int = SCHEMA_VERSION
     shards: list[ShardInfo] = field(default_factory=list)
@@ -111,10 +120,36 @@ class Manifest:
     )
 
     def header_differences(self, other: "Manifest") -> list[str]:
-        return [
-            f"{k}: directory has {getattr(other, k)!r}, this run has {getattr(self, k)!r}"
-            for k in self.HEADER_FIELDS
-            if getattr(self, k) != getattr(other, k)
+        """What differs from ``other`` (the directory's manifest), one entry per field; a changed
+        prompt set is told by the settings that changed it, where both manifests record them."""
+        out = []
+        for k in self.HEADER_FIELDS:
+            if getattr(self, k) == getattr(other, k):
+                continue
+            if k == "prompt_set_sha256":
+                out += self.prompt_set_differences(other)
+            else:
+                out.append(f"{k}: directory has {getattr(other, k)!r}, this run has {getattr(self, k)!r}")
+        return out
+
+    def prompt_set_differences(self, other: "Manifest") -> list[str]:
+        old, new = other.prompt_settings, self.prompt_settings
+        hashes = f"prompt_set_sha256: directory has '{other.prompt_set_sha256[:8]}...', this run has " + (
+            f"'{self.prompt_set_sha256[:8]}...'"
+        )
+        if not old:
+            return [
+                f"{hashes} (the directory's manifest does not record which settings made it; any of "
+                f"{', '.join(new) or 'the data.* settings'} or the prompts in data.source may have changed)"
+            ]
+        changed = [
+            f"{k}: directory has {old.get(k, '(not recorded)')!r}, this run has {new.get(k, '(not set)')!r}"
+            for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)
+        ]
+        return changed or [
+            f"{hashes} with the same settings: the prompts that data.source={new.get('data.source')!r} gives have "
+            "changed (another file under the same name, or other installed packages for the bundled sources)"
         ]
 
     @property
@@ -128,7 +163,7 @@ class Manifest:
     def load(cls, directory: Path) -> "Manifest":
         path = Path(directory) / MANIFEST
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing file; not a dataset directory written by data_tools.extract")
+            raise DatasetError(f"{path}: missing file; not a dataset directory written by data_tools.extract")
         data = json.loads(path.read_text())
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ValueError(
