@@ -164,13 +164,20 @@ class Manifest:
         path = Path(directory) / MANIFEST
         if not path.is_file():
             raise DatasetError(f"{path}: missing file; not a dataset directory written by data_tools.extract")
-        data = json.loads(path.read_text())
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(
-                f"{path}: field 'schema_version' is {data.get('schema_version')!r}, this code reads {SCHEMA_VERSION}"
-            )
-        data["shards"] = [ShardInfo(**s) for s in data.get("shards", [])]
-        return cls(**data)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DatasetError(
+                f"{path}: not valid JSON ({e}), expected the manifest data_tools.extract writes"
+            ) from None
+        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+            found = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
+            raise DatasetError(f"{path}: field 'schema_version' is {found!r}, this code reads {SCHEMA_VERSION}")
+        try:
+            data["shards"] = [ShardInfo(**s) for s in data.get("shards", [])]
+            return cls(**data)
+        except TypeError as e:
+            raise DatasetError(f"{path}: fields do not match this code's manifest ({e})") from None
 
     def save(self, directory: Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
