@@ -133,21 +133,26 @@ class Manifest:
         return out
 
     def prompt_set_differences(self, other: "Manifest") -> list[str]:
+        """Why the prompt set differs from ``other``'s: the recorded settings that changed, else
+        the hashes and what can change them."""
         old, new = other.prompt_settings, self.prompt_settings
-        hashes = f"prompt_set_sha256: directory has '{other.prompt_set_sha256[:8]}...', this run has " + (
-            f"'{self.prompt_set_sha256[:8]}...'"
+        changed = [
+            f"{k}: directory has {_recorded(old, k)}, this run has {_recorded(new, k)}"
+            for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)
+        ]
+        if old and changed:
+            return changed
+        hashes = (
+            f"prompt_set_sha256: directory has '{other.prompt_set_sha256[:8]}...', "
+            f"this run has '{self.prompt_set_sha256[:8]}...'"
         )
         if not old:
             return [
                 f"{hashes} (the directory's manifest does not record which settings made it; any of "
                 f"{', '.join(new) or 'the data.* settings'} or the prompts in data.source may have changed)"
             ]
-        changed = [
-            f"{k}: directory has {old.get(k, '(not recorded)')!r}, this run has {new.get(k, '(not set)')!r}"
-            for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)
-        ]
-        return changed or [
+        return [
             f"{hashes} with the same settings: the prompts that data.source={new.get('data.source')!r} gives have "
             "changed (another file under the same name, or other installed packages for the bundled sources)"
         ]
@@ -182,6 +187,10 @@ class Manifest:
     def save(self, directory: Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(directory) / MANIFEST, self.to_json())
+
+
+def _recorded(settings: dict[str, Any], key: str) -> str:
+    return repr(settings[key]) if key in settings else "(not recorded)"
 
 
 def check_row(row: dict[str, Any], *, n_layers: int, hidden_size: int, bytes_per_value: int) -> Optional[str]:
