@@ -36,7 +36,7 @@ from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from dspark.core.config import TORCH_DTYPES, DataConfig, RunConfig, TargetConfig, load_or_exit
 from dspark.core.files import file_sha256, text_sha256
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
-from dspark.core.shard_format import SPLITS, Manifest, shard_name
+from dspark.core.shard_format import SPLITS, DatasetError, Manifest, shard_name
 from dspark.core.target import read_config, resolve_target
 from dspark.core.vllm_engine import run_headless_workers
 
@@ -260,6 +260,7 @@ def build_manifest(
         compression=data.compression,
         prompt_set_sha256=prompt_set,
         rows_per_shard=data.rows_per_shard,
+        prompt_settings=prompt_settings(data),
     )
 
 
@@ -270,6 +271,7 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
 
     data, target = cfg.data, cfg.target
     rank, world = (data.rank, data.world_size) if data.rank is not None else default_rank_world()
+    conversations = load_source(data.source, split=data.hf_split)  # a wrong source fails here, before any work
     out = Path(data.shards_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     if target_dir is None:
@@ -277,9 +279,7 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
     arch, _, _, text_cfg = read_config(target_dir)
     capture_ids = target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=target.trust_remote_code)
-    splits = dedupe_and_split(
-        load_source(data.source, split=data.hf_split), val_fraction=data.val_fraction, limit=data.num_prompts
-    )
+    splits = dedupe_and_split(conversations, val_fraction=data.val_fraction, limit=data.num_prompts)
     manifest = build_manifest(
         target,
         target_dir,
@@ -332,6 +332,26 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
     return summary
 
 
+PROMPT_SETTINGS = (
+    "source",
+    "hf_split",
+    "num_prompts",
+    "val_fraction",
+    "regenerate",
+    "max_new_tokens",
+    "max_seq_len",
+    "temperature",
+    "seed",
+    "on_overlong",
+)
+"""The data settings that pick the prompts, split them and answer them: recorded in the
+manifest so that a refused resume names the ones that changed."""
+
+
+def prompt_settings(data: DataConfig) -> dict[str, Any]:
+    return {f"data.{k}": getattr(data, k) for k in PROMPT_SETTINGS}
+
+
 def prompt_set_sha256(splits: dict[str, list[Conversation]], data: DataConfig) -> str:
     """The ordered prompt ids per split and the generation settings: a resume with other prompts
     would assign different prompts to the same shard names."""
@@ -343,12 +363,16 @@ def prompt_set_sha256(splits: dict[str, list[Conversation]], data: DataConfig) -
 
 
 def open_dataset_dir(out: Path, manifest: Manifest) -> None:
-    """Start ``out`` with this manifest, or check a resumed directory was made the same way."""
+    """Start ``out`` with this manifest, or check a resumed directory was made the same way
+    (refused with the settings that differ and what to do; nothing in it is touched)."""
     with FileLock(str(out / ".manifest.lock")):
         if (out / "manifest.json").is_file():
             diffs = manifest.header_differences(Manifest.load(out))
             if diffs:
-                raise ValueError(f"{out}: refusing to resume into a dataset made differently: " + "; ".join(diffs))
+                raise DatasetError(
+                    f"{out}: refusing to resume into a dataset made differently: {'; '.join(diffs)}. To extract "
+                    f"with this run's settings, pass data.shards_dir=<a new directory>, or delete {out} first"
+                )
         else:
             manifest.save(out)
 

@@ -1,4 +1,4 @@
-"""Prompt sources: chat files, HF datasets and a bundled offline default.
+"""Prompt sources: chat files, plain text, HF datasets and a bundled offline default.
 
 Every source yields :class:`Conversation` objects (OpenAI-style messages). ShareGPT
 ``conversations`` ({"from": "human"|"gpt"|"system", "value": ...}) and OpenAI ``messages``
@@ -13,12 +13,13 @@ import ast
 import hashlib
 import json
 import random
+import re
 import sys
 import sysconfig
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from dspark.core.files import read_jsonl
 from dspark.core.prompt_format import format_lcr_prompt
@@ -109,36 +110,113 @@ def read_records(records: Iterable[dict[str, Any]], where: str) -> Iterator[Conv
         yield _conversation(record, f"{where} row {n}")
 
 
-def load_source(source: str, *, split: str = "train") -> Iterator[Conversation]:
-    """``bundled``, a .jsonl/.json/.parquet file, a directory saved by ``datasets``, or a hub name."""
-    if source == "bundled":
-        yield from bundled_conversations()
-        return
-    if source == "bundled_lcr":
-        yield from bundled_lcr_conversations()
-        return
-    path = Path(source).expanduser()
-    if path.suffix in (".jsonl", ".json") and path.is_file():
-        yield from read_conversations(path)
-    elif path.suffix == ".parquet" and path.is_file():
-        import pyarrow.parquet as pq
+SOURCE_FORMATS = (
+    "'bundled'",
+    "'bundled_lcr'",
+    "a .jsonl/.json chat file (one object per line with OpenAI 'messages' or ShareGPT 'conversations')",
+    "a .parquet chat file (the same fields as columns)",
+    "a .txt file (one prompt per line, blank lines skipped)",
+    "a directory written by datasets' save_to_disk",
+    "a Hugging Face Hub dataset name (org/name)",
+)
+ACCEPTED_SOURCES = "one of: " + " | ".join(SOURCE_FORMATS)
 
-        yield from read_records(pq.read_table(path).to_pylist(), str(path))
-    elif path.is_dir():
-        import datasets
+FILE_SUFFIXES = frozenset(
+    {".jsonl", ".json", ".parquet", ".txt", ".text", ".csv", ".tsv", ".arrow", ".md", ".yaml", ".yml"}
+    | {".gz", ".zst", ".bz2", ".xz", ".zip", ".tar"}
+)
+"""Suffixes that make a name a local file even when it does not exist (Hub names may hold dots:
+``teknium/OpenHermes-2.5``)."""
 
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[split]
-        yield from read_records(ds, str(path))
-    elif path.suffix in (".jsonl", ".json", ".parquet") or source.startswith(("/", ".", "~")):
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def looks_local(source: str) -> bool:
+    """A path rather than a Hub name: starts with ``/``, ``.`` or ``~``, has a backslash or more
+    than one ``/``, ends in a file suffix, or its part before the ``/`` is a local directory
+    (``data/prompts`` beside a ``data/``). Such a source is never looked up on the Hub."""
+    if not _HUB_NAME.fullmatch(source) or Path(source).suffix.lower() in FILE_SUFFIXES:
+        return True
+    return "/" in source and Path(source).parent.is_dir()
+
+
+def read_text_prompts(path: Path) -> Iterator[Conversation]:
+    """One single-turn user prompt per line of a UTF-8 text file; blank lines are skipped."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            for line in f:
+                if line.strip():
+                    yield Conversation((("user", line.strip()),))
+        except UnicodeDecodeError as e:
+            raise PromptFileError(f"{path}: not UTF-8 text ({e.reason}), expected one prompt per line") from None
+
+
+def _read_parquet(path: Path) -> Iterator[Conversation]:
+    import pyarrow.parquet as pq
+
+    yield from read_records(pq.read_table(path).to_pylist(), str(path))
+
+
+_FILE_READERS: dict[str, Callable[[Path], Iterator[Conversation]]] = {
+    ".jsonl": read_conversations,
+    ".json": read_conversations,
+    ".parquet": _read_parquet,
+    ".txt": read_text_prompts,
+}
+
+
+def _read_saved_dataset(path: Path, split: str) -> Iterator[Conversation]:
+    """A directory written by ``datasets``' ``save_to_disk`` (a Dataset, or a DatasetDict's ``split``)."""
+    if not (path / "dataset_dict.json").is_file() and not (path / "state.json").is_file():
         raise PromptFileError(
-            f"{path}: missing file; data.source must be 'bundled', 'bundled_lcr', a .jsonl/.parquet file, or a dataset"
+            f"{path}: a directory without state.json or dataset_dict.json, not one written by datasets' "
+            f"save_to_disk; data.source expects {ACCEPTED_SOURCES}"
         )
-    else:
-        import datasets
+    import datasets
 
-        yield from read_records(datasets.load_dataset(source, split=split), source)
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise PromptFileError(f"{path}: data.hf_split={split!r} is not among the saved splits {sorted(ds)}")
+        ds = ds[split]
+    return read_records(ds, str(path))
+
+
+def _read_hub(name: str, split: str) -> Iterator[Conversation]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # noqa: BLE001 - datasets and the Hub client raise many types; say which
+        raise PromptFileError(
+            f"data.source={name!r}: no such local file or directory, and the Hub dataset {name!r} could not be "
+            f"loaded ({type(e).__name__}: {e}); expected {ACCEPTED_SOURCES}"
+        ) from e
+    return read_records(ds, name)
+
+
+def load_source(source: str, *, split: str = "train") -> Iterator[Conversation]:
+    """The conversations of ``data.source`` (:data:`SOURCE_FORMATS`). The source is checked when
+    this is called, so a wrong one fails before any work starts; records are read as the result
+    is iterated, and a malformed one names its file and line or row."""
+    if source == "bundled":
+        return bundled_conversations()
+    if source == "bundled_lcr":
+        return bundled_lcr_conversations()
+    path = Path(source).expanduser()
+    if path.is_file():
+        reader = _FILE_READERS.get(path.suffix.lower())
+        if reader is None:
+            suffix = path.suffix or "(no suffix)"
+            raise PromptFileError(f"{path}: unsupported file type {suffix!r}; data.source expects {ACCEPTED_SOURCES}")
+        return reader(path)
+    if path.is_dir():
+        return _read_saved_dataset(path, split)
+    if looks_local(source):
+        raise PromptFileError(
+            f"data.source={source!r}: no such file or directory ({path.absolute()}); expected {ACCEPTED_SOURCES}"
+        )
+    return _read_hub(source, split)
 
 
 def dedupe_and_split(

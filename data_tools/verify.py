@@ -6,7 +6,8 @@ Integrity: each planned shard is present, matches its sidecar's size and sha256,
 declared schema, every row has consistent lengths and byte counts, and no value is NaN/inf.
 Numerics: on ``--recompute`` sampled sequences, the target is rerun in transformers and the
 max relative error per captured layer (||stored - ref|| / ||ref|| per sequence) is printed;
-above ``--max-rel-err`` the command fails. Exit status 0 only when everything holds.
+above ``--max-rel-err`` the command fails. Exit status 0 only when everything holds, 1 when a
+check fails, 2 (one ``error:`` line) when the directory is not a dataset this code reads.
 """
 
 from __future__ import annotations
@@ -22,7 +23,23 @@ import torch
 
 from dspark.core.files import file_sha256
 from dspark.core.layer_ids import reference_hidden_states
-from dspark.core.shard_format import SCHEMA, SPLITS, Manifest, ShardInfo, check_row, decode_hidden_states
+from dspark.core.shard_format import (
+    MANIFEST,
+    SCHEMA,
+    SPLITS,
+    DatasetError,
+    Manifest,
+    ShardInfo,
+    check_row,
+    decode_hidden_states,
+)
+
+
+def read_sidecar(path: Path) -> ShardInfo:
+    try:
+        return ShardInfo(**json.loads(path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+        raise ValueError(f"{path}: damaged sidecar ({e})") from None
 
 
 def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[dict]]:
@@ -35,8 +52,12 @@ def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[d
     }
     on_disk = {f"{p.parent.name}/{p.name}" for s in SPLITS for p in (directory / s).glob("shard-*.parquet")}
     for path in sorted(set(recorded) | set(sidecars) | on_disk):
-        info = recorded.get(path) or (ShardInfo(**json.loads(sidecars[path].read_text())) if path in sidecars else None)
         file = directory / path
+        try:
+            info = recorded.get(path) or (read_sidecar(sidecars[path]) if path in sidecars else None)
+        except ValueError as e:
+            problems.append(f"{e}; resume rebuilds the shard")
+            continue
         if info is None:
             problems.append(f"{file}: shard without a sidecar (unfinished write?); resume rebuilds it")
             continue
@@ -116,8 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = ap.parse_args(argv)
-
-    manifest = Manifest.load(args.directory)
+    try:
+        manifest = Manifest.load(args.directory)
+        if args.recompute and not (Path(manifest.target_path) / "config.json").is_file():
+            raise DatasetError(
+                f"{args.directory / MANIFEST}: field 'target_path' is {manifest.target_path!r}, which has no "
+                "config.json, expected the target the dataset was extracted from; pass --recompute 0 to check "
+                "integrity only"
+            )
+    except DatasetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     problems, pool = check_shards(args.directory, manifest)
     rows = len(pool)
     print(f"{args.directory}: {len(manifest.shards)} shards in manifest, {rows} rows decoded, {len(problems)} problems")

@@ -23,7 +23,7 @@ from dspark.checkpoint import CheckpointError, TrainingCheckpoint, load_training
 from dspark.core.config import TORCH_DTYPES, TargetConfig
 from dspark.core.files import atomic_path
 from dspark.core.layer_ids import CONVENTION
-from dspark.core.target import read_text_config
+from dspark.core.target import TargetError, read_text_config
 from dspark.serving_format import (
     ARCHITECTURES,
     CONFIG_FILE,
@@ -205,11 +205,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                     args.export_dir, target_dir=args.target_dir, num_speculative_tokens=args.num_speculative_tokens
                 ).render()
             )
-    except CheckpointError as err:  # ExportError too
+    except (CheckpointError, TargetError) as err:  # ExportError too
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's module, not this __main__ copy of it: under ``python -m`` a class defined
+    # here would be ``__main__.X``, another class than the ``dspark.export.X`` the library raises.
+    from dspark.export import main as package_main
+
+    sys.exit(package_main())

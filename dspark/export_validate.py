@@ -107,10 +107,18 @@ def validate(
     """Steps 1-4 of the module docstring; the first failure raises :class:`ExportError`."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     exp = read_export(export_dir)  # our own reading: files, fields, shapes
-    target_dir = Path(target_dir or exp.provenance["target"]["path"]).expanduser()
+    if target_dir is None:
+        recorded = (exp.provenance.get("target") or {}).get("path")
+        if not recorded:
+            raise ExportError(f"{exp.path / 'export.json'}: field 'target.path' missing; pass --target-dir")
+        target_dir, source = Path(recorded), "from export.json 'target.path'"
+    else:
+        source = "--target-dir"
+    target_dir = Path(target_dir).expanduser()
     if not (target_dir / "config.json").is_file():
         raise ExportError(
-            f"{target_dir}: target directory (from export.json 'target.path') has no config.json; pass --target-dir"
+            f"{target_dir}: target directory ({source}) has no config.json, expected the target's HF directory; "
+            "pass --target-dir"
         )
     check_target(exp, target_dir)
     method = exp.layout  # the vLLM method name equals the layout name

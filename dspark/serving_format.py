@@ -147,6 +147,31 @@ class ExportedDrafter:
     weights: dict[str, torch.Tensor]
 
 
+REEXPORT = "export it again: python -m dspark.export export CHECKPOINT --out {dir}"
+
+
+def _read_json_object(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
+    """One of the export's JSON files, with the fields it must have; a damaged or foreign file
+    is an :class:`ExportError` naming it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(
+            f"{path}: not valid JSON ({e}), expected the file dspark.export writes; {REEXPORT.format(dir=path.parent)}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ExportError(
+            f"{path}: a JSON {type(data).__name__}, expected an object; {REEXPORT.format(dir=path.parent)}"
+        )
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ExportError(
+            f"{path}: field(s) {missing} missing, expected an export written by dspark.export; "
+            f"{REEXPORT.format(dir=path.parent)}"
+        )
+    return data
+
+
 def read_export(path: Path) -> ExportedDrafter:
     """Read an export directory; the layer ids come from config.json (what vLLM reads), not
     from export.json, so a reference run uses exactly what serving uses."""
@@ -154,8 +179,8 @@ def read_export(path: Path) -> ExportedDrafter:
     for name in (CONFIG_FILE, WEIGHTS_FILE, PROVENANCE_FILE):
         if not (path / name).is_file():
             raise ExportError(f"{path / name}: missing; expected an export written by dspark.export")
-    config = json.loads((path / CONFIG_FILE).read_text())
-    prov = json.loads((path / PROVENANCE_FILE).read_text())
+    config = _read_json_object(path / CONFIG_FILE, ("architectures",))
+    prov = _read_json_object(path / PROVENANCE_FILE, ("context_layer_ids", "drafter", "dims"))
     arch = (config.get("architectures") or [None])[0]
     layouts = {v: k for k, v in ARCHITECTURES.items()}
     if arch not in layouts:
@@ -166,7 +191,13 @@ def read_export(path: Path) -> ExportedDrafter:
     layout = layouts[arch]
     if "sample_from_anchor" not in config:
         raise ExportError(f"{path / CONFIG_FILE}: field 'sample_from_anchor' missing; vLLM would pick a default layout")
-    vllm_ids = config["dflash_config"]["target_layer_ids"] if layout == "dflash" else config["target_layer_ids"]
+    try:
+        vllm_ids = config["dflash_config"]["target_layer_ids"] if layout == "dflash" else config["target_layer_ids"]
+    except (KeyError, TypeError):
+        raise ExportError(
+            f"{path / CONFIG_FILE}: field 'target_layer_ids' missing, expected the target layers the {layout} "
+            f"layout reads; {REEXPORT.format(dir=path)}"
+        ) from None
     ctx_ids = from_vllm_draft_target_layer_ids(vllm_ids)
     if ctx_ids != prov["context_layer_ids"]:
         raise ExportError(
@@ -174,15 +205,20 @@ def read_export(path: Path) -> ExportedDrafter:
             f"trained on {prov['context_layer_ids']} ({CONVENTION}); expected "
             f"{vllm_draft_target_layer_ids(prov['context_layer_ids'])}"
         )
-    drafter = DSparkConfig(**prov["drafter"])
-    if layout == "dflash":
-        drafter = DSparkConfig(**{**prov["drafter"], "enable_confidence_head": False})
+    try:
+        drafter = DSparkConfig(**prov["drafter"])
+        if layout == "dflash":
+            drafter = DSparkConfig(**{**prov["drafter"], "enable_confidence_head": False})
+        dims = DrafterDims(**prov["dims"])
+    except (TypeError, ValueError) as e:  # ConfigError too
+        raise ExportError(
+            f"{path / PROVENANCE_FILE}: fields 'drafter'/'dims' do not fit this code ({e}); {REEXPORT.format(dir=path)}"
+        ) from None
     if bool(config["sample_from_anchor"]) != drafter.sample_from_anchor:
         raise ExportError(
             f"{path / CONFIG_FILE}: sample_from_anchor={config['sample_from_anchor']} but the drafter was "
             f"trained with sample_from_anchor={drafter.sample_from_anchor}"
         )
-    dims = DrafterDims(**prov["dims"])
     try:
         weights = {k: v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types

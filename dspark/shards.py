@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import torch
 
 from dspark.core.files import atomic_path
-from dspark.core.shard_format import SCHEMA, Manifest, ShardInfo, decode_hidden_states
+from dspark.core.shard_format import MANIFEST, SCHEMA, DatasetError, Manifest, ShardInfo, decode_hidden_states
 from dspark.target_topk import SequenceTopK
 
 
@@ -65,12 +65,35 @@ class ShardDataset:
     def _open(self, info: ShardInfo) -> list[pa.RecordBatch]:
         cache = self.directory / ".arrow_cache" / info.split / f"{info.name}-{info.sha256[:12]}.arrow"
         if not cache.is_file():
+            table = self._read_shard(info)
             cache.parent.mkdir(parents=True, exist_ok=True)
-            table = pq.read_table(self.directory / info.path, schema=SCHEMA)
             with atomic_path(cache) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
                 writer.write_table(table, max_chunksize=16)
-        reader = pa.ipc.open_file(pa.memory_map(str(cache), "r"))
-        return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        try:
+            reader = pa.ipc.open_file(pa.memory_map(str(cache), "r"))
+            return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        except (pa.ArrowException, OSError) as e:
+            raise DatasetError(
+                f"{cache}: damaged Arrow cache ({type(e).__name__}: {e}); delete {cache.parent.parent} (it is rebuilt "
+                "from the shards) and run again"
+            ) from e
+
+    def _read_shard(self, info: ShardInfo) -> pa.Table:
+        """One Parquet shard; a missing, truncated or damaged one is a :class:`DatasetError` that
+        says how to check the dataset and rebuild the shard."""
+        shard = self.directory / info.path
+        rebuild = (
+            f"Check the dataset: python -m data_tools.verify {self.directory} --recompute 0; re-extract the shard: "
+            f"delete {shard} and run stages=[extract] again with the same settings (complete shards are kept)"
+        )
+        if not shard.is_file():
+            raise DatasetError(f"{shard}: missing file, listed in manifest.json. {rebuild}")
+        try:
+            return pq.read_table(shard, schema=SCHEMA)
+        except (pa.ArrowException, OSError) as e:
+            raise DatasetError(
+                f"{shard}: cannot be read as a Parquet shard ({type(e).__name__}: {e}); truncated or damaged. {rebuild}"
+            ) from e
 
     def __len__(self) -> int:
         return self._len
@@ -121,6 +144,18 @@ class ShardDataset:
         """Sequences for one rank and epoch, from position ``start`` (resume mid-epoch)."""
         for i in self.rank_indices(rank=rank, world_size=world_size, seed=seed, epoch=epoch)[start:]:
             yield self[i]
+
+
+def require_dataset(directory: str | Path) -> Path:
+    """``data.shards_dir`` holds a dataset (its manifest): checked before training writes anything."""
+    directory = Path(directory).expanduser()
+    if not (directory / MANIFEST).is_file():
+        raise DatasetError(
+            f"data.shards_dir={directory}: no dataset there (no {MANIFEST}), expected the shards the extract stage "
+            "writes; run stages=[extract] first (the same command with stages=[extract,train]), or set "
+            "data.shards_dir to an extracted dataset"
+        )
+    return directory
 
 
 def check_dataset(

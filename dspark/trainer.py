@@ -36,7 +36,7 @@ from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
 from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
-from dspark.shards import ShardDataset, check_dataset
+from dspark.shards import ShardDataset, check_dataset, require_dataset
 from dspark.target_topk import TargetTopK, head_fingerprint
 
 log = logging.getLogger(__name__)
@@ -350,6 +350,7 @@ class Trainer:
         self.cfg, self.t = cfg, cfg.train
         self.rank, self.world = init_distributed()
         self.ckpt_dir = Path(self.t.checkpoint_dir).expanduser()
+        require_dataset(cfg.data.shards_dir)  # before the lock: a run without data writes nothing
         self._lock = lock_checkpoint_dir(self.ckpt_dir) if self.rank == 0 else None
         try:
             self._build(cfg, heads)

@@ -6,7 +6,9 @@ process entry point). A warm-up request runs first and the counters are read bef
 each context bin, so warm-up is excluded and every bin gets its own figures.
 
     python -m eval.serve --target DIR --method dspark --draft EXPORT_DIR --prompts eval_set.jsonl \
-        --gamma 7 --max-new-tokens 128 --out vllm_dspark.json
+        --gamma 7 --max-model-len 8192 --out vllm_dspark.json
+
+Wrong paths end the command with exit status 2 and one ``error:`` line before vLLM starts.
 """
 
 from __future__ import annotations
@@ -195,6 +197,34 @@ def load_run(path: Path) -> ServeRun:
     return ServeRun(**json.loads(Path(path).read_text()))
 
 
+def input_problem(target: Path, method: str, draft: Optional[Path], prompts: Optional[Path]) -> Optional[str]:
+    """What is wrong with the command's paths, checked before vLLM starts (minutes for a large
+    target); None when they are usable. ``prompts`` None: not needed (``--headless``)."""
+    from eval.prompts import EvalPromptError, load_eval_set
+
+    if not (target / "config.json").is_file():
+        return f"--target {target}: no config.json there, expected the target's model directory"
+    if method != "ngram" and draft is None:
+        return f"--method {method} needs --draft, an export directory (python -m dspark.export export CKPT --out DIR)"
+    if draft is not None and not (draft / "config.json").is_file():
+        return (
+            f"--draft {draft}: no config.json there, expected an export directory; "
+            f"python -m dspark.export export CHECKPOINT --out {draft}"
+        )
+    if prompts is None:
+        return None
+    if not prompts.is_file():
+        return (
+            f"--prompts {prompts}: missing file, expected an eval set JSONL; "
+            f"python -m eval.prompts --tokenizer {target} --out {prompts}"
+        )
+    try:
+        found = load_eval_set(prompts)
+    except EvalPromptError as e:
+        return f"--prompts {e}"
+    return None if found else f"--prompts {prompts}: no prompts in it, expected an eval set JSONL"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     defaults = EvalConfig()  # the CLI defaults are the eval stage's
     p = argparse.ArgumentParser(prog="python -m eval.serve", description=__doc__.split("\n\n")[0])
@@ -221,13 +251,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         help='JSON for vllm.LLM, e.g. \'{"tensor_parallel_size": 16, "nnodes": 4, "node_rank": 0, '
         '"master_addr": "h0", "master_port": 29501}\'',
     )
-    p.add_argument(
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="write the run's counters and outputs here (JSON)")
+    where.add_argument(
         "--headless",
         action="store_true",
         help="nodes 1..n-1 of a multi-node engine: host this node's workers until node 0 is done",
     )
-    p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    problem = input_problem(a.target, a.method, a.draft, None if a.headless else a.prompts)
+    if problem:
+        p.exit(2, f"error: {problem}\n")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     spec = ServeSpec(
         a.target,
@@ -248,8 +282,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         run_headless_workers(spec.llm_kwargs())
         return 0
-    if a.out is None:
-        p.error("--out is required (except with --headless)")
     run = serve(spec)
     atomic_write_json(a.out, asdict(run))
     total = AcceptanceCounts(a.gamma)

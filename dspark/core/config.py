@@ -254,7 +254,11 @@ class DataConfig:
 
     source: str = "bundled"
     """bundled (offline short instructions) | bundled_lcr (offline AA-LCR-style long documents) |
-    a .jsonl/.parquet file | a saved dataset dir | an HF dataset name."""
+    a .jsonl/.json or .parquet chat file (OpenAI ``messages`` or ShareGPT ``conversations``) |
+    a .txt file (one prompt per line, blank lines skipped) | a directory saved by ``datasets``'
+    ``save_to_disk`` | a Hub dataset name (``org/name``). A name that looks like a local path
+    (``/``, ``.`` or ``~`` first, a file suffix, more than one ``/``) but is none of these is an
+    error listing these forms, never a Hub lookup (``data_tools.prompts.load_source``)."""
     hf_split: str = "train"
     num_prompts: int = 256
     """After dedupe, before the train/val split."""

@@ -50,6 +50,11 @@ SCHEMA = pa.schema(
 )
 
 
+class DatasetError(ValueError):
+    """A dataset directory that is missing, damaged or made differently; the message names the
+    directory or file, what is wrong and the command that fixes it."""
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
@@ -90,6 +95,10 @@ class Manifest:
     """Hash of the ordered prompt ids per split and the generation settings: a resume with
     other prompts would assign different prompts to the same shard names."""
     rows_per_shard: int = 0
+    prompt_settings: dict[str, Any] = field(default_factory=dict)
+    """The ``data.*`` settings that pick and answer the prompts (what ``prompt_set_sha256``
+    depends on besides the source's content), so a refusal can say which one changed. Empty in
+    manifests written before they were recorded."""
     layer_id_convention: str = "hf_hidden_states"
     schema_version: int = SCHEMA_VERSION
     shards: list[ShardInfo] = field(default_factory=list)
@@ -111,10 +120,41 @@ class Manifest:
     )
 
     def header_differences(self, other: "Manifest") -> list[str]:
+        """What differs from ``other`` (the directory's manifest), one entry per field; a changed
+        prompt set is told by the settings that changed it, where both manifests record them."""
+        out = []
+        for k in self.HEADER_FIELDS:
+            if getattr(self, k) == getattr(other, k):
+                continue
+            if k == "prompt_set_sha256":
+                out += self.prompt_set_differences(other)
+            else:
+                out.append(f"{k}: directory has {getattr(other, k)!r}, this run has {getattr(self, k)!r}")
+        return out
+
+    def prompt_set_differences(self, other: "Manifest") -> list[str]:
+        """Why the prompt set differs from ``other``'s: the recorded settings that changed, else
+        the hashes and what can change them."""
+        old, new = other.prompt_settings, self.prompt_settings
+        changed = [
+            f"{k}: directory has {_recorded(old, k)}, this run has {_recorded(new, k)}"
+            for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)
+        ]
+        if old and changed:
+            return changed
+        hashes = (
+            f"prompt_set_sha256: directory has '{other.prompt_set_sha256[:8]}...', "
+            f"this run has '{self.prompt_set_sha256[:8]}...'"
+        )
+        if not old:
+            return [
+                f"{hashes} (the directory's manifest does not record which settings made it; any of "
+                f"{', '.join(new) or 'the data.* settings'} or the prompts in data.source may have changed)"
+            ]
         return [
-            f"{k}: directory has {getattr(other, k)!r}, this run has {getattr(self, k)!r}"
-            for k in self.HEADER_FIELDS
-            if getattr(self, k) != getattr(other, k)
+            f"{hashes} with the same settings: the prompts that data.source={new.get('data.source')!r} gives have "
+            "changed (another file under the same name, or other installed packages for the bundled sources)"
         ]
 
     @property
@@ -128,18 +168,29 @@ class Manifest:
     def load(cls, directory: Path) -> "Manifest":
         path = Path(directory) / MANIFEST
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing file; not a dataset directory written by data_tools.extract")
-        data = json.loads(path.read_text())
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise ValueError(
-                f"{path}: field 'schema_version' is {data.get('schema_version')!r}, this code reads {SCHEMA_VERSION}"
-            )
-        data["shards"] = [ShardInfo(**s) for s in data.get("shards", [])]
-        return cls(**data)
+            raise DatasetError(f"{path}: missing file; not a dataset directory written by data_tools.extract")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DatasetError(
+                f"{path}: not valid JSON ({e}), expected the manifest data_tools.extract writes"
+            ) from None
+        if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+            found = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
+            raise DatasetError(f"{path}: field 'schema_version' is {found!r}, this code reads {SCHEMA_VERSION}")
+        try:
+            data["shards"] = [ShardInfo(**s) for s in data.get("shards", [])]
+            return cls(**data)
+        except TypeError as e:
+            raise DatasetError(f"{path}: fields do not match this code's manifest ({e})") from None
 
     def save(self, directory: Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(directory) / MANIFEST, self.to_json())
+
+
+def _recorded(settings: dict[str, Any], key: str) -> str:
+    return repr(settings[key]) if key in settings else "(not recorded)"
 
 
 def check_row(row: dict[str, Any], *, n_layers: int, hidden_size: int, bytes_per_value: int) -> Optional[str]:

@@ -1,8 +1,13 @@
 """Work split and engine arguments (no vLLM engine started)."""
 
+import json
 from pathlib import Path
 
-from data_tools.extract import assign, default_rank_world, engine_kwargs
+import pytest
+
+from data_tools.extract import assign, default_rank_world, engine_kwargs, open_dataset_dir, prompt_settings
+from dspark.core.config import DataConfig
+from dspark.core.shard_format import DatasetError, Manifest
 
 
 def test_shards_are_split_across_ranks_without_overlap():
@@ -47,3 +52,70 @@ def test_engine_kwargs_capture_every_layer_and_the_final_state(compose_config):
         conn["kv_connector"] == "CPUHiddenStatesConnector"
         and conn["kv_connector_module_path"] == "data_tools.cpu_connector"
     )
+
+
+def _manifest(data, prompt_set: str, *, settings: bool = True) -> Manifest:
+    return Manifest(
+        target="toy",
+        target_path="/x",
+        revision=None,
+        architecture="LlamaForCausalLM",
+        tokenizer_sha256="t",
+        chat_template_sha256="c",
+        layer_ids=[1, 4],
+        num_hidden_layers=4,
+        hidden_size=8,
+        dtype="float32",
+        compression="zstd",
+        prompt_set_sha256=prompt_set,
+        prompt_settings=prompt_settings(data) if settings else {},
+    )
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_changed_prompt_set_is_refused_naming_the_settings_and_what_to_do(tmp_path):
+    out = tmp_path / "data"
+    old = DataConfig(num_prompts=128, max_seq_len=512)
+    open_dataset_dir(out, _manifest(old, "4e91" * 16))
+    (out / "train").mkdir()
+    (out / "train" / "shard-00000.parquet").write_bytes(b"rows")
+    before = _files(out)
+    new = DataConfig(num_prompts=256, max_seq_len=512, source="prompts.txt")
+    with pytest.raises(DatasetError) as err:
+        open_dataset_dir(out, _manifest(new, "f51a" * 16))
+    assert str(err.value) == (
+        f"{out}: refusing to resume into a dataset made differently: data.num_prompts: directory has 128, this run "
+        "has 256; data.source: directory has 'bundled', this run has 'prompts.txt'. To extract with this run's "
+        f"settings, pass data.shards_dir=<a new directory>, or delete {out} first"
+    )
+    assert _files(out) == before  # nothing extracted is touched
+    open_dataset_dir(out, _manifest(DataConfig(num_prompts=300, max_seq_len=512), "4e91" * 16))  # same prompts: resumes
+    assert _files(out) == before
+
+
+def test_same_settings_other_prompts_and_old_manifests_are_explained(tmp_path):
+    data = DataConfig(max_seq_len=512)
+    open_dataset_dir(tmp_path / "a", _manifest(data, "4e91" * 16))
+    with pytest.raises(
+        DatasetError,
+        match=r"prompt_set_sha256: directory has '4e914e91\.\.\.', this run has 'f51af51a\.\.\.' with the same "
+        r"settings: the prompts that data.source='bundled' gives have changed \(another file under the same name, "
+        r"or other installed packages for the bundled sources\)\. To extract with this run's settings, pass "
+        r"data.shards_dir=<a new directory>, or delete .*/a first",
+    ):
+        open_dataset_dir(tmp_path / "a", _manifest(data, "f51a" * 16))
+    open_dataset_dir(tmp_path / "old", _manifest(data, "4e91" * 16, settings=False))  # written before they were kept
+    with pytest.raises(
+        DatasetError,
+        match=r"prompt_set_sha256: directory has '4e914e91\.\.\.', this run has 'f51af51a\.\.\.' \(the directory's "
+        r"manifest does not record which settings made it; any of data.source, data.hf_split, data.num_prompts, "
+        r".*data.on_overlong or the prompts in data.source may have changed\)\. To extract with this run's settings",
+    ):
+        open_dataset_dir(tmp_path / "old", _manifest(data, "f51a" * 16))
+    raw = json.loads((tmp_path / "old" / "manifest.json").read_text())
+    del raw["prompt_settings"]  # a manifest from before the field existed still loads
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps(raw))
+    assert Manifest.load(tmp_path / "old").prompt_settings == {}

@@ -1,6 +1,7 @@
 """Prompt sources, dedupe/split and fitting prompts to the window."""
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -60,9 +61,95 @@ def test_bad_records_name_file_line_and_field(tmp_path, record, message):
         list(load_source(str(_jsonl(tmp_path / "p.jsonl", [record]))))
 
 
-def test_missing_file(tmp_path):
-    with pytest.raises(PromptFileError, match=r"nope.jsonl: missing file"):
-        list(load_source(str(tmp_path / "nope.jsonl")))
+@pytest.fixture
+def no_hub(monkeypatch):
+    """datasets.load_dataset replaced: a test fails if anything reaches for the Hub."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(name, split):
+        calls.append((name, split))
+        return [OPENAI]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+ACCEPTED = (
+    r"one of: 'bundled' \| 'bundled_lcr' \| a \.jsonl/\.json chat file .* \| a \.txt file \(one prompt per "
+    r"line, blank lines skipped\) \| a directory written by datasets' save_to_disk \| a Hugging Face Hub dataset name"
+)
+
+
+@pytest.mark.parametrize("name", ["nope.jsonl", "prompts.txt", "./prompts", "~/nope", "x.csv", "a/b/c", "data/prompts"])
+def test_a_missing_local_looking_source_is_an_error_not_a_hub_lookup(tmp_path, monkeypatch, no_hub, name):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data").mkdir()  # so data/prompts is a path here, not a Hub name
+    with pytest.raises(PromptFileError) as err:
+        load_source(name)  # fails when called, before any work starts
+    assert str(err.value).startswith(f"data.source={name!r}: no such file or directory ({tmp_path}/")
+    assert re.search("expected " + ACCEPTED, str(err.value))
+    assert no_hub == []
+
+
+def test_hub_names_go_to_the_hub(tmp_path, monkeypatch, no_hub):
+    monkeypatch.chdir(tmp_path)
+    for name in ("org/name", "teknium/OpenHermes-2.5", "squad"):  # no local org/ directory here
+        assert [c.messages[1] for c in load_source(name, split="test")] == [("user", "hi")]
+    assert no_hub == [("org/name", "test"), ("teknium/OpenHermes-2.5", "test"), ("squad", "test")]
+    (tmp_path / "org").mkdir()
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list([SHAREGPT]).save_to_disk(str(tmp_path / "org" / "name"))
+    assert [c.messages for c in load_source("org/name")] == [(("user", "hi"), ("assistant", "hello"))]
+    assert len(no_hub) == 3  # a local directory of that name wins over the Hub
+
+
+def test_a_hub_failure_names_the_source_and_the_accepted_forms(monkeypatch):
+    import datasets
+
+    def offline(name, split):
+        raise ConnectionError("Couldn't reach the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(
+        PromptFileError,
+        match=r"data.source='org/missing': no such local file or directory, and the Hub dataset 'org/missing' could "
+        r"not be loaded \(ConnectionError: Couldn't reach the Hub\); expected " + ACCEPTED,
+    ):
+        load_source("org/missing")
+
+
+def test_plain_text_one_prompt_per_line(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("What is a monad?\n\n   \n  Explain RoPE briefly.  \nlast line without newline", encoding="utf-8")
+    assert [c.messages for c in load_source(str(path))] == [
+        (("user", "What is a monad?"),),
+        (("user", "Explain RoPE briefly."),),
+        (("user", "last line without newline"),),
+    ]
+    path.write_bytes(b"ok\n\xff\xfe bad\n")
+    with pytest.raises(
+        PromptFileError, match=r"prompts.txt: not UTF-8 text \(invalid start byte\), expected one prompt"
+    ):
+        list(load_source(str(path)))
+
+
+def test_unsupported_files_and_directories_list_the_accepted_forms(tmp_path, no_hub):
+    (tmp_path / "prompts.csv").write_text("a,b\n")
+    with pytest.raises(
+        PromptFileError, match=r"prompts.csv: unsupported file type '.csv'; data.source expects " + ACCEPTED
+    ):
+        load_source(str(tmp_path / "prompts.csv"))
+    (tmp_path / "plain_dir").mkdir()
+    with pytest.raises(
+        PromptFileError,
+        match=r"plain_dir: a directory without state.json or dataset_dict.json, not one written by datasets' "
+        r"save_to_disk; data.source expects one of: 'bundled'",
+    ):
+        load_source(str(tmp_path / "plain_dir"))
+    assert no_hub == []
 
 
 def test_parquet_and_saved_dataset_sources(tmp_path):
@@ -74,6 +161,10 @@ def test_parquet_and_saved_dataset_sources(tmp_path):
     ] * 2
     datasets.Dataset.from_list([SHAREGPT]).save_to_disk(str(tmp_path / "ds"))
     assert [c.messages for c in load_source(str(tmp_path / "ds"))] == [(("user", "hi"), ("assistant", "hello"))]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([OPENAI])}).save_to_disk(str(tmp_path / "dd"))
+    assert len(list(load_source(str(tmp_path / "dd")))) == 1
+    with pytest.raises(PromptFileError, match=r"dd: data.hf_split='test' is not among the saved splits \['train'\]"):
+        load_source(str(tmp_path / "dd"), split="test")
 
 
 def test_dedupe_and_split_is_deterministic_and_order_free():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from data_tools.shard_writer import finalize, write_shard
-from dspark.core.shard_format import Manifest
-from dspark.shards import ShardDataset, open_dataset
+from dspark.core.shard_format import DatasetError, Manifest
+from dspark.shards import ShardDataset, open_dataset, require_dataset
 
 
 def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=8, val_rows=1):
@@ -102,3 +102,42 @@ def test_incomplete_dataset_is_refused(tmp_path):
     finalize(tmp_path, [("train", 0), ("train", 1)])
     with pytest.raises(ValueError, match="field 'complete' is false"):
         ShardDataset(tmp_path)
+
+
+def test_a_truncated_or_missing_shard_names_the_file_and_the_way_out(tmp_path):
+    make_dataset(tmp_path)
+    shard = tmp_path / "train" / "shard-00001.parquet"
+    shard.write_bytes(shard.read_bytes()[:-200])  # a torn copy
+    before = shard.read_bytes()
+    with pytest.raises(DatasetError) as err:
+        ShardDataset(tmp_path)
+    assert str(err.value) == (
+        f"{shard}: cannot be read as a Parquet shard (ArrowInvalid: {err.value.__cause__}); truncated or damaged. "
+        f"Check the dataset: python -m data_tools.verify {tmp_path} --recompute 0; re-extract the shard: delete "
+        f"{shard} and run stages=[extract] again with the same settings (complete shards are kept)"
+    )
+    assert shard.read_bytes() == before and not list((tmp_path / ".arrow_cache").rglob("shard-00001*"))
+    shard.unlink()
+    with pytest.raises(DatasetError, match=r"shard-00001.parquet: missing file, listed in manifest.json\. Check"):
+        ShardDataset(tmp_path)
+
+
+def test_a_damaged_arrow_cache_is_named(tmp_path):
+    make_dataset(tmp_path)
+    ShardDataset(tmp_path)
+    (cache,) = (tmp_path / ".arrow_cache" / "train").glob("shard-00000-*.arrow")
+    cache.write_bytes(b"not arrow")
+    with pytest.raises(DatasetError, match=rf"{cache}: damaged Arrow cache \(ArrowInvalid: .*\); delete "):
+        ShardDataset(tmp_path)
+
+
+def test_a_directory_without_a_dataset_says_to_extract_first(tmp_path):
+    with pytest.raises(DatasetError) as err:
+        require_dataset(tmp_path / "data")
+    assert str(err.value) == (
+        f"data.shards_dir={tmp_path / 'data'}: no dataset there (no manifest.json), expected the shards the extract "
+        "stage writes; run stages=[extract] first (the same command with stages=[extract,train]), or set "
+        "data.shards_dir to an extracted dataset"
+    )
+    make_dataset(tmp_path / "data")
+    assert require_dataset(tmp_path / "data") == tmp_path / "data"

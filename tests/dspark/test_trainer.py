@@ -265,6 +265,17 @@ def test_shards_for_another_target_are_refused(compose_config, tiny, tmp_path):
         Trainer(compose_config(*overrides(target, data, tmp_path), "target.layer_ids=[1,3]"), load_target_heads(target))
 
 
+def test_training_without_a_dataset_says_to_extract_first_and_writes_nothing(compose_config, tiny, tmp_path):
+    from dspark.core.shard_format import DatasetError
+
+    target, _ = tiny
+    with pytest.raises(
+        DatasetError, match=r"data.shards_dir=.*/empty: no dataset there \(no manifest.json\), .*; run "
+    ):
+        Trainer(compose_config(*overrides(target, tmp_path / "empty", tmp_path)), load_target_heads(target))
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "empty").exists()
+
+
 def test_nan_loss_names_step_and_sequences(compose_config, tmp_path, smollm2_dir):
     target, data = build_target_and_shards(tmp_path, smollm2_dir, n_train=4, n_val=0, nan_in=("train", 2))
     tr = Trainer(compose_config(*overrides(target, data, tmp_path, "train.max_steps=3")), load_target_heads(target))
