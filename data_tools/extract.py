@@ -38,7 +38,7 @@ from dspark.core.files import file_sha256, text_sha256
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
 from dspark.core.shard_format import SPLITS, DatasetError, Manifest, shard_name
 from dspark.core.target import read_config, resolve_target
-from dspark.core.vllm_engine import run_headless_workers
+from dspark.core.vllm_engine import generate, run_headless_workers
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,14 @@ def capture_rows(llm: Any, requests: list[Request], data: DataConfig, *, n_layer
         for r in requests
     ]
     prompts = [{"prompt_token_ids": r.prompt_ids + (r.answer_ids or [])} for r in requests]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = generate(
+        llm,
+        prompts,
+        params,
+        use_tqdm=False,
+        what=f"extracting {len(requests)} sequences ({requests[0].seq_id}...)",
+        rerun="the complete shards are kept: rerun the same command to resume",
+    )
     store = TORCH_DTYPES[data.store_dtype]
     rows = []
     for req, out in zip(requests, outputs):

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from dspark.core.config import EvalConfig, ExtractEngineConfig, TargetConfig
 from dspark.core.files import atomic_write_json
-from dspark.core.vllm_engine import make_llm
+from dspark.core.vllm_engine import generate, make_llm
 from eval.results import AcceptanceCounts
 
 log = logging.getLogger(__name__)
@@ -157,8 +157,13 @@ def serve(spec: ServeSpec) -> ServeRun:
     for b in sorted({p.bin for p in prompts}):
         group = [p for p in prompts if p.bin == b]
         before = read_counters(llm, gamma)
-        results = llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p.prompt_token_ids)) for p in group], params, use_tqdm=True
+        results = generate(
+            llm,
+            [TokensPrompt(prompt_token_ids=list(p.prompt_token_ids)) for p in group],
+            params,
+            use_tqdm=True,
+            what=f"serving {spec.method}, bin {b}",
+            rerun="rerun the eval stage (the exports and finished results are kept)",
         )
         delta = read_counters(llm, gamma).minus(before)
         per_bin[str(b)] = {**asdict(delta), "num_prompts": len(group)}

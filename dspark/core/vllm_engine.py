@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,43 @@ def make_llm(kwargs: dict[str, Any], *, cpu_kvcache_gib: int):
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gib))
     return LLM(**kwargs)
+
+
+class EngineDied(RuntimeError):
+    """vLLM's engine core process died under a running ``generate`` (killed, out of memory, a
+    crashed worker); vLLM notices through its process monitor and fails the call."""
+
+
+def generate(llm: Any, prompts: list, params: Any, *, what: str, rerun: str, **kwargs: Any) -> list:
+    """``llm.generate``, with the engine's death turned into an error that says what was being
+    done and what to run next, instead of vLLM's "EngineCore encountered an issue" or a hang."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    done = threading.Event()
+    if hasattr(client, "outputs_queue") and hasattr(getattr(client, "resources", None), "engine_dead"):
+        threading.Thread(target=_wake_on_engine_death, args=(client, done), daemon=True).start()
+    try:
+        return llm.generate(prompts, params, **kwargs)
+    except EngineDeadError as e:
+        raise EngineDied(
+            f"{what}: vLLM's engine core process died (killed, or out of memory: see the engine's log above); {rerun}"
+        ) from e
+    finally:
+        done.set()
+
+
+def _wake_on_engine_death(client: Any, done: threading.Event, poll_s: float = 1.0) -> None:
+    """vLLM (0.32) notices a dead engine core: its monitor thread sets ``resources.engine_dead``
+    and shuts the client down. But the thread that feeds ``outputs_queue`` then ends without a
+    word, so a ``generate`` waiting in ``get_output`` waits forever. Hand it the error vLLM means
+    to raise."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    while not done.wait(poll_s):
+        if client.resources.engine_dead:
+            client.outputs_queue.put_nowait(EngineDeadError())
+            return
 
 
 def run_headless_workers(kwargs: dict[str, Any]) -> None:

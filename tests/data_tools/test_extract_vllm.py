@@ -143,6 +143,57 @@ def test_kill_resume_and_rebuild_match_uninterrupted_run(tmp_path, prompts, refe
     assert _rows(out).keys() == expected.keys()
 
 
+def test_a_dead_engine_core_ends_the_driver_and_the_rerun_resumes(tmp_path, prompts, reference):
+    """Issue #17: vLLM's engine core killed mid-extraction (as the OOM killer would) ends the driver
+    within a bound, with a message that says what to do; the rerun completes the same dataset."""
+    import psutil
+
+    out, log = tmp_path / "ds", tmp_path / "driver.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            _cmd(prompts, out), cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.time() + 300
+        while not (out / "train" / "shard-00000.json").exists():
+            assert proc.poll() is None and time.time() < deadline, "extraction ended before the first shard"
+            time.sleep(0.1)
+        engines = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "EngineCor" in " ".join(p.cmdline()) + p.name()
+        ]
+        assert engines, [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
+        for p in engines:
+            p.kill()
+        rc = proc.wait(timeout=180)  # bounded: vLLM's monitor notices the dead process
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc != 0, text[-3000:]
+    deadline = time.time() + 30  # and nothing of it is left running (vLLM's worker included)
+    while [p for p in psutil.process_iter() if _session(p) == proc.pid] and time.time() < deadline:
+        time.sleep(0.5)
+    assert not [p.cmdline() for p in psutil.process_iter() if _session(p) == proc.pid]
+    assert "vLLM's engine core process died" in text and "rerun the same command to resume" in text, text[-3000:]
+    assert not Manifest.load(out).complete
+
+    _run(_cmd(prompts, out))
+    expected, got = _rows(reference), _rows(out)
+    assert got.keys() == expected.keys()
+    for seq_id, (split, ids, mask, hs) in expected.items():
+        assert got[seq_id][:3] == (split, ids, mask)
+        torch.testing.assert_close(got[seq_id][3], hs, rtol=1e-5, atol=1e-5)
+
+
+def _session(p) -> int:
+    try:
+        return os.getsid(p.pid)
+    except (ProcessLookupError, PermissionError):
+        return -1
+
+
 def test_resume_into_a_different_dataset_is_refused(tmp_path, prompts, reference):
     out = subprocess.run(
         _cmd(prompts, reference, "target.layer_ids=[2,9]"), cwd=REPO, capture_output=True, text=True, timeout=600
