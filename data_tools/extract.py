@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
-from dspark.core.config import TORCH_DTYPES, DataConfig, RunConfig, TargetConfig, load_or_exit
+from dspark.core.config import TORCH_DTYPES, DataConfig, RunConfig, TargetConfig, load_config
+from dspark.core.errors import exit_on_user_error
 from dspark.core.files import file_sha256, text_sha256
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
 from dspark.core.shard_format import SPLITS, DatasetError, Manifest, shard_name
@@ -431,7 +432,8 @@ def capture_shards(
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    extract(load_or_exit(cfg))
+    with exit_on_user_error():  # error: <message> and exit status 2, no traceback
+        extract(load_config(cfg))
 
 
 if __name__ == "__main__":

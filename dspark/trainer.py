@@ -29,9 +29,17 @@ from omegaconf import DictConfig
 
 from dspark.batching import Batch, DataPosition, RankBatches, collate
 from dspark.calibration import calibration_sums, expected_calibration_error
-from dspark.checkpoint import checkpoint_config_differences, latest_tag, lock_checkpoint_dir, publish_tag, tag_name
+from dspark.checkpoint import (
+    CheckpointError,
+    checkpoint_config_differences,
+    latest_tag,
+    lock_checkpoint_dir,
+    publish_tag,
+    tag_name,
+)
 from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
 from dspark.core.files import atomic_write_text, file_sha256, free_port
+from dspark.core.shard_format import DatasetError
 from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
 from dspark.loss import LossConfig, LossOutput, dspark_loss
@@ -187,9 +195,10 @@ def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: Tar
     tok = heads.path / "tokenizer.json"
     tok_sha = file_sha256(tok) if tok.is_file() else None
     if tok_sha is not None and m.tokenizer_sha256 != tok_sha:
-        raise ValueError(
+        raise DatasetError(
             f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes "
-            f"to {tok_sha[:12]}..."
+            f"to {tok_sha[:12]}..., expected the same tokenizer; extract with this target into a new data.shards_dir "
+            "(stages=[extract,train])"
         )
 
 
@@ -748,8 +757,9 @@ class Trainer:
         self._check_resume_config(tag_dir)
         loaded, client = self.engine.load_checkpoint(str(path), tag=tag)
         if loaded is None:
-            raise FileNotFoundError(
-                f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from"
+            raise CheckpointError(
+                f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from, expected a "
+                "tag directory written by the trainer; pass train.resume=never to start over"
             )
         self.state = TrainState(
             step=client["step"],
@@ -776,7 +786,7 @@ class Trainer:
         tensor shape, or not at all): name the fields and the way out."""
         diffs = checkpoint_config_differences(tag_dir, self.cfg)
         if diffs:
-            raise ValueError(
+            raise CheckpointError(
                 f"{tag_dir}: this checkpoint is of another drafter ({'; '.join(diffs)}). Train this one "
                 f"under its own name (train.run_name=...), start over with train.resume=never, or "
                 f"point train.checkpoint_dir elsewhere"
