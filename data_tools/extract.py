@@ -40,6 +40,7 @@ from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
 from dspark.core.shard_format import SPLITS, DatasetError, Manifest, shard_name
 from dspark.core.target import read_config, resolve_target
 from dspark.core.vllm_engine import run_headless_workers
+from dspark.core.wandb_run import init_wandb
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +331,32 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
         )
     finalize(out, units)
     summary.log()
+    if todo:
+        log_to_wandb(cfg, summary, rank=rank, world=world)
     return summary
+
+
+def log_to_wandb(cfg: RunConfig, summary: Summary, *, rank: int, world: int) -> None:
+    """This rank's extraction as a W&B run (job_type extract, in the drafter's group beside its
+    train and eval runs): what it wrote and how fast."""
+    run = init_wandb(cfg, Path(cfg.paths.output_dir), job_type="extract")
+    if run is None:
+        return
+    run.summary.update(
+        {
+            "extract/rows": summary.rows,
+            "extract/tokens": summary.tokens,
+            "extract/bytes": summary.bytes,
+            "extract/seconds": summary.seconds,
+            "extract/tokens_per_s": summary.tokens / max(summary.seconds, 1e-9),
+            "extract/shards_written": summary.shards_written,
+            "extract/shards_resumed": summary.shards_resumed,
+            "extract/skipped_prompts": sum(summary.skipped.values()),
+            "extract/rank": rank,
+            "extract/world_size": world,
+        }
+    )
+    run.finish()
 
 
 PROMPT_SETTINGS = (

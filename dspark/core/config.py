@@ -523,15 +523,18 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    """W&B: offline files when no WANDB_API_KEY is set (auto); wandb=false turns it off."""
+    """W&B (:mod:`dspark.core.wandb_run`): ``WANDB_MODE`` wins when set; ``auto`` is online when
+    wandb finds a login (``WANDB_API_KEY``, ``wandb login``, its settings), offline files
+    otherwise; wandb=false turns it off."""
 
     wandb: bool = True
     project: str = "dspark"
     entity: Optional[str] = None
     mode: str = "auto"
-    """auto | online | offline | disabled."""
+    """auto | online | offline | disabled; an environment ``WANDB_MODE`` overrides it."""
     group: Optional[str] = None
-    """W&B group: the runs of one experiment (an ablation multirun) side by side."""
+    """W&B group; None: ``<target.name>-<train.run_name>``, the drafter's extract, train and eval
+    runs together. Set it to put the runs of one experiment (an ablation multirun) side by side."""
 
     def __post_init__(self) -> None:
         _choice("logging.mode", self.mode, WANDB_MODES)
