@@ -309,6 +309,20 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def clock(seconds: float) -> str:
+    """``h:mm:ss`` for a log line."""
+    s = max(0, round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def progress(step: int, max_steps: int, *, start_step: int, elapsed: float) -> str:
+    """``step N/M | elapsed h:mm:ss | eta h:mm:ss``: the ETA from this process's own pace (steps
+    since it started or resumed, validation and checkpoints included)."""
+    done = step - start_step
+    eta = clock(elapsed / done * (max_steps - step)) if done > 0 else "?"
+    return f"step {step}/{max_steps} | elapsed {clock(elapsed)} | eta {eta}"
+
+
 def provenance(cfg: RunConfig) -> dict[str, Any]:
     """What a checkpoint was made by: resolved config, git SHA, versions, argv."""
     import deepspeed
@@ -583,6 +597,7 @@ class Trainer:
 
     def _train(self, until: Optional[int]) -> TrainState:
         max_steps, t_start = self.t.max_steps, time.perf_counter()
+        self._start_step = self.state.step  # the ETA's pace counts this process's steps only
         while self.state.step < min(max_steps, until or max_steps):
             m, seq_ids = self.train_step()
             self.state.step += 1
@@ -615,10 +630,9 @@ class Trainer:
     def _log_train(self, m: dict[str, float], elapsed: float) -> None:
         tok_s = m["tokens"] / m["step_s"]
         log.info(
-            "step %d/%d | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s "
+            "%s | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s "
             "%.0f pred/s | data %.1f%% | mem %.2f GB",
-            self.state.step,
-            self.t.max_steps,
+            progress(self.state.step, self.t.max_steps, start_step=getattr(self, "_start_step", 0), elapsed=elapsed),
             m["loss"],
             m["ce"],
             m["tv"],
