@@ -2,7 +2,7 @@
 
     python train.py +experiment=smollm2_cpu_demo            # run the stages on the embedded target
     python train.py +experiment=kimi_k3_gb300 --cfg job     # print the resolved config
-    python train.py --help                                  # groups and overrides
+    python train.py --help                                  # the stages, experiments, examples and every key
 
 This is the only module that imports every stage (``tests/test_layering.py``); each stage is
 imported when it runs, so a node that only trains never imports vLLM. Tests call :func:`run`.
