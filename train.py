@@ -1,7 +1,7 @@
 """The main job: every pipeline stage that ``stages`` names, in order, and what each one did.
 
     python train.py +experiment=smollm2_cpu_demo            # run the stages on the embedded target
-    python train.py +experiment=kimi_k3_gb300 --cfg job     # print the resolved config
+    python train.py +experiment=kimi_k3_gb300 --cfg job --resolve  # the resolved config
     python train.py --help                                  # the stages, experiments, examples and every key
 
 This is the only module that imports every stage (``tests/test_layering.py``); each stage is
