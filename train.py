@@ -1,8 +1,8 @@
 """The main job: every pipeline stage that ``stages`` names, in order, and what each one did.
 
     python train.py +experiment=smollm2_cpu_demo            # run the stages on the embedded target
-    python train.py +experiment=kimi_k3_gb300 --cfg job     # print the resolved config
-    python train.py --help                                  # groups and overrides
+    python train.py +experiment=kimi_k3_gb300 --cfg job --resolve  # the resolved config
+    python train.py --help                                  # the stages, experiments, examples and every key
 
 This is the only module that imports every stage (``tests/test_layering.py``); each stage is
 imported when it runs, so a node that only trains never imports vLLM. Tests call :func:`run`.
@@ -18,7 +18,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from dspark.core.config import DSparkConfig, RunConfig, load_config, load_or_exit  # also registers the schemas
+from dspark.core.config import DSparkConfig, RunConfig, load_config  # also registers the schemas
+from dspark.core.errors import exit_on_user_error
 from dspark.core.target import TargetHeads, prepare_target
 
 log = logging.getLogger("train")
@@ -77,7 +78,11 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run(load_or_exit(cfg))
+    """A user error (a config value, no dataset, a damaged shard, a checkpoint of another drafter)
+    ends the command with ``error: <message>`` and exit status 2; ``HYDRA_FULL_ERROR=1`` or
+    ``DSPARK_DEBUG=1`` shows the traceback. :func:`run` raises, for tests."""
+    with exit_on_user_error():
+        run(load_config(cfg))
 
 
 if __name__ == "__main__":

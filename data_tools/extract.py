@@ -33,12 +33,14 @@ from tqdm import tqdm
 
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
-from dspark.core.config import TORCH_DTYPES, DataConfig, RunConfig, TargetConfig, load_or_exit
+from dspark.core.config import TORCH_DTYPES, DataConfig, RunConfig, TargetConfig, load_config
+from dspark.core.errors import exit_on_user_error
 from dspark.core.files import file_sha256, text_sha256
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
 from dspark.core.shard_format import SPLITS, DatasetError, Manifest, shard_name
 from dspark.core.target import read_config, resolve_target
 from dspark.core.vllm_engine import generate, run_headless_workers
+from dspark.core.wandb_run import init_wandb
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +338,32 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
         )
     finalize(out, units)
     summary.log()
+    if todo:
+        log_to_wandb(cfg, summary, rank=rank, world=world)
     return summary
+
+
+def log_to_wandb(cfg: RunConfig, summary: Summary, *, rank: int, world: int) -> None:
+    """This rank's extraction as a W&B run (job_type extract, in the drafter's group beside its
+    train and eval runs): what it wrote and how fast."""
+    run = init_wandb(cfg, Path(cfg.paths.output_dir), job_type="extract")
+    if run is None:
+        return
+    run.summary.update(
+        {
+            "extract/rows": summary.rows,
+            "extract/tokens": summary.tokens,
+            "extract/bytes": summary.bytes,
+            "extract/seconds": summary.seconds,
+            "extract/tokens_per_s": summary.tokens / max(summary.seconds, 1e-9),
+            "extract/shards_written": summary.shards_written,
+            "extract/shards_resumed": summary.shards_resumed,
+            "extract/skipped_prompts": sum(summary.skipped.values()),
+            "extract/rank": rank,
+            "extract/world_size": world,
+        }
+    )
+    run.finish()
 
 
 PROMPT_SETTINGS = (
@@ -438,7 +465,8 @@ def capture_shards(
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    extract(load_or_exit(cfg))
+    with exit_on_user_error():  # error: <message> and exit status 2, no traceback
+        extract(load_config(cfg))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from dspark.core.errors import UserError
 from dspark.core.files import read_jsonl
 from dspark.core.prompt_format import format_lcr_prompt
 
@@ -37,7 +38,7 @@ SHAREGPT_ROLES = {
 ROLES = ("system", "user", "assistant")
 
 
-class PromptFileError(ValueError):
+class PromptFileError(UserError):
     """A prompt file is malformed; the message names file, line/row and field."""
 
 

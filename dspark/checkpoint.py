@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from dspark.core.config import DSparkConfig, RunConfig
+from dspark.core.errors import UserError
 from dspark.core.files import atomic_write_json, atomic_write_text
 from dspark.model import DrafterDims, trainable_parameter_shapes
 
@@ -33,7 +34,7 @@ LOCK_FILE, OWNER_FILE = ".lock", ".owner.json"
 SHARED_FROM_TARGET = ("embed_tokens.", "lm_head.", "target_norm.")  # frozen, the target's own
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint (or an export made from one) that cannot be read or served; the message says
     which file, field or tensor, and what was expected."""
 

@@ -43,8 +43,9 @@ class ShardDataset:
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
         if require_complete and not self.manifest.complete:
-            raise ValueError(
-                f"{self.directory / 'manifest.json'}: field 'complete' is false; finish or resume extraction first"
+            raise DatasetError(
+                f"{self.directory / 'manifest.json'}: field 'complete' is false; finish or resume extraction first "
+                "(the same command with stages=[extract] resumes it)"
             )
         self.split = split
         self.shards = [s for s in self.manifest.shards if s.split == split and s.rows > 0]
@@ -158,15 +159,23 @@ def require_dataset(directory: str | Path) -> Path:
     return directory
 
 
+_EXTRACT_AGAIN = "extract for this target and these layers into a new data.shards_dir (stages=[extract,train])"
+
+
 def check_dataset(
     ds: ShardDataset, *, expect_layer_ids: Optional[list[int]] = None, expect_hidden_size: Optional[int] = None
 ) -> ShardDataset:
     """Check a dataset was captured for the layers/width the drafter expects."""
     m, where = ds.manifest, ds.directory / "manifest.json"
     if expect_layer_ids is not None and list(m.layer_ids) != list(expect_layer_ids):
-        raise ValueError(f"{where}: field 'layer_ids' is {m.layer_ids}, the config expects {expect_layer_ids}")
+        raise DatasetError(
+            f"{where}: field 'layer_ids' is {m.layer_ids}, the config expects {expect_layer_ids}; {_EXTRACT_AGAIN}"
+        )
     if expect_hidden_size is not None and m.hidden_size != expect_hidden_size:
-        raise ValueError(f"{where}: field 'hidden_size' is {m.hidden_size}, the config expects {expect_hidden_size}")
+        raise DatasetError(
+            f"{where}: field 'hidden_size' is {m.hidden_size}, the config expects {expect_hidden_size}; "
+            + _EXTRACT_AGAIN
+        )
     return ds
 
 

@@ -29,9 +29,17 @@ from omegaconf import DictConfig
 
 from dspark.batching import Batch, DataPosition, RankBatches, collate
 from dspark.calibration import calibration_sums, expected_calibration_error
-from dspark.checkpoint import checkpoint_config_differences, latest_tag, lock_checkpoint_dir, publish_tag, tag_name
+from dspark.checkpoint import (
+    CheckpointError,
+    checkpoint_config_differences,
+    latest_tag,
+    lock_checkpoint_dir,
+    publish_tag,
+    tag_name,
+)
 from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
 from dspark.core.files import atomic_write_text, file_sha256, free_port
+from dspark.core.shard_format import DatasetError
 from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
 from dspark.loss import LossConfig, LossOutput, dspark_loss
@@ -187,9 +195,10 @@ def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: Tar
     tok = heads.path / "tokenizer.json"
     tok_sha = file_sha256(tok) if tok.is_file() else None
     if tok_sha is not None and m.tokenizer_sha256 != tok_sha:
-        raise ValueError(
+        raise DatasetError(
             f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes "
-            f"to {tok_sha[:12]}..."
+            f"to {tok_sha[:12]}..., expected the same tokenizer; extract with this target into a new data.shards_dir "
+            "(stages=[extract,train])"
         )
 
 
@@ -298,6 +307,20 @@ def peak_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def clock(seconds: float) -> str:
+    """``h:mm:ss`` for a log line."""
+    s = max(0, round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def progress(step: int, max_steps: int, *, start_step: int, elapsed: float) -> str:
+    """``step N/M | elapsed h:mm:ss | eta h:mm:ss``: the ETA from this process's own pace (steps
+    since it started or resumed, validation and checkpoints included)."""
+    done = step - start_step
+    eta = clock(elapsed / done * (max_steps - step)) if done > 0 else "?"
+    return f"step {step}/{max_steps} | elapsed {clock(elapsed)} | eta {eta}"
 
 
 def provenance(cfg: RunConfig) -> dict[str, Any]:
@@ -574,6 +597,7 @@ class Trainer:
 
     def _train(self, until: Optional[int]) -> TrainState:
         max_steps, t_start = self.t.max_steps, time.perf_counter()
+        self._start_step = self.state.step  # the ETA's pace counts this process's steps only
         while self.state.step < min(max_steps, until or max_steps):
             m, seq_ids = self.train_step()
             self.state.step += 1
@@ -606,10 +630,9 @@ class Trainer:
     def _log_train(self, m: dict[str, float], elapsed: float) -> None:
         tok_s = m["tokens"] / m["step_s"]
         log.info(
-            "step %d/%d | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s "
+            "%s | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s "
             "%.0f pred/s | data %.1f%% | mem %.2f GB",
-            self.state.step,
-            self.t.max_steps,
+            progress(self.state.step, self.t.max_steps, start_step=getattr(self, "_start_step", 0), elapsed=elapsed),
             m["loss"],
             m["ce"],
             m["tv"],
@@ -748,8 +771,9 @@ class Trainer:
         self._check_resume_config(tag_dir)
         loaded, client = self.engine.load_checkpoint(str(path), tag=tag)
         if loaded is None:
-            raise FileNotFoundError(
-                f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from"
+            raise CheckpointError(
+                f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from, expected a "
+                "tag directory written by the trainer; pass train.resume=never to start over"
             )
         self.state = TrainState(
             step=client["step"],
@@ -776,7 +800,7 @@ class Trainer:
         tensor shape, or not at all): name the fields and the way out."""
         diffs = checkpoint_config_differences(tag_dir, self.cfg)
         if diffs:
-            raise ValueError(
+            raise CheckpointError(
                 f"{tag_dir}: this checkpoint is of another drafter ({'; '.join(diffs)}). Train this one "
                 f"under its own name (train.run_name=...), start over with train.resume=never, or "
                 f"point train.checkpoint_dir elsewhere"

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from dspark.core.errors import UserError
 from dspark.core.files import read_jsonl, write_jsonl
 from dspark.core.prompt_format import format_lcr_prompt
 from dspark.core.target import read_text_config  # the AA-LCR message, shared with the training prompts
@@ -109,7 +110,7 @@ OFFLINE_QUESTIONS = (
 )
 
 
-class EvalPromptError(ValueError):
+class EvalPromptError(UserError):
     """Bad AA-LCR input, eval-set file or bin spec; the message names file, row and field."""
 
 

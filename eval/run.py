@@ -17,8 +17,9 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from dspark.checkpoint import CheckpointError, checkpoint_model_file, latest_tag, load_training_checkpoint
-from dspark.core.config import EvalConfig, RunConfig, config_fingerprint, load_config, load_or_exit
+from dspark.checkpoint import checkpoint_model_file, latest_tag, load_training_checkpoint
+from dspark.core.config import EvalConfig, RunConfig, config_fingerprint, load_config
+from dspark.core.errors import exit_on_user_error
 from dspark.export import ExportSummary, export
 from dspark.serving_format import load_drafter, read_export
 from eval.results import AcceptanceCounts, DrafterResult, EvalConditions, EvalResults
@@ -521,12 +522,10 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(raw: DictConfig) -> None:
-        cfg = load_or_exit(raw)
-        heads, target_dir = prepare_target(cfg)
-        try:
+        with exit_on_user_error():  # error: <message> and exit status 2, no traceback
+            cfg = load_config(raw)
+            heads, target_dir = prepare_target(cfg)
             run_eval(cfg, heads, target_dir)
-        except CheckpointError as err:  # ExportError too
-            raise SystemExit(f"error: {err}") from None
 
     _main()
 

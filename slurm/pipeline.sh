@@ -18,6 +18,12 @@
 #   --after JOBID    make the first stage wait for this job too (afterok)
 #   --stages LIST    a comma-separated subset of extract,train,eval (default all three)
 #   --dry-run        print the sbatch commands instead of submitting them
+#   -h, --help       this text
+#
+# Before anything is submitted (a dry run too), every stage's config is composed and checked
+# (python -m dspark.core.compose): a misspelt experiment or key, or a value out of range, ends
+# this script with Hydra's or the check's error and exit status 2, not a job failing after the
+# queue wait.
 #
 # Environment: EXPERIMENT (default kimi_k3_gb300), PYTHON, DSPARK_OUTPUT_DIR (logs go to
 # $DSPARK_OUTPUT_DIR/slurm, default outputs/slurm) and DSPARK_ALLOW_CPU reach the jobs, as
@@ -25,7 +31,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit "${1:-2}"; }
+usage() {  # usage [STATUS]: the header above; on stdout for --help, on stderr after a bad option
+  local text
+  text=$(sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//')
+  if [ "${1:-2}" = 0 ]; then echo "$text"; else echo "$text" >&2; fi
+  exit "${1:-2}"
+}
 die() { echo "pipeline.sh: error: $*" >&2; exit 2; }
 
 array=0 gpus="" cpu=0 after="" stages=extract,train,eval dry=0
@@ -58,6 +69,14 @@ done
 command -v sbatch >/dev/null 2>&1 || [ "$dry" = 1 ] || die "sbatch not found: run this on a Slurm login node"
 
 export EXPERIMENT=${EXPERIMENT:-kimi_k3_gb300}
+overrides=("$@")
+python=${PYTHON:-.venv/bin/python}
+command -v "$python" >/dev/null 2>&1 \
+  || die "PYTHON=$python is not an executable in $PWD; expected the project's virtualenv interpreter" \
+    "(.venv/bin/python, made by 'bash scripts/setup.sh gpu') or an absolute path to one"
+"$python" -m dspark.core.compose --stages "$stages" -- +experiment="$EXPERIMENT" "${overrides[@]}" >/dev/null \
+  || die "+experiment=$EXPERIMENT ${overrides[*]}: the config does not compose (above), nothing submitted;" \
+    "check it with: $python train.py +experiment=$EXPERIMENT ${overrides[*]} --cfg job"
 logs=${DSPARK_OUTPUT_DIR:-outputs}/slurm
 [ "$dry" = 1 ] || mkdir -p "$logs"   # Slurm opens --output before the script runs; a missing directory loses the log
 
@@ -88,7 +107,6 @@ submit() {  # submit STAGE SCRIPT OUTPUT [sbatch options]: prints "STAGE JOBID"
   echo "$stage $out"
 }
 
-overrides=("$@")
 for s in ${stages//,/ }; do
   case "$s" in
     extract)

@@ -2,6 +2,7 @@
 hold the agreed values and repeat no default, and a bad value fails before any stage starts,
 naming the key, the value and what is allowed."""
 
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -272,6 +273,24 @@ def test_train_py_prints_resolved_config():
     cfg = OmegaConf.create(out.stdout)
     assert cfg.target.name == "smollm2-135m" and cfg.drafter.block_size == 7
     assert cfg.tags == ["smollm2", "cpu", "demo"] and cfg.train.max_steps == 800
+
+
+def test_train_py_help_lists_the_stages_experiments_and_examples():
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    help_text = out.stdout
+    assert help_text.startswith("python train.py: train a DSpark speculative-decoding drafter for a target LLM.")
+    stages = help_text.split("== Stages", 1)[1].split("== Experiments", 1)[0].splitlines()[1:]
+    named = [line.split()[0] for line in stages if re.match(r"  [a-z]+ +\S", line)]  # not the continuations
+    assert named == ["extract", "train", "eval"]
+    section = help_text.split("== Experiments", 1)[1].split("== Examples", 1)[0]
+    listed = {line.split()[0] for line in section.splitlines()[1:] if line.strip()}
+    assert listed == {p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")}  # none missing
+    examples = help_text.split("== Examples ==", 1)[1].split("== Configuration groups", 1)[0]
+    assert examples.count("python train.py +experiment=") == 3
+    # Hydra's own lists stay: the groups and the whole config with its defaults
+    assert "experiment: kimi_k3_gb300, smollm2_cpu_ablate," in help_text and "deepspeed: zero0, zero1" in help_text
+    assert "markov_rank: 256" in help_text and "HYDRA_FULL_ERROR=1" in help_text
 
 
 def test_auto_ablation_is_this_configs_markov_off_run(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -88,3 +89,40 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     assert "extract  up to date" in log and "train    up to date" in log and "eval: " in log and "is up to date" in log
     assert "step 1/2" not in log and "--method ngram" not in log  # no vLLM run either
     assert "check    DSpark over vLLM ngram: " in log  # read back from results.json
+
+
+def _train_without_data(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "+experiment=smollm2_cpu_smoke",
+            "stages=[train]",
+            f"data.shards_dir={tmp_path / 'nodata'}",
+            f"paths.output_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "DSPARK_DEBUG")} | env,
+    )
+
+
+def test_a_user_error_in_a_stage_is_one_line_and_exit_status_2(tmp_path, smollm2_dir):
+    out = _train_without_data(tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1] == (
+        f"error: data.shards_dir={tmp_path / 'nodata'}: no dataset there (no manifest.json), expected the shards "
+        "the extract stage writes; run stages=[extract] first (the same command with stages=[extract,train]), or "
+        "set data.shards_dir to an extracted dataset"
+    )
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not (tmp_path / "checkpoints").exists()  # refused before anything was written
+
+
+def test_a_user_error_shows_its_traceback_with_hydra_full_error(tmp_path, smollm2_dir):
+    out = _train_without_data(tmp_path, HYDRA_FULL_ERROR="1")
+    assert out.returncode == 1
+    assert "Traceback" in out.stderr and "DatasetError: data.shards_dir=" in out.stderr

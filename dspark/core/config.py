@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, DictConfig, OmegaConf
+
+from dspark.core.errors import UserError, exit_on_user_error
 
 TARGET_SOURCES = ("embedded_smollm2", "hf_dir")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -35,7 +36,7 @@ BASELINES = ("ngram",)
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config value out of range or not among the allowed choices. The message names the key,
     the value and what is allowed."""
 
@@ -522,15 +523,18 @@ class EvalConfig:
 
 @dataclass
 class LoggingConfig:
-    """W&B: offline files when no WANDB_API_KEY is set (auto); wandb=false turns it off."""
+    """W&B (:mod:`dspark.core.wandb_run`): ``WANDB_MODE`` wins when set; ``auto`` is online when
+    wandb finds a login (``WANDB_API_KEY``, ``wandb login``, its settings), offline files
+    otherwise; wandb=false turns it off."""
 
     wandb: bool = True
     project: str = "dspark"
     entity: Optional[str] = None
     mode: str = "auto"
-    """auto | online | offline | disabled."""
+    """auto | online | offline | disabled; an environment ``WANDB_MODE`` overrides it."""
     group: Optional[str] = None
-    """W&B group: the runs of one experiment (an ablation multirun) side by side."""
+    """W&B group; None: ``<target.name>-<train.run_name>``, the drafter's extract, train and eval
+    runs together. Set it to put the runs of one experiment (an ablation multirun) side by side."""
 
     def __post_init__(self) -> None:
         _choice("logging.mode", self.mode, WANDB_MODES)
@@ -612,12 +616,10 @@ def config_fingerprint(obj: Any) -> str:
 
 def load_or_exit(cfg: DictConfig) -> RunConfig:
     """:func:`load_config` for a command's entry point: a bad value ends the command with exit
-    status 2 and one line naming the key, the value and what is allowed, before any stage starts."""
-    try:
+    status 2 and one line naming the key, the value and what is allowed, before any stage starts
+    (:func:`~dspark.core.errors.exit_on_user_error`)."""
+    with exit_on_user_error():
         return load_config(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def register_configs() -> None:

@@ -30,6 +30,7 @@ import pyarrow as pa
 import torch
 
 from dspark.core.config import TORCH_DTYPES
+from dspark.core.errors import UserError
 from dspark.core.files import atomic_write_text
 
 SCHEMA_VERSION = 1
@@ -50,7 +51,7 @@ SCHEMA = pa.schema(
 )
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset directory that is missing, damaged or made differently; the message names the
     directory or file, what is wrong and the command that fixes it."""
 

@@ -31,6 +31,7 @@ from filelock import FileLock
 from safetensors import safe_open
 
 from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, default_cache_dir
+from dspark.core.errors import UserError
 from dspark.core.files import atomic_path, file_sha256
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-class TargetError(ValueError):
+class TargetError(UserError):
     """A target spec or directory is not what the drafter needs. The message names the path."""
 
 

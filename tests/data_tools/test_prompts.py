@@ -1,7 +1,11 @@
 """Prompt sources, dedupe/split and fitting prompts to the window."""
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -241,3 +245,27 @@ def test_bundled_prompts_ignore_packages_put_on_sys_path_at_run_time(tmp_path, m
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert [c.seq_id for c in bundled_conversations()] == before
+
+
+def test_extraction_refuses_a_missing_prompt_file_in_one_line_with_exit_status_2(tmp_path, smollm2_dir):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_tools.extract",
+            f"data.source={tmp_path / 'missing.txt'}",
+            f"paths.output_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "DSPARK_DEBUG")},
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1].startswith(
+        f"error: data.source='{tmp_path / 'missing.txt'}': no such file or directory ({tmp_path / 'missing.txt'}); "
+        "expected one of: 'bundled' | 'bundled_lcr' |"
+    )
+    assert "Traceback" not in out.stderr and not (tmp_path / "data").exists()

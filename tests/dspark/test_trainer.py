@@ -593,3 +593,27 @@ def test_validations_are_kept_in_the_checkpoint_and_a_plain_jsonl(compose_config
     )
     assert resumed.state.predictions == state.predictions and resumed.state.validations == lines
     resumed.close()
+
+
+def test_progress_shows_elapsed_and_an_eta_from_this_processes_pace():
+    from dspark.trainer import progress
+
+    assert progress(10, 100, start_step=0, elapsed=20.0) == "step 10/100 | elapsed 0:00:20 | eta 0:03:00"
+    # resumed at step 500: the pace counts the 100 steps this process ran, not the 600
+    assert progress(600, 1000, start_step=500, elapsed=3600.0) == "step 600/1000 | elapsed 1:00:00 | eta 4:00:00"
+    assert progress(1000, 1000, start_step=0, elapsed=61.4) == "step 1000/1000 | elapsed 0:01:01 | eta 0:00:00"
+    assert progress(3, 10, start_step=3, elapsed=0.0) == "step 3/10 | elapsed 0:00:00 | eta ?"
+
+
+def test_each_training_log_line_has_step_elapsed_eta_and_tokens_per_s(caplog):
+    from types import SimpleNamespace
+
+    tr = Trainer.__new__(Trainer)  # only what _log_train reads
+    tr.state, tr.t = SimpleNamespace(step=20, predictions=0), SimpleNamespace(max_steps=200)
+    tr.world, tr.wandb, tr._start_step = 1, None, 0
+    m = dict(loss=1.0, ce=1.0, tv=0.5, confidence_bce=0.1, tau=1.5, lr=1e-3, grad_norm=0.2)
+    m.update(tokens=1000.0, step_s=2.0, predictions=100.0, data_s=0.1)
+    with caplog.at_level("INFO", logger="dspark.trainer"):
+        tr._log_train(m, elapsed=40.0)
+    assert caplog.messages[-1].startswith("step 20/200 | elapsed 0:00:40 | eta 0:06:00 | loss 1.0000")
+    assert "| 500 tok/s 50 pred/s |" in caplog.messages[-1]

@@ -115,7 +115,8 @@ def test_sbatch_test_only_accepts_every_script(slurm, tmp_path, script):
 
 
 def test_failing_first_stage_means_dependents_never_run(slurm, tmp_path):
-    ids = pipeline(slurm, tmp_path, "--cpu", PYTHON="/nonexistent/python")
+    # pipeline.sh composes the config with the real interpreter; only the jobs get the bad one
+    ids = pipeline(slurm, tmp_path, "--cpu", "-s", "--export=ALL,PYTHON=/nonexistent/python")
     jobs = slurm.wait(*ids.values(), timeout=300)
     ext, train, ev = (jobs[ids[s]] for s in ("extract", "train", "eval"))
     assert ext["JobState"] == "FAILED" and ext["ExitCode"] == "2:0", ext
