@@ -33,11 +33,19 @@ from tqdm import tqdm
 
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
-from dspark.core.config import TORCH_DTYPES, DataConfig, RunConfig, TargetConfig, load_config
+from data_tools.storage import StorageEstimate, sequence_tokens, storage_estimate
+from dspark.core.config import DataConfig, RunConfig, TargetConfig, load_config
 from dspark.core.errors import exit_on_user_error
 from dspark.core.files import file_sha256, text_sha256
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
-from dspark.core.shard_format import SPLITS, DatasetError, Manifest, shard_name
+from dspark.core.shard_format import (
+    SPLITS,
+    DatasetError,
+    Manifest,
+    encode_hidden_states,
+    scale_granularity_of,
+    shard_name,
+)
 from dspark.core.target import read_config, resolve_target
 from dspark.core.vllm_engine import generate, run_headless_workers
 from dspark.core.wandb_run import init_wandb
@@ -45,6 +53,8 @@ from dspark.core.wandb_run import init_wandb
 log = logging.getLogger(__name__)
 
 MIN_ANSWER_TOKENS = 8
+ESTIMATE_SAMPLE = 64
+"""Prompts tokenized for the storage estimate (the mean length is what it needs)."""
 
 
 @dataclass
@@ -196,7 +206,6 @@ def capture_rows(llm: Any, requests: list[Request], data: DataConfig, *, n_layer
         what=f"extracting {len(requests)} sequences ({requests[0].seq_id}...)",
         rerun="the complete shards are kept: rerun the same command to resume",
     )
-    store = TORCH_DTYPES[data.store_dtype]
     rows = []
     for req, out in zip(requests, outputs):
         if req.answer_ids is None:
@@ -220,7 +229,7 @@ def capture_rows(llm: Any, requests: list[Request], data: DataConfig, *, n_layer
                 "num_tokens": len(ids),
                 "input_ids": ids,
                 "loss_mask": mask,
-                "hidden_states": states.to(store).contiguous().view(torch.uint8).numpy().tobytes(),
+                "hidden_states": encode_hidden_states(states, data.store_dtype),
             }
         )
     return rows
@@ -266,6 +275,7 @@ def build_manifest(
         num_hidden_layers=int(text_cfg["num_hidden_layers"]),
         hidden_size=int(text_cfg["hidden_size"]),
         dtype=data.store_dtype,
+        scale_granularity=scale_granularity_of(data.store_dtype),
         compression=data.compression,
         prompt_set_sha256=prompt_set,
         rows_per_shard=data.rows_per_shard,
@@ -301,12 +311,13 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
         prompt_set_sha256(splits, data),
     )
     open_dataset_dir(out, manifest)
+    log.info(estimate_storage(manifest, splits, tokenizer, data).line())
     per = data.rows_per_shard
     units = [(s, k) for s in SPLITS for k in range((len(splits[s]) + per - 1) // per)]
     mine = assign(units, rank, world)
     todo = [(split, k) for split, k in mine if complete_shard(out, split, k) is None]
     summary = Summary(
-        raw_bytes_per_token=len(capture_ids) * manifest.hidden_size * manifest.bytes_per_value,
+        raw_bytes_per_token=manifest.bytes_per_token,
         shards_resumed=len(mine) - len(todo),
     )
     log.info(
@@ -364,6 +375,35 @@ def log_to_wandb(cfg: RunConfig, summary: Summary, *, rank: int, world: int) -> 
         }
     )
     run.finish()
+
+
+def estimate_storage(
+    manifest: Manifest, splits: dict[str, list[Conversation]], tokenizer: Any, data: DataConfig
+) -> StorageEstimate:
+    """The run's storage bill, from the manifest's layout and the mean sequence length of the
+    first ``ESTIMATE_SAMPLE`` prompts (tokenized as extraction will)."""
+    convs = [c for s in SPLITS for c in splits[s]]
+    lengths = []
+    for conv in convs[:ESTIMATE_SAMPLE]:
+        try:
+            prompt, answer = tokenize(conv, tokenizer, regenerate=data.regenerate)
+        except ValueError:  # counted as skipped when the shard is planned
+            continue
+        lengths.append(
+            sequence_tokens(
+                len(prompt),
+                None if answer is None else len(answer),
+                max_new_tokens=data.max_new_tokens,
+                window=data.max_seq_len,
+            )
+        )
+    return storage_estimate(
+        dtype=manifest.dtype,
+        n_layers=len(manifest.layer_ids),
+        hidden=manifest.hidden_size,
+        num_prompts=len(convs),
+        tokens_per_prompt=sum(lengths) / max(len(lengths), 1),
+    )
 
 
 PROMPT_SETTINGS = (

@@ -6,8 +6,10 @@ Integrity: each planned shard is present, matches its sidecar's size and sha256,
 declared schema, every row has consistent lengths and byte counts, and no value is NaN/inf.
 Numerics: on ``--recompute`` sampled sequences, the target is rerun in transformers and the
 max relative error per captured layer (||stored - ref|| / ||ref|| per sequence) is printed;
-above ``--max-rel-err`` the command fails. Exit status 0 only when everything holds, 1 when a
-check fails, 2 (one ``error:`` line) when the directory is not a dataset this code reads.
+above ``--max-rel-err`` the command fails. fp8 shards are dequantized first, and their scales
+must be finite and >= 0; their default limit adds the format's error bound. Exit status 0
+only when everything holds, 1 when a check fails, 2 (one ``error:`` line) when the directory
+is not a dataset this code reads.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from dspark.core import fp8
 from dspark.core.files import file_sha256
 from dspark.core.layer_ids import reference_hidden_states
 from dspark.core.shard_format import (
@@ -42,8 +45,21 @@ def read_sidecar(path: Path) -> ShardInfo:
         raise ValueError(f"{path}: damaged sidecar ({e})") from None
 
 
+def default_limit(manifest: Manifest) -> float:
+    """The relative error a correct dataset stays under: 1e-4 for float32; 1e-2 for 16-bit (their
+    rounding plus vLLM's kernels against transformers'); for fp8, that 1e-2 plus the format's
+    bound per row (triangle inequality: ||q(x) - ref|| <= ||q(x) - x|| + ||x - ref||, with
+    ||x|| <= 1.01 ||ref||)."""
+    if manifest.dtype == "float32":
+        return 1e-4
+    if manifest.dtype in fp8.FORMATS:
+        return 1e-2 + 1.01 * fp8.FORMATS[manifest.dtype].row_rel_bound(manifest.hidden_size)
+    return 1e-2
+
+
 def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[dict]]:
-    """Return (problems, sample pool of decoded rows' locations)."""
+    """Return (problems, sample pool of the rows that passed: file, row, ids and the raw
+    ``hidden_states`` cell, decoded when recomputed)."""
     problems: list[str] = []
     pool: list[dict] = []
     recorded = {info.path: info for info in manifest.shards}
@@ -86,7 +102,7 @@ def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[d
                 row,
                 n_layers=len(manifest.layer_ids),
                 hidden_size=manifest.hidden_size,
-                bytes_per_value=manifest.bytes_per_value,
+                dtype=manifest.dtype,
             )
             if bad:
                 problems.append(f"{file}: row {i} ({row['seq_id']}): {bad}")
@@ -100,7 +116,7 @@ def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[d
             if not torch.isfinite(hs).all():
                 problems.append(f"{file}: row {i} ({row['seq_id']}): NaN/inf in hidden_states")
                 continue
-            pool.append({"file": file, "row": i, "ids": row["input_ids"], "hs": hs})
+            pool.append({"file": file, "row": i, "ids": row["input_ids"], "cell": row["hidden_states"]})
     if not manifest.complete:
         problems.append(f"{directory / 'manifest.json'}: field 'complete' is false; some planned shards are missing")
     return problems, pool
@@ -116,7 +132,9 @@ def recompute_errors(manifest: Manifest, pool: list[dict], n: int, seed: int = 0
     for item in random.Random(seed).sample(pool, min(n, len(pool))):
         ids = torch.tensor(item["ids"][:-1])
         ref = reference_hidden_states(model, ids, manifest.layer_ids)  # [T-1, L, H]
-        stored = item["hs"].float()
+        stored = decode_hidden_states(
+            item["cell"], dtype=manifest.dtype, n_layers=len(manifest.layer_ids), hidden=manifest.hidden_size
+        ).float()
         for j, layer in enumerate(manifest.layer_ids):
             err = ((stored[:, j] - ref[:, j]).norm() / ref[:, j].norm().clamp_min(1e-12)).item()
             worst[layer] = max(worst[layer], err)
@@ -133,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-rel-err",
         type=float,
         default=None,
-        help="fail above this relative error (default 1e-4 for float32 shards, 1e-2 for 16-bit)",
+        help="fail above this relative error (default 1e-4 for float32 shards, 1e-2 for 16-bit, "
+        "1e-2 + the format's bound for fp8: about 0.073 for e4m3, 0.136 for e5m2)",
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = ap.parse_args(argv)
@@ -154,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print(f"  PROBLEM {p}")
     errors: dict[int, float] = {}
-    limit = args.max_rel_err if args.max_rel_err is not None else (1e-4 if manifest.dtype == "float32" else 1e-2)
+    limit = args.max_rel_err if args.max_rel_err is not None else default_limit(manifest)
     if args.recompute and pool:
         errors = recompute_errors(manifest, pool, args.recompute)
         print(f"max relative error per layer over {min(args.recompute, rows)} sequences (limit {limit:g}):")

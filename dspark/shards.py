@@ -3,7 +3,8 @@
 
 Parquet is the storage format; for training each shard is converted once into an uncompressed
 Arrow IPC file (``<dataset>/.arrow_cache/``) that is memory-mapped, so a random sequence is a
-few pointer lookups and its hidden states are a zero-copy torch view of the page cache.
+few pointer lookups and its hidden states are a zero-copy torch view of the page cache. fp8
+shards are read the same way and dequantized per sequence into ``states_dtype``.
 """
 
 from __future__ import annotations
@@ -31,16 +32,26 @@ class ShardSequence:
     seq_id: str
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool, True on answer tokens
-    hidden_states: torch.Tensor  # [T-1, L, H]; row t = state after input_ids[:t+1]; read-only view
+    hidden_states: torch.Tensor  # [T-1, L, H]; row t = state after input_ids[:t+1]; read-only view (fp8: a copy)
     target_topk: Optional[SequenceTopK] = None
     """The target's cached top-k distribution (:mod:`dspark.target_topk`), when attached."""
 
 
 class ShardDataset:
-    """Random access by sequence over one split of a dataset directory."""
+    """Random access by sequence over one split of a dataset directory. ``states_dtype`` is what
+    fp8 shards dequantize into (the training dtype); 16/32-bit shards return their stored dtype
+    as zero-copy views, which the trainer casts with the batch."""
 
-    def __init__(self, directory: str | Path, split: str = "train", *, require_complete: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        split: str = "train",
+        *,
+        require_complete: bool = True,
+        states_dtype: torch.dtype = torch.float32,
+    ):
         self.directory = Path(directory)
+        self.states_dtype = states_dtype
         self.manifest = Manifest.load(self.directory)
         if require_complete and not self.manifest.complete:
             raise DatasetError(
@@ -122,7 +133,11 @@ class ShardDataset:
             input_ids=torch.from_numpy(ids.astype(np.int64)),
             loss_mask=torch.from_numpy(mask.astype(bool)),
             hidden_states=decode_hidden_states(
-                memoryview(data)[start:end], dtype=self.manifest.dtype, n_layers=self.n_layers, hidden=self.hidden_size
+                memoryview(data)[start:end],
+                dtype=self.manifest.dtype,
+                n_layers=self.n_layers,
+                hidden=self.hidden_size,
+                out_dtype=self.states_dtype,
             ),
         )
 

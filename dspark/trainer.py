@@ -388,10 +388,11 @@ class Trainer:
         random.seed(cfg.seed)
         target = cfg.target
         shards = Path(cfg.data.shards_dir).expanduser()
-        self.train_ds = ShardDataset(shards, "train")
+        states_dtype = TORCH_DTYPES[self.t.dtype]  # what fp8 shards dequantize into
+        self.train_ds = ShardDataset(shards, "train", states_dtype=states_dtype)
         check_shards_match_target(self.train_ds, target, heads)
         self.val_ds = (
-            ShardDataset(shards, "val")
+            ShardDataset(shards, "val", states_dtype=states_dtype)
             if any(s.split == "val" and s.rows for s in self.train_ds.manifest.shards)
             else None
         )

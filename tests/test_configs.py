@@ -234,6 +234,18 @@ def test_bad_values_fail_naming_key_value_and_what_is_allowed(override, message)
         _load(override)
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3", "float8_e5m2"])
+def test_fp8_is_a_store_dtype_only(dtype):
+    assert _load(f"data.store_dtype={dtype}").data.store_dtype == dtype
+    for key in ("train.dtype", "eval.export_dtype", "target.dtype"):
+        with pytest.raises(ConfigError) as err:
+            _load(f"{key}={dtype}")
+        assert str(err.value) == (
+            f"{key}={dtype!r}: fp8 is a shard storage format, allowed only for data.store_dtype; "
+            "expected one of ['float32', 'bfloat16', 'float16']"
+        )
+
+
 def test_a_bad_value_stops_the_main_job_before_any_stage(tmp_path):
     out = subprocess.run(
         [

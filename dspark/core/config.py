@@ -24,7 +24,10 @@ from dspark.core.errors import UserError, exit_on_user_error
 TARGET_SOURCES = ("embedded_smollm2", "hf_dir")
 DTYPES = ("float32", "bfloat16", "float16")
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
-"""Config dtype names (target, train, shard storage) -> torch dtypes."""
+"""Config dtype names (target, train, export, shard storage) -> torch dtypes."""
+FP8_STORE_DTYPES = ("float8_e4m3", "float8_e5m2")
+"""Shard storage only (``data.store_dtype``): values with a scale per token and layer,
+dequantized by the reader (:mod:`dspark.core.fp8`); nothing computes in them."""
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 COMPRESSIONS = ("none", "zstd")
 ON_OVERLONG = ("skip", "truncate")
@@ -55,6 +58,20 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
 def _choice(key: str, value: Any, choices: tuple) -> None:
     if not _unresolved(value):
         _check(value in choices, key, value, f"expected one of {list(choices)}")
+
+
+def _refuse_fp8(key: str, value: Any) -> None:
+    """fp8 names where something computes: say where they belong instead of a bare choice list."""
+    if value in FP8_STORE_DTYPES:
+        raise ConfigError(
+            f"{key}={value!r}: fp8 is a shard storage format, allowed only for data.store_dtype; "
+            f"expected one of {list(DTYPES)}"
+        )
+
+
+def _compute_dtype(key: str, value: Any) -> None:
+    _refuse_fp8(key, value)
+    _choice(key, value, DTYPES)
 
 
 def _at_least(key: str, value: Any, low: float) -> None:
@@ -103,6 +120,7 @@ class TargetConfig:
             raise ConfigError(f"target.source must be one of {TARGET_SOURCES}, got {self.source!r}")
         if self.source == "hf_dir" and not self.path:
             raise ConfigError("target.path must name a local HF model directory when target.source=hf_dir")
+        _refuse_fp8("target.dtype", self.dtype)
         if self.dtype not in DTYPES:
             raise ConfigError(f"target.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not self.layer_ids or sorted(set(self.layer_ids)) != list(self.layer_ids) or self.layer_ids[0] < 0:
@@ -275,7 +293,8 @@ class DataConfig:
     on_overlong: str = "skip"
     """skip | truncate: a prompt that does not fit is counted, never fatal."""
     store_dtype: str = "float32"
-    """float32 | float16 on CPU, bfloat16 on GPU."""
+    """float32 | float16 on CPU, bfloat16 on GPU; float8_e4m3 | float8_e5m2 halve bf16's bytes
+    (a scale per token and layer; the reader dequantizes, error bound in dspark/core/fp8.py)."""
     compression: str = "zstd"
     rows_per_shard: int = 64
     batch_size: int = 16
@@ -288,7 +307,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _choice("data.on_overlong", self.on_overlong, ON_OVERLONG)
-        _choice("data.store_dtype", self.store_dtype, DTYPES)
+        _choice("data.store_dtype", self.store_dtype, DTYPES + FP8_STORE_DTYPES)
         _choice("data.compression", self.compression, COMPRESSIONS)
         _check(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction, "expected a fraction in [0, 1)")
         for key in ("num_prompts", "max_new_tokens", "rows_per_shard", "batch_size", "world_size"):
@@ -367,7 +386,7 @@ class TrainConfig:
     [25, 26, 27, 28, 29]); needs the target's head layout, MLP width and RoPE base. None: random."""
 
     def __post_init__(self) -> None:
-        _choice("train.dtype", self.dtype, DTYPES)
+        _compute_dtype("train.dtype", self.dtype)
         _choice("train.supervise", self.supervise, SUPERVISE)
         _at_least("train.target_topk", self.target_topk, 0)
         _at_least("train.copy_anchor_boost", self.copy_anchor_boost, 0)
@@ -495,7 +514,7 @@ class EvalConfig:
         for b in self.baselines:
             _choice("eval.baselines[]", b, BASELINES)
         if self.export_dtype is not None:
-            _choice("eval.export_dtype", self.export_dtype, DTYPES)
+            _compute_dtype("eval.export_dtype", self.export_dtype)
         _check(
             bool(self.context_bins) and all(b >= 16 for b in self.context_bins),
             "eval.context_bins",

@@ -15,6 +15,12 @@ needs no state. ``hidden_states`` is raw little-endian bytes of shape [T-1, n_la
 the manifest's ``dtype`` (raw bytes decode ~5x faster than Parquet list columns and load
 zero-copy into torch). ``loss_mask`` is 1 where the token is part of the answer.
 
+fp8 dtypes (``float8_e4m3``, ``float8_e5m2``; manifest ``scale_granularity: token_layer``) store
+the same cell as the fp8 values [T-1, n_layers, H] followed by their fp32 scales [T-1, n_layers]
+(:mod:`dspark.core.fp8`): the Parquet schema is unchanged, so 16/32-bit shards written before
+fp8 existed read as before, and a row is still one contiguous cell that loads without a copy
+until it is dequantized.
+
 Imports pyarrow, torch and the stdlib only, so it runs in a vLLM-only environment.
 """
 
@@ -29,6 +35,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import torch
 
+from dspark.core import fp8
 from dspark.core.config import TORCH_DTYPES
 from dspark.core.errors import UserError
 from dspark.core.files import atomic_write_text
@@ -36,7 +43,10 @@ from dspark.core.files import atomic_write_text
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
-STORE_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+STORE_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3": 1, "float8_e5m2": 1}
+"""Bytes per stored value."""
+SCALE_GRANULARITIES = {"none": 0, "token_layer": fp8.SCALE_BYTES}
+"""Scale layout -> scale bytes per (token, captured layer); fp8 dtypes need ``token_layer``."""
 COMPRESSIONS = ("none", "zstd")
 
 SCHEMA = pa.schema(
@@ -92,6 +102,9 @@ class Manifest:
     hidden_size: int
     dtype: str
     compression: str
+    scale_granularity: str = "none"
+    """``token_layer`` for fp8 dtypes (an fp32 scale per token and captured layer after the
+    values, :mod:`dspark.core.fp8`), ``none`` otherwise and in manifests written before fp8."""
     prompt_set_sha256: str = ""
     """Hash of the ordered prompt ids per split and the generation settings: a resume with
     other prompts would assign different prompts to the same shard names."""
@@ -116,6 +129,7 @@ class Manifest:
         "num_hidden_layers",
         "hidden_size",
         "dtype",
+        "scale_granularity",
         "prompt_set_sha256",
         "rows_per_shard",
     )
@@ -162,6 +176,11 @@ class Manifest:
     def bytes_per_value(self) -> int:
         return STORE_DTYPES[self.dtype]
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Raw bytes of one token's states, scales included (the floor compression works from)."""
+        return bytes_per_token(self.dtype, n_layers=len(self.layer_ids), hidden=self.hidden_size)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
@@ -181,9 +200,24 @@ class Manifest:
             raise DatasetError(f"{path}: field 'schema_version' is {found!r}, this code reads {SCHEMA_VERSION}")
         try:
             data["shards"] = [ShardInfo(**s) for s in data.get("shards", [])]
-            return cls(**data)
+            manifest = cls(**data)
         except TypeError as e:
             raise DatasetError(f"{path}: fields do not match this code's manifest ({e})") from None
+        bad = manifest.format_problem()
+        if bad:
+            raise DatasetError(f"{path}: {bad}")
+        return manifest
+
+    def format_problem(self) -> Optional[str]:
+        """What is wrong with the recorded value format (dtype and scale layout), or None."""
+        if self.dtype not in STORE_DTYPES:
+            return f"field 'dtype' is {self.dtype!r}, this code reads {list(STORE_DTYPES)}"
+        want = scale_granularity_of(self.dtype)
+        if self.scale_granularity != want:
+            return (
+                f"field 'scale_granularity' is {self.scale_granularity!r}, dtype {self.dtype!r} is stored with {want!r}"
+            )
+        return None
 
     def save(self, directory: Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -194,27 +228,85 @@ def _recorded(settings: dict[str, Any], key: str) -> str:
     return repr(settings[key]) if key in settings else "(not recorded)"
 
 
-def check_row(row: dict[str, Any], *, n_layers: int, hidden_size: int, bytes_per_value: int) -> Optional[str]:
-    """Return what is wrong with one decoded row, or None."""
+def scale_granularity_of(dtype: str) -> str:
+    return "token_layer" if dtype in fp8.FORMATS else "none"
+
+
+def bytes_per_token(dtype: str, *, n_layers: int, hidden: int) -> int:
+    """Bytes one token's states take in a row: values, then the scales of fp8 dtypes."""
+    return n_layers * (hidden * STORE_DTYPES[dtype] + SCALE_GRANULARITIES[scale_granularity_of(dtype)])
+
+
+def check_row(row: dict[str, Any], *, n_layers: int, hidden_size: int, dtype: str) -> Optional[str]:
+    """Return what is wrong with one decoded row, or None: lengths, the byte count of
+    ``hidden_states`` and, for fp8 rows, that every scale is finite and >= 0."""
     t = row["num_tokens"]
     if len(row["input_ids"]) != t or len(row["loss_mask"]) != t:
         return f"input_ids/loss_mask length {len(row['input_ids'])}/{len(row['loss_mask'])} != num_tokens {t}"
-    expected = (t - 1) * n_layers * hidden_size * bytes_per_value
+    per_token = bytes_per_token(dtype, n_layers=n_layers, hidden=hidden_size)
+    expected = (t - 1) * per_token
     if len(row["hidden_states"]) != expected:
-        return (
-            f"hidden_states has {len(row['hidden_states'])} bytes, expected {expected} = "
-            f"({t}-1)x{n_layers}x{hidden_size}x{bytes_per_value}"
-        )
+        layout = f"{n_layers}x{hidden_size}x{STORE_DTYPES[dtype]}"
+        if dtype in fp8.FORMATS:
+            layout = f"({layout} + {n_layers}x{fp8.SCALE_BYTES} scale bytes)"
+        return f"hidden_states has {len(row['hidden_states'])} bytes, expected {expected} = ({t}-1)x{layout}"
+    if dtype in fp8.FORMATS:
+        _, scales = split_scaled(row["hidden_states"], dtype=dtype, n_layers=n_layers, hidden=hidden_size)
+        bad = ~torch.isfinite(scales) | (scales < 0)
+        if bad.any():
+            token, layer = (int(i) for i in bad.nonzero()[0])
+            return (
+                f"hidden_states scales: {int(bad.sum())} of {scales.numel()} are NaN, inf or negative "
+                f"(first at token {token}, captured layer {layer}: {float(scales[token, layer])})"
+            )
     return None
 
 
-def decode_hidden_states(
-    buf: memoryview | bytes | pa.Buffer, *, dtype: str, n_layers: int, hidden: int
-) -> torch.Tensor:
-    """Raw little-endian bytes -> [T-1, L, H] without copying (the result must not be written)."""
+def encode_hidden_states(states: torch.Tensor, dtype: str) -> bytes:
+    """[T-1, L, H] states -> the bytes of a row's ``hidden_states`` cell in ``dtype`` (fp8:
+    quantized per token and layer, values then scales)."""
+    if dtype not in fp8.FORMATS:
+        return states.to(TORCH_DTYPES[dtype]).contiguous().view(torch.uint8).numpy().tobytes()
+    values, scales = fp8.quantize(states, fp8.FORMATS[dtype])
+    return values.contiguous().view(torch.uint8).numpy().tobytes() + scales.contiguous().numpy().tobytes()
+
+
+def _view(buf: memoryview | bytes | pa.Buffer, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes -> a flat tensor sharing them (the result must not be written)."""
+    if not len(buf):
+        return torch.empty(0, dtype=dtype)
     with warnings.catch_warnings():  # torch warns that the buffer is read-only; we never write it
         warnings.simplefilter("ignore", UserWarning)
-        flat = (
-            torch.frombuffer(buf, dtype=TORCH_DTYPES[dtype]) if len(buf) else torch.empty(0, dtype=TORCH_DTYPES[dtype])
-        )
-    return flat.view(-1, n_layers, hidden)
+        return torch.frombuffer(memoryview(buf), dtype=dtype)  # type: ignore[arg-type]
+
+
+def split_scaled(
+    buf: memoryview | bytes | pa.Buffer, *, dtype: str, n_layers: int, hidden: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 cell -> (values [T-1, L, H] fp8, scales [T-1, L] fp32), both views of ``buf``
+    (the scales are copied only when the cell does not start 4-byte aligned)."""
+    fmt = fp8.FORMATS[dtype]
+    n = len(buf) // (n_layers * (hidden + fp8.SCALE_BYTES))
+    mem = memoryview(buf)  # type: ignore[arg-type]
+    values = _view(mem[: n * n_layers * hidden], torch.uint8).view(fmt.torch_dtype)
+    scales = _view(mem[n * n_layers * hidden :], fp8.SCALE_DTYPE)
+    if scales.numel() and scales.data_ptr() % fp8.SCALE_BYTES:
+        scales = scales.clone()
+    return values.view(n, n_layers, hidden), scales.view(n, n_layers)
+
+
+def decode_hidden_states(
+    buf: memoryview | bytes | pa.Buffer,
+    *,
+    dtype: str,
+    n_layers: int,
+    hidden: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """A row's ``hidden_states`` cell -> [T-1, L, H]. 16/32-bit dtypes: a view of the bytes in the
+    stored dtype, without copying (the result must not be written; the trainer casts it).
+    fp8 dtypes: dequantized into a new tensor of ``out_dtype`` (fp8 is a storage format only)."""
+    if dtype in fp8.FORMATS:
+        values, scales = split_scaled(buf, dtype=dtype, n_layers=n_layers, hidden=hidden)
+        return fp8.dequantize(values, scales, out_dtype)
+    return _view(buf, TORCH_DTYPES[dtype]).view(-1, n_layers, hidden)

@@ -1,5 +1,6 @@
 """`python -m data_tools.verify` on bad input: rc 2 and an `error:` line naming the file; a damaged
-shard or sidecar is a problem in the report (rc 1). The numeric check runs in test_extract_vllm.py."""
+shard or sidecar is a problem in the report (rc 1). The numeric check of 16-bit shards runs in
+test_extract_vllm.py; fp8 shards are checked here against a tiny transformers target."""
 
 import json
 import subprocess
@@ -7,11 +8,15 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from data_tools.shard_writer import finalize, write_shard
 from data_tools.verify import main
-from dspark.core.shard_format import Manifest
+from dspark.core import fp8
+from dspark.core.layer_ids import reference_hidden_states
+from dspark.core.shard_format import Manifest, encode_hidden_states, scale_granularity_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,3 +84,86 @@ def test_a_damaged_sidecar_is_a_problem_not_a_crash(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"PROBLEM {data / 'train' / 'shard-00000.json'}: damaged sidecar (" in out
     assert "resume rebuilds the shard" in out and out.rstrip().endswith("FAILED")
+
+
+def fp8_dataset(directory: Path, dtype: str, cells: list[bytes] | None = None) -> Path:
+    """A tiny transformers target saved beside an fp8 dataset of its own states (through the
+    extractor's encoder and writer); ``cells`` replaces the rows' hidden_states bytes."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
+    model.save_pretrained(directory / "target")
+    layers = [1, 3]
+    Manifest(
+        target="toy",
+        target_path=str(directory / "target"),
+        revision=None,
+        architecture="LlamaForCausalLM",
+        tokenizer_sha256="t",
+        chat_template_sha256="c",
+        layer_ids=layers,
+        num_hidden_layers=3,
+        hidden_size=32,
+        dtype=dtype,
+        scale_granularity=scale_granularity_of(dtype),
+        compression="zstd",
+    ).save(directory)
+    rows = []
+    for k in range(3):
+        ids = torch.randint(0, 64, (7 + k,))
+        with torch.no_grad():
+            hs = reference_hidden_states(model, ids[:-1], layers)
+        cell = encode_hidden_states(hs, dtype) if cells is None else cells[k]
+        rows.append(
+            {"seq_id": f"s{k}", "num_tokens": len(ids), "input_ids": ids.tolist(), "loss_mask": [1] * len(ids)}
+            | {"hidden_states": cell}
+        )
+    write_shard(rows, directory, "train", 0, "zstd", Counter())
+    finalize(directory, [("train", 0)])
+    return directory
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3", "float8_e5m2"])
+def test_fp8_shards_verify_against_recomputed_states_within_the_format_bound(tmp_path, capsys, dtype):
+    data = fp8_dataset(tmp_path, dtype)
+    assert main([str(data), "--recompute", "3"]) == 0
+    out = capsys.readouterr().out
+    limit = 1e-2 + 1.01 * fp8.FORMATS[dtype].row_rel_bound(32)
+    assert f"over 3 sequences (limit {limit:g}):" in out and out.rstrip().endswith("OK")
+    errors = [float(line.split(":")[1]) for line in out.splitlines() if line.strip().startswith("layer")]
+    assert len(errors) == 2 and 0 < max(errors) <= fp8.FORMATS[dtype].row_rel_bound(32)  # quantized, in bound
+    assert main([str(data), "--recompute", "3", "--max-rel-err", "1e-4"]) == 1  # the 16-bit limit would refuse it
+    assert "TOO HIGH" in capsys.readouterr().out
+
+
+def test_a_corrupt_fp8_row_is_named_with_its_file_and_field(tmp_path, capsys):
+    good = [encode_hidden_states(torch.randn(n, 2, 32), "float8_e4m3") for n in (6, 7, 8)]
+    nan_scale = bytearray(good[1])
+    nan_scale[-4:] = torch.tensor([float("nan")]).numpy().tobytes()  # the last token's last scale
+    negative = bytearray(good[2])
+    negative[-8:-4] = torch.tensor([-1.0]).numpy().tobytes()
+    data = fp8_dataset(tmp_path, "float8_e4m3", cells=[good[0][:-4], bytes(nan_scale), bytes(negative)])
+    assert main([str(data), "--recompute", "0"]) == 1
+    out = capsys.readouterr().out
+    shard = data / "train" / "shard-00000.parquet"
+    assert (
+        f"PROBLEM {shard}: row 0 (s0): hidden_states has {6 * 2 * 36 - 4} bytes, expected {6 * 2 * 36} = "
+        "(7-1)x(2x32x1 + 2x4 scale bytes)"
+    ) in out
+    assert (
+        f"PROBLEM {shard}: row 1 (s1): hidden_states scales: 1 of 14 are NaN, inf or negative "
+        "(first at token 6, captured layer 1: nan)"
+    ) in out
+    assert (
+        f"PROBLEM {shard}: row 2 (s2): hidden_states scales: 1 of 16 are NaN, inf or negative "
+        "(first at token 7, captured layer 0: -1.0)"
+    ) in out
+    assert out.rstrip().endswith("FAILED")

@@ -1,17 +1,20 @@
 """The shard reader on shards written in the declared schema."""
 
+import json
 from collections import Counter
 
 import pytest
 import torch
 
 from data_tools.shard_writer import finalize, write_shard
-from dspark.core.shard_format import DatasetError, Manifest
+from dspark.core import fp8
+from dspark.core.shard_format import DatasetError, Manifest, encode_hidden_states, scale_granularity_of
 from dspark.shards import ShardDataset, open_dataset, require_dataset
 
 
 def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=8, val_rows=1):
-    """Random sequences written through the extractor's own writer and finaliser."""
+    """Random sequences written through the extractor's own encoder, writer and finaliser;
+    returns seq_id -> (ids, states as stored: fp32 originals for fp8)."""
     gen = torch.Generator().manual_seed(0)
     Manifest(
         target="toy",
@@ -24,9 +27,10 @@ def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=
         num_hidden_layers=4,
         hidden_size=hidden,
         dtype=dtype,
+        scale_granularity=scale_granularity_of(dtype),
         compression="zstd",
     ).save(directory)
-    store = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    store = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
     written, units = {}, []
     for split, counts in (("train", rows), ("val", (val_rows,))):
         for k, n in enumerate(counts):
@@ -40,7 +44,7 @@ def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=
                     "num_tokens": t,
                     "input_ids": ids,
                     "loss_mask": [0] * 2 + [1] * (t - 2),
-                    "hidden_states": hs.contiguous().view(torch.uint8).numpy().tobytes(),
+                    "hidden_states": encode_hidden_states(hs, dtype),
                 }
                 shard_rows.append(row)
                 written[row["seq_id"]] = (ids, hs)
@@ -63,6 +67,22 @@ def test_random_access_round_trips(tmp_path, dtype):
         assert seq.hidden_states.dtype == hs.dtype and torch.equal(seq.hidden_states, hs)
     with pytest.raises(IndexError, match="sequence 5 out of range for 5"):
         ds[5]
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3", "float8_e5m2"])
+@pytest.mark.parametrize("states_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_shards_read_back_dequantized_in_the_dtype_asked_for(tmp_path, dtype, states_dtype):
+    written = make_dataset(tmp_path, dtype=dtype, hidden=16)
+    manifest = Manifest.load(tmp_path)
+    assert (manifest.dtype, manifest.scale_granularity, manifest.bytes_per_token) == (dtype, "token_layer", 3 * 20)
+    ds = ShardDataset(tmp_path, "train", states_dtype=states_dtype)
+    bound = fp8.FORMATS[dtype].row_rel_bound(16) + (2**-8 if states_dtype == torch.bfloat16 else 0)
+    for i in range(len(ds)):
+        seq = ds[i]
+        _, hs = written[seq.seq_id]
+        assert seq.hidden_states.dtype == states_dtype and seq.hidden_states.shape == hs.shape
+        rel = (seq.hidden_states.float() - hs).norm(dim=-1) / hs.norm(dim=-1)
+        assert rel.max() <= bound
 
 
 def test_states_are_zero_copy_views_of_the_mapped_file(tmp_path):
@@ -141,3 +161,30 @@ def test_a_directory_without_a_dataset_says_to_extract_first(tmp_path):
     )
     make_dataset(tmp_path / "data")
     assert require_dataset(tmp_path / "data") == tmp_path / "data"
+
+
+def test_the_manifest_records_the_format_and_refuses_a_mismatched_one(tmp_path):
+    make_dataset(tmp_path, dtype="float8_e4m3")
+    path = tmp_path / "manifest.json"
+    data = json.loads(path.read_text())
+    assert (data["dtype"], data["scale_granularity"]) == ("float8_e4m3", "token_layer")
+    path.write_text(json.dumps({**data, "scale_granularity": "none"}))
+    with pytest.raises(DatasetError) as err:
+        Manifest.load(tmp_path)
+    assert str(err.value) == (
+        f"{path}: field 'scale_granularity' is 'none', dtype 'float8_e4m3' is stored with 'token_layer'"
+    )
+    path.write_text(json.dumps({**data, "dtype": "float4"}))
+    with pytest.raises(DatasetError, match=rf"{path}: field 'dtype' is 'float4', this code reads \['float32', "):
+        Manifest.load(tmp_path)
+
+
+def test_a_manifest_written_before_fp8_reads_as_unscaled(tmp_path):
+    written = make_dataset(tmp_path, dtype="float16")
+    path = tmp_path / "manifest.json"
+    data = json.loads(path.read_text())
+    del data["scale_granularity"]
+    path.write_text(json.dumps(data))
+    assert Manifest.load(tmp_path).scale_granularity == "none"
+    seq = ShardDataset(tmp_path)[0]
+    assert torch.equal(seq.hidden_states, written[seq.seq_id][1])
