@@ -23,7 +23,7 @@ from dspark.checkpoint import CheckpointError, TrainingCheckpoint, load_training
 from dspark.core.config import TORCH_DTYPES, TargetConfig
 from dspark.core.files import atomic_path
 from dspark.core.layer_ids import CONVENTION
-from dspark.core.target import TargetError, read_text_config
+from dspark.core.target_dir import TargetError, read_text_config
 from dspark.serving_format import (
     ARCHITECTURES,
     CONFIG_FILE,

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from dspark.core.files import free_port
-from dspark.core.target import read_text_config
+from dspark.core.target_dir import read_text_config
 from dspark.serving_format import ARCHITECTURES, ExportError, read_export
 
 SHARED_IN_VLLM = ("model.embed_tokens.", "lm_head.", "model.mask_embedding", "draft_id_to_target_id")

@@ -38,7 +38,7 @@ from typing import Any
 from dspark.core.errors import UserError
 from dspark.core.files import read_jsonl, write_jsonl
 from dspark.core.prompt_format import format_lcr_prompt
-from dspark.core.target import read_text_config  # the AA-LCR message, shared with the training prompts
+from dspark.core.target_dir import read_text_config  # the AA-LCR message, shared with the training prompts
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,8 @@ from filelock import FileLock
 from safetensors import safe_open
 
 from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, default_cache_dir
-from dspark.core.errors import UserError
 from dspark.core.files import atomic_path, file_sha256
+from dspark.core.target_dir import TargetError, check_field, hf_target_dir, read_config
 
 log = logging.getLogger(__name__)
 
@@ -41,49 +40,6 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".dspark-complete"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-class TargetError(UserError):
-    """A target spec or directory is not what the drafter needs. The message names the path."""
-
-
-@dataclass(frozen=True)
-class ArchLayout:
-    """Where an architecture keeps the tensors the drafter shares with it.
-
-    Each entry lists candidate tensor names, first match wins: HF checkpoints and vLLM's
-    module tree name the same weight differently for multimodal wrappers (Kimi K3 stores
-    ``language_model.layers.*`` that vLLM maps to ``language_model.model.layers.*``).
-    """
-
-    embed: tuple[str, ...]
-    norm: tuple[str, ...]
-    lm_head: tuple[str, ...]
-    text_config_key: Optional[str] = None
-    """Sub-dict of config.json holding the text model's fields, for wrapper configs."""
-
-
-_DECODER = ArchLayout(
-    embed=("model.embed_tokens.weight",),
-    norm=("model.norm.weight",),
-    lm_head=("lm_head.weight",),
-)
-_KIMI_WRAPPED = ArchLayout(
-    embed=("language_model.model.embed_tokens.weight", "language_model.embed_tokens.weight"),
-    norm=("language_model.model.norm.weight", "language_model.norm.weight"),
-    lm_head=("language_model.lm_head.weight",),
-    text_config_key="text_config",
-)
-ARCHITECTURES: dict[str, ArchLayout] = {
-    "LlamaForCausalLM": _DECODER,
-    "MistralForCausalLM": _DECODER,
-    "Qwen2ForCausalLM": _DECODER,
-    "Qwen3ForCausalLM": _DECODER,
-    "Qwen3MoeForCausalLM": _DECODER,
-    "DeepseekV3ForCausalLM": _DECODER,
-    "KimiLinearForCausalLM": _DECODER,
-    "KimiK3ForConditionalGeneration": _KIMI_WRAPPED,
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,12 +76,7 @@ class ResolvedTarget:
 def resolve_target(spec: TargetConfig, *, cache_dir: Optional[Path] = None) -> ResolvedTarget:
     """Turn a target spec into a local transformers directory (converting the GGUF once)."""
     if spec.source == "hf_dir":
-        path = Path(os.path.expanduser(str(spec.path)))
-        if not path.is_dir():
-            raise TargetError(f"{path}: target.path is not a directory; expected a local HF model directory")
-        if not (path / "config.json").is_file():
-            raise TargetError(f"{path / 'config.json'}: missing file; a target directory needs config.json")
-        return ResolvedTarget(path=path, converted=False)
+        return ResolvedTarget(path=hf_target_dir(spec.path), converted=False)
     gguf = embedded_gguf_path()
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     return convert_gguf_once(gguf, root / "targets" / f"{spec.name}-{file_sha256(gguf)[:12]}")
@@ -196,44 +147,11 @@ class TargetHeads:
         return int(self.lm_head.shape[0])
 
 
-def read_config(path: Path) -> tuple[str, ArchLayout, dict[str, Any], dict[str, Any]]:
-    """Return (architecture, layout, full config, text config) of a target directory."""
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise TargetError(f"{cfg_file}: missing file; a target directory needs config.json")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise TargetError(f"{cfg_file}: not valid JSON ({e})") from e
-    archs = config.get("architectures") or []
-    arch = next((a for a in archs if a in ARCHITECTURES), None)
-    if arch is None:
-        raise TargetError(
-            f"{cfg_file}: unknown architecture {archs!r} in field 'architectures'; "
-            f"expected one of {sorted(ARCHITECTURES)} (add its tensor names to dspark.core.target.ARCHITECTURES)"
-        )
-    layout = ARCHITECTURES[arch]
-    text = config.get(layout.text_config_key, {}) if layout.text_config_key else config
-    if layout.text_config_key and not text:
-        raise TargetError(
-            f"{cfg_file}: field {layout.text_config_key!r} missing; {arch} keeps its text model config there"
-        )
-    return arch, layout, config, text
-
-
-def read_text_config(path: Path) -> dict[str, Any]:
-    """The text model's fields of a target directory's config.json (its ``text_config`` for
-    wrapper architectures such as Kimi K3): the one parser of that nesting."""
-    return read_config(Path(path))[3]
-
-
 def check_against_spec(spec: TargetConfig, path: Path, text_config: dict[str, Any]) -> None:
     """Fail early when the directory is not the model the config describes."""
     cfg_file = path / "config.json"
-    for key, expected in (("hidden_size", spec.hidden_size), ("num_hidden_layers", spec.num_hidden_layers)):
-        found = text_config.get(key)
-        if expected is not None and found != expected:
-            raise TargetError(f"{cfg_file}: field {key!r} is {found}, but target.{key} expects {expected}")
+    for key in ("hidden_size", "num_hidden_layers"):
+        check_field(cfg_file, key, getattr(spec, key), text_config.get(key))
     try:
         spec.check_layer_ids(int(text_config["num_hidden_layers"]))
     except (KeyError, ValueError) as e:
