@@ -1,6 +1,9 @@
 """Shared fixtures. Everything runs offline on CPU in fp32."""
 
+import hashlib
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,52 @@ def smollm2_dir() -> Path:
     from dspark.core.target import resolve_target
 
     return resolve_target(TargetConfig()).path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TINY_QWEN3 = dict(  # head_dim 32: vLLM's CPU attention takes head sizes 32, 64, 80, ... only
+    vocab_size=49152,  # SmolLM2's tokenizer, saved beside the weights
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,  # more than the 5 spread layers, so the spread rule has to choose
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+TINY_QWEN3_SEED = 0
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(smollm2_dir) -> Path:
+    """A second architecture: a tiny Qwen3 target with random weights (Qwen3ForCausalLM, 8 layers,
+    hidden 64) and SmolLM2's tokenizer and chat template, built offline once per machine under
+    ``$DSPARK_CACHE/targets/tiny-qwen3-<hash of its recipe>`` (written to a temporary name,
+    renamed when complete)."""
+    import torch
+    from filelock import FileLock
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dspark.core.files import atomic_path
+    from dspark.core.target import cache_root
+
+    recipe = json.dumps({"config": TINY_QWEN3, "seed": TINY_QWEN3_SEED, "tokenizer": TOKENIZER_FILES}, sort_keys=True)
+    out = cache_root() / "targets" / f"tiny-qwen3-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{out}.lock"):
+        if not (out / "config.json").is_file():
+            with atomic_path(out) as tmp:
+                torch.manual_seed(TINY_QWEN3_SEED)
+                model = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3)).float()
+                model.save_pretrained(str(tmp), safe_serialization=True)
+                for name in TOKENIZER_FILES:
+                    if (smollm2_dir / name).exists():
+                        shutil.copy(smollm2_dir / name, tmp / name)
+    return out
 
 
 def compose_raw(*overrides: str):

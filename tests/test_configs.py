@@ -2,6 +2,7 @@
 hold the agreed values and repeat no default, and a bad value fails before any stage starts,
 naming the key, the value and what is allowed."""
 
+import logging
 import re
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from dspark.core.config import (
     TargetConfig,
     drafter_tag,
     load_config,
+    target_name_from_path,
 )
 from tests.conftest import compose_raw
 
@@ -48,9 +50,10 @@ def test_experiment_builds_the_typed_config(experiment):
 
 
 @pytest.mark.parametrize("group", GROUPS)
-def test_every_group_option_builds(group):
+def test_every_group_option_builds(group, tiny_qwen3_dir):
+    needs = {"target=hf": [f"target.path={tiny_qwen3_dir}"]}  # a generic target needs its directory
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-        cfg = _load(f"{group}={option}")
+        cfg = _load(f"{group}={option}", *needs.get(f"{group}={option}", []))
         raw = OmegaConf.load(CONF / group / f"{option}.yaml")
         section = getattr(cfg, group)
         for key, value in (OmegaConf.to_container(raw, resolve=False) or {}).items():
@@ -263,6 +266,86 @@ def test_a_bad_value_stops_the_main_job_before_any_stage(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == "error: train.anchors_per_seq=0: expected a number >= 1"
     assert "Traceback" not in out.stderr and "target smollm2" not in out.stdout + out.stderr  # no stage ran
+
+
+def test_generic_target_reads_name_shape_and_layers_from_its_checkpoint(tiny_qwen3_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="dspark.core.config"):
+        cfg = _load("+experiment=smollm2_cpu_smoke", "target=hf", f"target.path={tiny_qwen3_dir}")
+    name = tiny_qwen3_dir.name  # tiny-qwen3-<hash>: already a slug
+    t = cfg.target
+    assert (t.name, t.source, t.hidden_size, t.num_hidden_layers) == (name, "hf_dir", 64, 8)
+    assert t.layer_ids == [1, 3, 4, 6, 7] and t.capture_layer_ids(8) == [1, 3, 4, 6, 7, 8]
+    # everything the run writes lives under the target's own name, apart from SmolLM2's
+    for path in (
+        cfg.data.shards_dir,
+        cfg.train.checkpoint_dir,
+        cfg.eval.export_dir,
+        cfg.eval.out_dir,
+        cfg.ablation_dir,
+    ):
+        assert f"/{name}" in path and "smollm2" not in path, path
+    assert (
+        f"target {name} (named after its directory) at {tiny_qwen3_dir}: Qwen3ForCausalLM, 8 layers, hidden 64 "
+        "(config.json) | layer_ids [1, 3, 4, 6, 7] + final state 8 (spread_layer_ids(8): 5 evenly over depth from 1 "
+        "to 7; target.layer_ids=[...] to choose)"
+    ) in caplog.text
+
+
+def test_generic_target_keeps_what_is_given(tiny_qwen3_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="dspark.core.config"):
+        cfg = _load("target=hf", f"target.path={tiny_qwen3_dir}", "target.name=mine", "target.layer_ids=[2,5]")
+    assert (cfg.target.name, cfg.target.layer_ids, cfg.target.hidden_size) == ("mine", [2, 5], 64)
+    assert cfg.data.shards_dir.endswith("/data/mine")
+    assert "target mine (target.name)" in caplog.text and "layer_ids [2, 5] + final state 8 (given as" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        (
+            ["target.hidden_size=128"],
+            "TargetError",
+            r"config.json: field 'hidden_size' is 64, but target.hidden_size "
+            r"expects 128; set target.hidden_size=64 \(or null to read it\)",
+        ),
+        (
+            ["target.num_hidden_layers=30"],
+            "TargetError",
+            r"field 'num_hidden_layers' is 8, but target.num_hidden_layers "
+            r"expects 30",
+        ),
+        (["target.layer_ids=[1,8]"], "ConfigError", r"target.layer_ids must lie in \[0, 8\)"),
+    ],
+)
+def test_generic_target_value_that_disagrees_with_config_json(tiny_qwen3_dir, overrides, error, message):
+    with pytest.raises(ValueError, match=message) as info:
+        _load("target=hf", f"target.path={tiny_qwen3_dir}", *overrides)
+    assert type(info.value).__name__ == error
+
+
+def test_generic_target_needs_a_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"target.path: not set, .*; run with target=hf target.path=/path/to/model"):
+        _load("target=hf")
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'nope'}: target.path is not a directory"):
+        _load("target=hf", f"target.path={tmp_path / 'nope'}")
+
+
+def test_open_values_need_a_directory_to_read():
+    with pytest.raises(ConfigError, match=r"null is read from config.json only for target.source=hf_dir"):
+        _load("target.layer_ids=null")
+
+
+@pytest.mark.parametrize(
+    "path, name",
+    [
+        ("/models/Qwen/Qwen3-0.6B", "qwen3-0.6b"),
+        ("/models/Qwen/Qwen3-0.6B/", "qwen3-0.6b"),
+        ("/hf/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f2", "llama-3.1-8b-instruct"),
+        ("/m/My Model (v2)", "my-model-v2"),
+    ],
+)
+def test_target_name_from_path(path, name):
+    assert target_name_from_path(path) == name
 
 
 def test_missing_k3_checkpoint_is_reported_with_its_path():

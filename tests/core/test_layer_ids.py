@@ -4,7 +4,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dspark.core.layer_ids import reference_hidden_states, vllm_aux_layer_ids, vllm_draft_target_layer_ids
+from dspark.core.config import TargetConfig
+from dspark.core.layer_ids import (
+    reference_hidden_states,
+    spread_layer_ids,
+    vllm_aux_layer_ids,
+    vllm_draft_target_layer_ids,
+)
 
 
 def test_reference_states_follow_output_hidden_states():
@@ -50,3 +56,30 @@ def test_data_tools_imports_no_training_code():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_spread_rule_reproduces_the_default_target_preset():
+    default = TargetConfig()  # SmolLM2-135M, conf/target/smollm2_135m_cpu.yaml
+    assert spread_layer_ids(default.num_hidden_layers) == default.layer_ids == [1, 8, 15, 22, 29]
+
+
+@pytest.mark.parametrize(
+    "layers, k, ids",
+    [
+        (36, 5, [1, 10, 18, 27, 35]),  # Qwen3-8B: halves round up
+        (93, 5, [1, 24, 47, 69, 92]),  # the Kimi K3 preset keeps its own choice, [2, 23, 47, 71, 89]
+        (8, 5, [1, 3, 4, 6, 7]),  # the tiny Qwen3 test target
+        (4, 5, [1, 2, 3]),  # fewer layers than k: all of them
+        (30, 1, [15]),  # one layer: the middle
+        (30, 3, [1, 15, 29]),
+        (1, 5, [0]),  # nothing but the embedding output
+    ],
+)
+def test_spread_rule_covers_depth_with_increasing_ids(layers, k, ids):
+    assert spread_layer_ids(layers, k) == ids
+    TargetConfig(num_hidden_layers=layers, layer_ids=ids)  # a valid spec: increasing, below the final state
+
+
+def test_spread_rule_refuses_nonsense():
+    with pytest.raises(ValueError, match="num_hidden_layers >= 1 and k >= 1"):
+        spread_layer_ids(30, 0)
