@@ -1,6 +1,6 @@
 """AA-LCR-style long-context eval prompts, sized to the target's window in context-length bins.
 
-Two sources share one prompt layout (DESIGN.md, "Acceptance"):
+Two sources share one prompt layout (AA-LCR's: the documents, then the question; see README "Glossary"):
 
 * ``aa_lcr``: the real AA-LCR release (its CSV and extracted texts), read by :func:`load_aa_lcr`.
 * ``offline``: built on any machine from text CPython ships. The prose of the language reference

@@ -1,7 +1,7 @@
 """Turn an ``EvalResults`` into what people read: ``results.json``, ``report.md`` and PNG plots,
 and optionally the same figures on a W&B run.
 
-The speedup model is DESIGN.md's: with measured tau = E[tokens per step] and measured draft cost
+The speedup model (Leviathan et al. 2023, section 3.4; README "Glossary"): with measured tau = E[tokens per step] and measured draft cost
 ratio r, the predicted speedup is E / (1 + r). The i.i.d. per-token acceptance p that gives the
 same E under E(p) = (1 - p^(gamma+1)) / (1 - p) is reported beside it, so drafters can be
 compared on one number that does not depend on gamma.
@@ -51,7 +51,7 @@ class Check:
 
 @dataclass(frozen=True)
 class SpeedupRow:
-    """DESIGN.md's speedup model evaluated at one drafter's measured tau and r."""
+    """The speedup model (module docstring) evaluated at one drafter's measured tau and r."""
 
     tau: float  # E: measured mean tokens per verification step
     p: float  # i.i.d. per-token acceptance that gives E

@@ -378,7 +378,7 @@ class TrainConfig:
     live under it, so the Markov-off ablation or a DFlash run never resumes the main run."""
     checkpoint_dir: str = "${paths.checkpoint_dir}/${target.name}/${train.run_name}"
     ce_weight: float = 0.1
-    """Loss (DESIGN.md): ce_weight*CE + tv_weight*TV + confidence_weight*BCE, per position
+    """Loss (dspark/loss.py): ce_weight*CE + tv_weight*TV + confidence_weight*BCE, per position
     weighted by exp(-(k-1)/position_decay)."""
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
