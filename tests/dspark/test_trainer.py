@@ -738,3 +738,47 @@ def test_kill_9_mid_save_leaves_latest_on_the_last_complete_tag_and_the_rerun_ma
         a, b = load_training_checkpoint(got).weights, load_training_checkpoint(want).weights
         for k in b:
             torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=f"{tag} {k}")
+
+
+KILL_MID_EXPORT = r"""
+import os, signal, sys
+import safetensors.torch
+import dspark.export
+
+def save_file(tensors, filename, metadata=None):  # half of model.safetensors written, then SIGKILL
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    with open(filename, "wb") as f:
+        f.write(data[: len(data) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+dspark.export.save_file = save_file
+sys.exit(dspark.export.main(sys.argv[1:]))
+"""
+
+
+def test_kill_9_mid_export_leaves_no_half_export_and_the_rerun_writes_the_same_bytes(compose_config, tiny, tmp_path):
+    from dspark.export import export
+
+    target, _ = tiny
+    make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
+    ckpt, out = tmp_path / "ckpt", tmp_path / "export"
+
+    def killed_export() -> None:
+        cmd = [sys.executable, "-c", KILL_MID_EXPORT, "export", str(ckpt), "--out", str(out), "--no-validate"]
+        child = subprocess.run(
+            [*cmd, "--target-dir", str(target)], cwd=REPO, capture_output=True, text=True, timeout=300
+        )
+        assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+
+    def digests(d: Path) -> dict[str, str]:
+        return {p.name: file_sha256(p) for p in sorted(d.iterdir())}
+
+    killed_export()
+    assert not out.exists()  # the half model.safetensors is in a temporary directory, never under --out
+    assert [(p / "model.safetensors").is_file() for p in tmp_path.glob(".export.tmp-*")] == [True]
+    export(ckpt, out, target_dir=target)  # the rerun
+    export(ckpt, tmp_path / "uninterrupted", target_dir=target)
+    want = digests(tmp_path / "uninterrupted")
+    assert digests(out) == want and set(want) == {"config.json", "export.json", "model.safetensors"}
+    killed_export()  # a re-export over a complete one, killed: the complete one stays as it was
+    assert digests(out) == want
