@@ -3,6 +3,9 @@ and the rerun completes the dataset as an uninterrupted run would have."""
 
 import json
 import re
+import signal
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from dspark.core.files import DiskFullError
 from dspark.core.shard_format import Manifest
 
+REPO = Path(__file__).resolve().parents[2]
 UNITS = [("train", 0), ("train", 1)]
 ROWS_PER_BATCH = 4
 
@@ -78,3 +82,37 @@ def test_a_full_disk_names_the_shard_and_the_bytes_and_the_rerun_completes_the_d
     resumed = extract_like(disk)
     assert resumed.complete and resumed.shards == reference.shards  # same rows, sizes and sha256
     assert [s.name for s in resumed.shards] == ["shard-00000", "shard-00001"]
+
+
+KILL_MID_SHARD = r"""
+import importlib.util, os, signal, sys
+from pathlib import Path
+from data_tools.shard_writer import ShardWriter
+
+spec = importlib.util.spec_from_file_location("shard_writer_test", sys.argv[1])
+test = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(test)
+real_write = ShardWriter.write
+
+def write(self, rows):  # the first batch of shard-00001 written, then SIGKILL
+    real_write(self, rows)
+    if self.name == "shard-00001":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+ShardWriter.write = write
+test.extract_like(Path(sys.argv[2]))
+"""
+
+
+def test_a_kill_mid_shard_leaves_no_shard_under_its_name_and_the_rerun_completes_the_dataset(tmp_path):
+    reference = extract_like(tmp_path / "reference")
+    out = tmp_path / "ds"
+    cmd = [sys.executable, "-c", KILL_MID_SHARD, __file__, str(out)]
+    child = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    names = sorted(p.name for p in (out / "train").iterdir())
+    assert names[0].startswith(".shard-00001.parquet.tmp-")  # the half shard, only under its temporary name
+    assert names[1:] == ["shard-00000.json", "shard-00000.parquet"]
+    assert complete_shard(out, "train", 1) is None and not Manifest.load(out).complete
+    resumed = extract_like(out)
+    assert resumed.complete and resumed.shards == reference.shards

@@ -782,3 +782,19 @@ def test_kill_9_mid_export_leaves_no_half_export_and_the_rerun_writes_the_same_b
     assert digests(out) == want and set(want) == {"config.json", "export.json", "model.safetensors"}
     killed_export()  # a re-export over a complete one, killed: the complete one stays as it was
     assert digests(out) == want
+
+
+def test_a_full_disk_during_export_is_named_and_leaves_nothing(compose_config, tiny, tmp_path, small_disk, capsys):
+    from dspark.export import main
+
+    make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
+    disk = small_disk.mount(256 * 1024)  # the tiny drafter's model.safetensors is about 3 MB
+    args = ["export", str(tmp_path / "ckpt"), "--out", str(disk / "drafter"), "--no-validate"]
+    assert main([*args, "--target-dir", str(tiny[0])]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        rf"error: {disk}: no space for export drafter \([\d,]+ bytes needed, [\d,]+ bytes free\); free space there "
+        r"or pass another --out, then export again\n",
+        err,
+    ), err
+    assert list(disk.iterdir()) == []  # no half export, no temporary directory
