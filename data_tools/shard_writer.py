@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -14,13 +16,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from dspark.core.files import atomic_path, atomic_write_text, file_sha256
+from dspark.core.files import atomic_path, atomic_write_text, file_sha256, reporting_disk_full
 from dspark.core.shard_format import SCHEMA, Manifest, ShardInfo, shard_name
+
+DISK_FULL_TODO = (
+    "free space there (or set data.shards_dir elsewhere) and rerun the same command: "
+    "the complete shards are kept, this one is written again"
+)
 
 
 class ShardWriter:
     """Write one shard in batches of rows (memory holds one batch, not the shard), under a
-    temporary name; ``finish`` fsyncs, renames it into place and then writes its sidecar."""
+    temporary name; ``finish`` fsyncs, renames it into place and then writes its sidecar (the
+    mark of a complete shard). A failed write (a full disk: :class:`DiskFullError`) removes the
+    temporary file: nothing of the shard is left."""
 
     def __init__(self, directory: Path, split: str, index: int, compression: str):
         self.dir = directory / split
@@ -41,13 +50,32 @@ class ShardWriter:
 
     def write(self, rows: list[dict]) -> None:
         if rows:
-            self.writer.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), row_group_size=16)
+            table = pa.Table.from_pylist(rows, schema=SCHEMA)
+            with self._removed_on_error(more=table.nbytes):
+                self.writer.write_table(table, row_group_size=16)
             self.rows += len(rows)
             self.tokens += sum(r["num_tokens"] for r in rows)
 
+    @contextlib.contextmanager
+    def _removed_on_error(self, *, more: int = 0) -> Iterator[None]:
+        """Remove the temporary file when the body fails; a full disk is named with the bytes
+        this shard needs so far (written + ``more``, a lower bound) and those free."""
+        needed = (self.tmp.stat().st_size if self.tmp.exists() else 0) + more
+        with reporting_disk_full(
+            self.dir, what=f"shard {self.final.name}", needed=needed, todo=DISK_FULL_TODO, at_least=True
+        ):
+            try:
+                yield
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.writer.close()
+                self._publish.__exit__(*sys.exc_info())  # atomic_path removes the temporary file
+                raise
+
     def finish(self, skipped: Counter) -> ShardInfo:
-        self.writer.close()
-        self._publish.close()
+        with self._removed_on_error():
+            self.writer.close()
+            self._publish.close()
         info = ShardInfo(
             split=self.split,
             name=self.name,
@@ -57,7 +85,13 @@ class ShardWriter:
             sha256=file_sha256(self.final),
             skipped=dict(skipped),
         )
-        atomic_write_text(self.dir / f"{self.name}.json", json.dumps(info.__dict__))
+        sidecar, text = self.dir / f"{self.name}.json", json.dumps(info.__dict__)
+        with reporting_disk_full(self.dir, what=sidecar.name, needed=len(text), todo=DISK_FULL_TODO):
+            try:
+                atomic_write_text(sidecar, text)  # the shard counts as complete from here on
+            except BaseException:
+                self.final.unlink(missing_ok=True)  # to be written again: give its space back now
+                raise
         return info
 
 
@@ -89,5 +123,6 @@ def finalize(out: Path, units: list[tuple[str, int]]) -> Manifest:
         infos = [complete_shard(out, s, k) for s, k in units]
         manifest.shards = [i for i in infos if i is not None]
         manifest.complete = all(i is not None for i in infos)
-        manifest.save(out)
+        with reporting_disk_full(out, what="manifest.json", needed=len(manifest.to_json()), todo=DISK_FULL_TODO):
+            manifest.save(out)
     return manifest

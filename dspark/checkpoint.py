@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -77,6 +78,26 @@ def publish_tag(checkpoint_dir: Path, tag: str, run_config: dict[str, Any]) -> N
     checkpoint_dir = Path(checkpoint_dir).expanduser()
     atomic_write_json(checkpoint_dir / tag / RUN_FILE, run_config, indent=2, default=str)
     atomic_write_text(checkpoint_dir / LATEST_FILE, tag)
+
+
+def tag_bytes(tag: Path) -> int:
+    """Bytes the files of a tag directory hold (every rank's), 0 when there is none."""
+    return sum(f.stat().st_size for f in Path(tag).rglob("*") if f.is_file())
+
+
+def remove_unpublished_tag(checkpoint_dir: Path, tag: str) -> int:
+    """Remove tag directory ``tag`` unless ``latest`` names it: the files of a save that was killed
+    or ran out of space, never resumed (``latest`` did not move), about to be written again. A
+    save into it would overwrite DeepSpeed's files one by one and keep any it no longer writes.
+    Returns the bytes given back."""
+    checkpoint_dir = Path(checkpoint_dir).expanduser()
+    latest = latest_tag(checkpoint_dir)
+    path = checkpoint_dir / tag
+    if not path.is_dir() or (latest is not None and latest.name == tag):
+        return 0
+    size = tag_bytes(path)
+    shutil.rmtree(path)
+    return size
 
 
 def tag_name(step: int) -> str:

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from dspark.checkpoint import CheckpointError, TrainingCheckpoint, load_training_checkpoint
 from dspark.core.config import TORCH_DTYPES, TargetConfig
-from dspark.core.files import atomic_path
+from dspark.core.files import DiskFullError, atomic_path, reporting_disk_full
 from dspark.core.layer_ids import CONVENTION
 from dspark.core.target_dir import TargetError, read_text_config
 from dspark.serving_format import (
@@ -114,9 +114,14 @@ def export(
     weights = serving_weights(ckpt, layout, TORCH_DTYPES[dtype])
     config = draft_config(ckpt, layout, tcfg, dtype)
     out_dir = Path(out_dir).expanduser()
-    with atomic_path(out_dir) as tmp:  # a unique temporary directory: concurrent exports never collide
-        tmp.mkdir()
-        _write_export(tmp, weights, config, ckpt, layout, dtype, tdir)
+    needed = sum(t.numel() * t.element_size() for t in weights.values())
+    todo = "free space there or pass another --out, then export again"
+    with reporting_disk_full(out_dir.parent, what=f"export {out_dir.name}", needed=needed, todo=todo):
+        # a unique temporary directory, renamed when complete: a killed export leaves no half
+        # out_dir, and concurrent exports never collide
+        with atomic_path(out_dir) as tmp:
+            tmp.mkdir()
+            _write_export(tmp, weights, config, ckpt, layout, dtype, tdir)
     return _summary(out_dir, ckpt, layout, dtype, weights, config)
 
 
@@ -205,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     args.export_dir, target_dir=args.target_dir, num_speculative_tokens=args.num_speculative_tokens
                 ).render()
             )
-    except (CheckpointError, TargetError) as err:  # ExportError too
+    except (CheckpointError, TargetError, DiskFullError) as err:  # ExportError too
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -35,10 +35,21 @@ from dspark.checkpoint import (
     latest_tag,
     lock_checkpoint_dir,
     publish_tag,
+    remove_unpublished_tag,
+    tag_bytes,
     tag_name,
 )
 from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
-from dspark.core.files import atomic_write_text, file_sha256, free_port
+from dspark.core.files import (
+    DiskFullError,
+    atomic_write_text,
+    disk_full_message,
+    file_sha256,
+    free_bytes,
+    free_port,
+    is_disk_full,
+    reporting_disk_full,
+)
 from dspark.core.shard_format import DatasetError
 from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
@@ -663,7 +674,11 @@ class Trainer:
         self._log({f"val/{k}": v for k, v in res.items()} | {"val/predictions": s.predictions})
         if self.rank == 0:  # the whole list each time: a resumed run rewrites what its checkpoint knows
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.ckpt_dir / "validation.jsonl", "".join(json.dumps(v) + "\n" for v in s.validations))
+            text = "".join(json.dumps(v) + "\n" for v in s.validations)
+            with reporting_disk_full(
+                self.ckpt_dir, what="validation.jsonl", needed=len(text), todo=self._disk_full_todo()
+            ):
+                atomic_write_text(self.ckpt_dir / "validation.jsonl", text)
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.wandb is not None:
@@ -749,13 +764,74 @@ class Trainer:
             "drafter": asdict(self.model.cfg),
             "dims": asdict(self.model.dims),
         }
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        self._write_tag(tag, client, needed=self._make_room_for(tag))
         dist.barrier()  # every rank's shards are written
         if self.rank == 0:
-            publish_tag(self.ckpt_dir, tag, provenance(self.cfg))
+            self._publish(tag)
         dist.barrier()
         log.info("saved checkpoint %s", self.ckpt_dir / tag)
         return self.ckpt_dir / tag
+
+    def _write_tag(self, tag: str, client: dict[str, Any], *, needed: int) -> None:
+        """DeepSpeed's save of ``tag`` (not yet named by ``latest``); when it fails, what it wrote
+        is removed, and a full disk is said so (DeepSpeed's torch.save reports only
+        ``unexpected pos ...``)."""
+        try:
+            self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        except Exception as e:
+            full = is_disk_full(e, self.ckpt_dir)  # before the half tag, which filled the disk, is removed
+            written = tag_bytes(self.ckpt_dir / tag)
+            if self.rank == 0:
+                remove_unpublished_tag(self.ckpt_dir, tag)
+            if full:
+                raise DiskFullError(self._disk_full(tag, max(needed, written))) from e
+            raise
+
+    def _publish(self, tag: str) -> None:
+        run = provenance(self.cfg)
+        size = len(json.dumps(run, indent=2, default=str))
+        with reporting_disk_full(self.ckpt_dir, what=f"{tag}/run.json", needed=size, todo=self._disk_full_todo()):
+            publish_tag(self.ckpt_dir, tag, run)
+
+    def _make_room_for(self, tag: str) -> int:
+        """Before DeepSpeed writes ``tag``: remove what a killed or failed save of it left, and
+        refuse the save (every rank, on rank 0's numbers) when the checkpoint directory has less
+        room than the tag needs. Returns that estimate, in bytes."""
+        import torch.distributed as dist
+
+        if self.rank == 0:
+            freed = remove_unpublished_tag(self.ckpt_dir, tag)
+            if freed:
+                log.warning("removed %s: %d bytes left by a save that did not finish", self.ckpt_dir / tag, freed)
+        numbers = torch.tensor([self._checkpoint_bytes(), free_bytes(self.ckpt_dir)], dtype=torch.int64)
+        if self.world > 1:
+            numbers = numbers.to(self.engine.device)
+            dist.broadcast(numbers, src=0)
+        needed, free = (int(n) for n in numbers.cpu())
+        if free < needed:
+            raise DiskFullError(self._disk_full(tag, needed))
+        return needed
+
+    def _checkpoint_bytes(self) -> int:
+        """About what a tag takes: the last complete one's size, or before there is one the
+        module's tensors plus AdamW's two moments (a lower bound: ZeRO adds fp32 master copies)."""
+        last = latest_tag(self.ckpt_dir)
+        if last is not None and last.is_dir():
+            return tag_bytes(last)
+        module = {t.data_ptr(): t.numel() * t.element_size() for t in self.engine.module.state_dict().values()}
+        trainable = sum(p.numel() for p in self.engine.module.parameters() if p.requires_grad)
+        return sum(module.values()) + 2 * 4 * trainable
+
+    def _disk_full(self, tag: str, needed: int) -> str:
+        return disk_full_message(self.ckpt_dir, f"checkpoint {tag}", needed, self._disk_full_todo())
+
+    def _disk_full_todo(self) -> str:
+        last = latest_tag(self.ckpt_dir)
+        resume = f"resume from {last.name}, the last complete tag" if last else "start (no tag is complete yet)"
+        return (
+            f"free space there (tags older than the one 'latest' names can go) or set train.checkpoint_dir "
+            f"elsewhere, then rerun the same command to {resume}"
+        )
 
     def _maybe_resume(self) -> None:
         mode = self.t.resume

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,43 @@ def compose_config():
     from dspark.core.config import load_config
 
     return lambda *overrides: load_config(compose_raw(*overrides))
+
+
+class SmallDisk:
+    """tmpfs filesystems of a chosen size under a test's tmp_path, for disk-full tests; mounting
+    needs root (or CAP_SYS_ADMIN): where it is refused, the test is skipped and says so."""
+
+    def __init__(self, root: Path):
+        self.root, self.mounted = root, []
+
+    def mount(self, size: int, name: str = "disk") -> Path:
+        where = self.root / name
+        where.mkdir()
+        self._run("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where))
+        self.mounted.append(where)
+        return where
+
+    def resize(self, where: Path, size: int) -> None:
+        """Room freed: the same filesystem, files kept, now ``size`` bytes."""
+        self._run("mount", "-o", f"remount,size={size}", str(where))
+
+    @staticmethod
+    def _run(*cmd: str) -> None:
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except FileNotFoundError:
+            pytest.skip("disk-full test: no mount command to make a small tmpfs")
+        if out.returncode:
+            pytest.skip(f"disk-full test: a small tmpfs cannot be mounted here ({out.stderr.strip()}); needs root")
+
+    def unmount_all(self) -> None:
+        for where in reversed(self.mounted):
+            subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """:class:`SmallDisk` in this test's tmp_path; everything it mounted is unmounted after."""
+    disks = SmallDisk(tmp_path)
+    yield disks
+    disks.unmount_all()

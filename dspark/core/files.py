@@ -9,6 +9,7 @@ two concurrent writers never share a temporary file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -16,6 +17,13 @@ import shutil
 import socket
 from pathlib import Path
 from typing import Any, Iterator, Optional
+
+from dspark.core.errors import UserError
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+NEARLY_FULL_BYTES = 1 << 20
+"""Free space below which a failed write counts as a full disk even when the writer's error
+says nothing of it (torch's zip writer reports only ``unexpected pos ...``)."""
 
 
 def _tmp_name(path: Path) -> Path:
@@ -31,9 +39,8 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     tmp = _tmp_name(path)
     try:
         yield tmp
-        if tmp.is_file():
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+        for f in [tmp] if tmp.is_file() else sorted(tmp.iterdir()) if tmp.is_dir() else []:
+            _fsync(f)
         if path.is_dir() and tmp.is_dir():
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -43,6 +50,12 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+def _fsync(path: Path) -> None:
+    if path.is_file():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def atomic_write_text(path: Path | str, text: str) -> None:
@@ -90,3 +103,60 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+class DiskFullError(UserError):
+    """A write found no room (or hit a quota): the message names the directory, the bytes wanted
+    and the bytes free, and says what to do. What was being written is removed, not left half."""
+
+
+def free_bytes(path: Path | str) -> int:
+    """Bytes free to this user on the filesystem holding ``path`` (or its nearest existing parent)."""
+    path = Path(path).expanduser().absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def is_disk_full(err: BaseException, directory: Path | str) -> bool:
+    """Whether ``err`` (or an error it came from) means the filesystem of ``directory`` is full:
+    ENOSPC/EDQUOT, the OS's words for them in a library's message, or, for a writer that reports
+    neither (torch), an OSError/RuntimeError while less than :data:`NEARLY_FULL_BYTES` is free.
+    Call it before removing what was half written: that is what filled the disk."""
+    seen: Optional[BaseException] = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
+            return True
+        if any(os.strerror(code) in str(seen) for code in DISK_FULL_ERRNOS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return isinstance(err, (OSError, RuntimeError)) and free_bytes(directory) < NEARLY_FULL_BYTES
+
+
+def disk_full_message(directory: Path | str, what: str, needed: int, todo: str, *, at_least: bool = False) -> str:
+    """``<directory>: no space for <what> ([at least ]<needed> bytes needed, <free> bytes free); <todo>``."""
+    bound = "at least " if at_least else ""
+    free = free_bytes(directory)
+    return f"{directory}: no space for {what} ({bound}{needed:,} bytes needed, {free:,} bytes free); {todo}"
+
+
+def require_free_space(directory: Path | str, needed: int, *, what: str, todo: str) -> None:
+    """Refuse a write of about ``needed`` bytes before it starts when ``directory`` has less free."""
+    if free_bytes(directory) < needed:
+        raise DiskFullError(disk_full_message(directory, what, needed, todo))
+
+
+@contextlib.contextmanager
+def reporting_disk_full(
+    directory: Path | str, *, what: str, needed: int, todo: str, at_least: bool = False
+) -> Iterator[None]:
+    """Raise a full disk met inside as :class:`DiskFullError` (see :func:`disk_full_message`)
+    instead of the writer's own ``[Errno 28]`` from deep inside pyarrow, torch or safetensors."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        if not is_disk_full(e, directory):
+            raise
+        raise DiskFullError(disk_full_message(directory, what, needed, todo, at_least=at_least)) from e

@@ -3,6 +3,7 @@ declared schema (the real path reads what data_tools.extract writes)."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -617,3 +618,183 @@ def test_each_training_log_line_has_step_elapsed_eta_and_tokens_per_s(caplog):
         tr._log_train(m, elapsed=40.0)
     assert caplog.messages[-1].startswith("step 20/200 | elapsed 0:00:40 | eta 0:06:00 | loss 1.0000")
     assert "| 500 tok/s 50 pred/s |" in caplog.messages[-1]
+
+
+# --- faults while saving (issue #17) -----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_full_disk_stops_the_save_keeps_latest_and_the_rerun_completes_the_run(
+    compose_config, tiny, tmp_path, small_disk, monkeypatch, when
+):
+    """Room for two tags, not three. ``before``: the size check refuses the third save before it
+    writes; ``during``: with that check blinded, torch.save runs out of space mid-tag."""
+    from dspark.core.files import DiskFullError
+
+    run = ("train.max_steps=6", "train.save_every=2")
+    full = make_trainer(compose_config, tiny, tmp_path / "full", *run).train()
+    tag_size = sum(f.stat().st_size for f in (tmp_path / "full" / "ckpt" / "step00000002").iterdir())
+    disk = small_disk.mount(2 * tag_size + tag_size // 2)
+    tr = make_trainer(compose_config, tiny, disk, *run)
+    if when == "during":
+        monkeypatch.setattr("dspark.trainer.free_bytes", lambda _: 1 << 50)
+    with pytest.raises(DiskFullError) as err:
+        tr.train()
+    ckpt = disk / "ckpt"
+    assert re.fullmatch(
+        rf"{ckpt}: no space for checkpoint step00000006 \(([\d,]+) bytes needed, ([\d,]+) bytes free\); free space "
+        r"there \(tags older than the one 'latest' names can go\) or set train\.checkpoint_dir elsewhere, then rerun "
+        r"the same command to resume from step00000004, the last complete tag",
+        str(err.value),
+    ), err.value
+    needed, free = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) bytes", str(err.value)))
+    assert needed >= tag_size > free
+    assert (err.value.__cause__ is None) == (when == "before")  # "during": torch's own error, chained
+    assert (ckpt / "latest").read_text() == "step00000004"
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
+        "latest",
+        "step00000002",
+        "step00000004",
+        "validation.jsonl",
+    ]  # no half tag, no temporary file
+    monkeypatch.undo()
+    small_disk.resize(disk, 4 * tag_size)  # room freed
+    resumed = make_trainer(compose_config, tiny, disk, *run)
+    assert resumed.state.step == 4
+    state = resumed.train()
+    assert [h["seq_ids"] for h in state.history] == [h["seq_ids"] for h in full.history]
+    assert state.data_digest == full.data_digest
+    assert [h["loss"] for h in state.history] == pytest.approx([h["loss"] for h in full.history], rel=1e-6)
+    assert (ckpt / "latest").read_text() == "step00000006" and (ckpt / "step00000006" / "run.json").is_file()
+
+
+KILL_MID_SAVE = r"""
+import io, json, os, signal, sys
+import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from hydra import compose, initialize_config_dir
+from dspark.core.config import load_config
+from dspark.core.target import load_target_heads
+from dspark.trainer import Trainer
+
+repo, target, kill_tag, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+real_save, files = TorchCheckpointEngine.save, []
+
+def save(self, state_dict, path):  # kill_tag's first file whole, half of its second, then SIGKILL
+    if kill_tag in path:
+        files.append(path)
+        if len(files) == 2:
+            buf = io.BytesIO()
+            torch.save(state_dict, buf)
+            with open(path, "wb") as f:
+                f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(self, state_dict, path)
+
+TorchCheckpointEngine.save = save
+with initialize_config_dir(config_dir=f"{repo}/conf", version_base="1.3"):
+    cfg = load_config(compose(config_name="config", overrides=overrides))
+Trainer(cfg, load_target_heads(target)).train()
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_mid_save_leaves_latest_on_the_last_complete_tag_and_the_rerun_matches(
+    compose_config, tiny, tmp_path, caplog
+):
+    """Killed while DeepSpeed writes step 4 (ZeRO-1: model states written, optimizer states half):
+    the half tag is neither resumed nor exported; the rerun rewrites it and ends as an
+    uninterrupted run does."""
+    from dspark.checkpoint import CheckpointError, load_training_checkpoint
+    from dspark.export import export
+
+    target, data = tiny
+    run = ("train.max_steps=6", "train.save_every=2", "deepspeed=zero1")
+    args = [str(REPO), str(target), "step00000004", json.dumps(overrides(target, data, tmp_path, *run))]
+    child = subprocess.run(
+        [sys.executable, "-c", KILL_MID_SAVE, *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    ckpt, half = tmp_path / "ckpt", tmp_path / "ckpt" / "step00000004"
+    assert (ckpt / "latest").read_text() == "step00000002"
+    assert sorted(p.name for p in half.iterdir()) == [
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",  # the half-written one
+    ]
+    with pytest.raises(CheckpointError, match="step00000004"):
+        export(half, tmp_path / "export")
+    resumed = make_trainer(compose_config, tiny, tmp_path, *run)
+    assert resumed.state.step == 2
+    state = resumed.train()
+    assert f"removed {half}:" in caplog.text  # before step 4 is saved again
+    full = make_trainer(compose_config, tiny, tmp_path / "full", *run).train()
+    assert [h["seq_ids"] for h in state.history] == [h["seq_ids"] for h in full.history]
+    assert state.data_digest == full.data_digest
+    assert [h["loss"] for h in state.history] == pytest.approx([h["loss"] for h in full.history], rel=1e-6)
+    for tag in ("step00000004", "step00000006"):
+        got, want = ckpt / tag, tmp_path / "full" / "ckpt" / tag
+        assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir())
+        a, b = load_training_checkpoint(got).weights, load_training_checkpoint(want).weights
+        for k in b:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=f"{tag} {k}")
+
+
+KILL_MID_EXPORT = r"""
+import os, signal, sys
+import safetensors.torch
+import dspark.export
+
+def save_file(tensors, filename, metadata=None):  # half of model.safetensors written, then SIGKILL
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    with open(filename, "wb") as f:
+        f.write(data[: len(data) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+dspark.export.save_file = save_file
+sys.exit(dspark.export.main(sys.argv[1:]))
+"""
+
+
+def test_kill_9_mid_export_leaves_no_half_export_and_the_rerun_writes_the_same_bytes(compose_config, tiny, tmp_path):
+    from dspark.export import export
+
+    target, _ = tiny
+    make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
+    ckpt, out = tmp_path / "ckpt", tmp_path / "export"
+
+    def killed_export() -> None:
+        cmd = [sys.executable, "-c", KILL_MID_EXPORT, "export", str(ckpt), "--out", str(out), "--no-validate"]
+        child = subprocess.run(
+            [*cmd, "--target-dir", str(target)], cwd=REPO, capture_output=True, text=True, timeout=300
+        )
+        assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+
+    def digests(d: Path) -> dict[str, str]:
+        return {p.name: file_sha256(p) for p in sorted(d.iterdir())}
+
+    killed_export()
+    assert not out.exists()  # the half model.safetensors is in a temporary directory, never under --out
+    assert [(p / "model.safetensors").is_file() for p in tmp_path.glob(".export.tmp-*")] == [True]
+    export(ckpt, out, target_dir=target)  # the rerun
+    export(ckpt, tmp_path / "uninterrupted", target_dir=target)
+    want = digests(tmp_path / "uninterrupted")
+    assert digests(out) == want and set(want) == {"config.json", "export.json", "model.safetensors"}
+    killed_export()  # a re-export over a complete one, killed: the complete one stays as it was
+    assert digests(out) == want
+
+
+def test_a_full_disk_during_export_is_named_and_leaves_nothing(compose_config, tiny, tmp_path, small_disk, capsys):
+    from dspark.export import main
+
+    make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
+    disk = small_disk.mount(256 * 1024)  # the tiny drafter's model.safetensors is about 3 MB
+    args = ["export", str(tmp_path / "ckpt"), "--out", str(disk / "drafter"), "--no-validate"]
+    assert main([*args, "--target-dir", str(tiny[0])]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        rf"error: {disk}: no space for export drafter \([\d,]+ bytes needed, [\d,]+ bytes free\); free space there "
+        r"or pass another --out, then export again\n",
+        err,
+    ), err
+    assert list(disk.iterdir()) == []  # no half export, no temporary directory
