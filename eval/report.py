@@ -1,10 +1,10 @@
 """Turn an ``EvalResults`` into what people read: ``results.json``, ``report.md`` and PNG plots,
 and optionally the same figures on a W&B run.
 
-The speedup model (Leviathan et al. 2023, section 3.4; README "Glossary"): with measured tau = E[tokens per step] and measured draft cost
-ratio r, the predicted speedup is E / (1 + r). The i.i.d. per-token acceptance p that gives the
-same E under E(p) = (1 - p^(gamma+1)) / (1 - p) is reported beside it, so drafters can be
-compared on one number that does not depend on gamma.
+The speedup model (Leviathan et al. 2023; README "Glossary"): with measured tau = E[tokens per
+step] and measured draft cost ratio r, the predicted speedup is E / (1 + r). The i.i.d.
+per-token acceptance p that gives the same E under E(p) = (1 - p^(gamma+1)) / (1 - p) is
+reported beside it, so drafters can be compared on one number that does not depend on gamma.
 
 Usage: ``python -m eval.report RESULTS_JSON --out DIR`` re-renders a report from a results.json.
 """

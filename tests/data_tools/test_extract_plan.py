@@ -8,6 +8,7 @@ import pytest
 from data_tools.extract import assign, default_rank_world, engine_kwargs, open_dataset_dir, prompt_settings
 from dspark.core.config import DataConfig
 from dspark.core.shard_format import DatasetError, Manifest
+from tests.toy import toy_manifest
 
 
 def test_shards_are_split_across_ranks_without_overlap():
@@ -55,21 +56,7 @@ def test_engine_kwargs_capture_every_layer_and_the_final_state(compose_config):
 
 
 def _manifest(data, prompt_set: str, *, settings: bool = True) -> Manifest:
-    return Manifest(
-        target="toy",
-        target_path="/x",
-        revision=None,
-        architecture="LlamaForCausalLM",
-        tokenizer_sha256="t",
-        chat_template_sha256="c",
-        layer_ids=[1, 4],
-        num_hidden_layers=4,
-        hidden_size=8,
-        dtype="float32",
-        compression="zstd",
-        prompt_set_sha256=prompt_set,
-        prompt_settings=prompt_settings(data) if settings else {},
-    )
+    return toy_manifest(prompt_set_sha256=prompt_set, prompt_settings=prompt_settings(data) if settings else {})
 
 
 def _files(directory: Path) -> dict[str, bytes]:

@@ -15,6 +15,7 @@ import torch
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from dspark.core.files import DiskFullError
 from dspark.core.shard_format import Manifest
+from tests.toy import toy_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = [("train", 0), ("train", 1)]
@@ -38,19 +39,7 @@ def rows_of(split: str, k: int) -> list[dict]:
 
 def extract_like(out: Path) -> Manifest:
     """What extraction does with the shards: skip the complete ones, write the rest in batches."""
-    Manifest(
-        target="toy",
-        target_path="/x",
-        revision=None,
-        architecture="LlamaForCausalLM",
-        tokenizer_sha256="t",
-        chat_template_sha256="c",
-        layer_ids=[0, 1, 4],
-        num_hidden_layers=4,
-        hidden_size=64,
-        dtype="float32",
-        compression="none",
-    ).save(out)
+    toy_manifest(layer_ids=[0, 1, 4], hidden_size=64, compression="none").save(out)
     for split, k in UNITS:
         if complete_shard(out, split, k) is None:
             writer = ShardWriter(out, split, k, "none")

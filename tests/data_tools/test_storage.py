@@ -8,7 +8,7 @@ from data_tools.extract import estimate_storage
 from data_tools.prompts import Conversation
 from data_tools.storage import main, sequence_tokens, storage_estimate
 from dspark.core.config import DataConfig
-from dspark.core.shard_format import Manifest
+from tests.toy import toy_manifest
 
 
 def test_k3_layout_per_token_and_per_run():
@@ -40,20 +40,7 @@ class WordTokenizer:
 
 
 def test_extract_estimates_from_the_manifest_layout_and_the_sampled_prompts():
-    manifest = Manifest(
-        target="toy",
-        target_path="/x",
-        revision=None,
-        architecture="LlamaForCausalLM",
-        tokenizer_sha256="t",
-        chat_template_sha256="c",
-        layer_ids=[1, 4],
-        num_hidden_layers=4,
-        hidden_size=8,
-        dtype="float8_e5m2",
-        scale_granularity="token_layer",
-        compression="zstd",
-    )
+    manifest = toy_manifest(dtype="float8_e5m2")
     convs = [Conversation((("user", "a b c"),)), Conversation((("user", "a b c d e f g"),))]
     data = DataConfig(max_new_tokens=10, max_seq_len=20)
     est = estimate_storage(manifest, {"train": convs[:1], "val": convs[1:]}, WordTokenizer(), data)

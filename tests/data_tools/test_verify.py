@@ -16,25 +16,14 @@ from data_tools.shard_writer import finalize, write_shard
 from data_tools.verify import main
 from dspark.core import fp8
 from dspark.core.layer_ids import reference_hidden_states
-from dspark.core.shard_format import Manifest, encode_hidden_states, scale_granularity_of
+from dspark.core.shard_format import encode_hidden_states
+from tests.toy import toy_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_dataset(directory: Path) -> Path:
-    Manifest(
-        target="toy",
-        target_path="/nowhere/toy",
-        revision=None,
-        architecture="LlamaForCausalLM",
-        tokenizer_sha256="t",
-        chat_template_sha256="c",
-        layer_ids=[1, 4],
-        num_hidden_layers=4,
-        hidden_size=8,
-        dtype="float32",
-        compression="none",
-    ).save(directory)
+    toy_manifest(target_path="/nowhere/toy", compression="none").save(directory)
     hs = torch.randn(4, 2, 8)
     row = {"seq_id": "a", "num_tokens": 5, "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1]}
     write_shard([{**row, "hidden_states": hs.numpy().tobytes()}], directory, "train", 0, "none", Counter())
@@ -102,19 +91,8 @@ def fp8_dataset(directory: Path, dtype: str, cells: list[bytes] | None = None) -
     ).eval()
     model.save_pretrained(directory / "target")
     layers = [1, 3]
-    Manifest(
-        target="toy",
-        target_path=str(directory / "target"),
-        revision=None,
-        architecture="LlamaForCausalLM",
-        tokenizer_sha256="t",
-        chat_template_sha256="c",
-        layer_ids=layers,
-        num_hidden_layers=3,
-        hidden_size=32,
-        dtype=dtype,
-        scale_granularity=scale_granularity_of(dtype),
-        compression="zstd",
+    toy_manifest(
+        target_path=str(directory / "target"), layer_ids=layers, num_hidden_layers=3, hidden_size=32, dtype=dtype
     ).save(directory)
     rows = []
     for k in range(3):

@@ -8,28 +8,16 @@ import torch
 
 from data_tools.shard_writer import finalize, write_shard
 from dspark.core import fp8
-from dspark.core.shard_format import DatasetError, Manifest, encode_hidden_states, scale_granularity_of
+from dspark.core.shard_format import DatasetError, Manifest, encode_hidden_states
 from dspark.shards import ShardDataset, open_dataset, require_dataset
+from tests.toy import toy_manifest
 
 
 def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=8, val_rows=1):
     """Random sequences written through the extractor's own encoder, writer and finaliser;
     returns seq_id -> (ids, states as stored: fp32 originals for fp8)."""
     gen = torch.Generator().manual_seed(0)
-    Manifest(
-        target="toy",
-        target_path="/x",
-        revision=None,
-        architecture="LlamaForCausalLM",
-        tokenizer_sha256="t",
-        chat_template_sha256="c",
-        layer_ids=list(range(n_layers - 1)) + [4],
-        num_hidden_layers=4,
-        hidden_size=hidden,
-        dtype=dtype,
-        scale_granularity=scale_granularity_of(dtype),
-        compression="zstd",
-    ).save(directory)
+    toy_manifest(layer_ids=list(range(n_layers - 1)) + [4], hidden_size=hidden, dtype=dtype).save(directory)
     store = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
     written, units = {}, []
     for split, counts in (("train", rows), ("val", (val_rows,))):

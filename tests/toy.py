@@ -1,0 +1,28 @@
+"""Shared test data builders (import as ``from tests.toy import ...``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dspark.core.shard_format import Manifest, scale_granularity_of
+
+
+def toy_manifest(**fields: Any) -> Manifest:
+    """A dataset manifest for a made-up 4-layer Llama target (layers [1, 4], hidden 8, fp32),
+    with ``fields`` replaced; the fp8 scale layout follows ``dtype`` unless given."""
+    base: dict[str, Any] = dict(
+        target="toy",
+        target_path="/x",
+        revision=None,
+        architecture="LlamaForCausalLM",
+        tokenizer_sha256="t",
+        chat_template_sha256="c",
+        layer_ids=[1, 4],
+        num_hidden_layers=4,
+        hidden_size=8,
+        dtype="float32",
+        compression="zstd",
+    )
+    base.update(fields)
+    base.setdefault("scale_granularity", scale_granularity_of(base["dtype"]))
+    return Manifest(**base)
