@@ -607,11 +607,30 @@ class Trainer:
             self._lock.release()
             self._lock = None
 
+    def _progress_bar(self) -> Any:
+        """A tqdm bar on an interactive terminal (rank 0); logs and batch jobs get the log lines."""
+        if self.rank != 0 or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.t.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True)
+
     def _train(self, until: Optional[int]) -> TrainState:
+        bar = self._progress_bar()
+        try:
+            return self._train_loop(until, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _train_loop(self, until: Optional[int], bar: Any) -> TrainState:
         max_steps, t_start = self.t.max_steps, time.perf_counter()
         self._start_step = self.state.step  # the ETA's pace counts this process's steps only
         while self.state.step < min(max_steps, until or max_steps):
             m, seq_ids = self.train_step()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{m['loss']:.3f}", pred_s=f"{m['predictions'] * self.world / m['step_s']:.0f}")
             self.state.step += 1
             self.state.data = self.batches.pos
             self.state.record(m["loss"], seq_ids)

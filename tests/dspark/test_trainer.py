@@ -1,6 +1,7 @@
 """The DeepSpeed trainer on a tiny target whose shards are written from transformers in the
 declared schema (the real path reads what data_tools.extract writes)."""
 
+import io
 import json
 import os
 import re
@@ -372,6 +373,22 @@ def test_sigterm_to_train_py_saves_and_exits_143(tiny, tmp_path):
     assert "Traceback" not in text
     tag = (tmp_path / "ckpt" / "latest").read_text().strip()
     assert int(tag.removeprefix("step")) >= 2
+
+
+def test_a_terminal_gets_a_progress_bar_and_a_log_none(compose_config, tiny, tmp_path, monkeypatch, capsys):
+    """Issue #14: steps, loss and predictions/s as a tqdm bar on an interactive terminal only."""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    make_trainer(compose_config, tiny, tmp_path, "train.max_steps=3").train()
+    assert re.search(r"train: 100%.*\| 3/3 .*loss=\d+\.\d{3}, pred_s=\d+", term.getvalue()), term.getvalue()[-500:]
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar
+    make_trainer(compose_config, tiny, tmp_path / "b", "train.max_steps=2").train()
+    assert "train:" not in sys.stderr.getvalue()
 
 
 def test_bad_override_gets_hydras_error_not_a_traceback():
