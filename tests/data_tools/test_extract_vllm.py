@@ -75,6 +75,15 @@ def _rows(directory: Path) -> dict:
     return rows
 
 
+def _assert_same_rows(out: Path, reference: Path) -> None:
+    """``out`` holds the uninterrupted run's sequences: same splits, ids, masks and states."""
+    expected, got = _rows(reference), _rows(out)
+    assert got.keys() == expected.keys()
+    for seq_id, (split, ids, mask, hs) in expected.items():
+        assert got[seq_id][:3] == (split, ids, mask)
+        torch.testing.assert_close(got[seq_id][3], hs, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
@@ -127,11 +136,7 @@ def test_kill_resume_and_rebuild_match_uninterrupted_run(tmp_path, prompts, refe
     assert not Manifest.load(out).complete
 
     _run(_cmd(prompts, out))
-    expected, got = _rows(reference), _rows(out)
-    assert got.keys() == expected.keys()
-    for seq_id, (split, ids, mask, hs) in expected.items():
-        assert got[seq_id][:3] == (split, ids, mask)
-        torch.testing.assert_close(got[seq_id][3], hs, rtol=1e-5, atol=1e-5)
+    _assert_same_rows(out, reference)
 
     # a truncated shard: verify names it, resume rebuilds it
     shard = out / "train" / "shard-00001.parquet"
@@ -140,7 +145,7 @@ def test_kill_resume_and_rebuild_match_uninterrupted_run(tmp_path, prompts, refe
     assert bad.returncode == 1 and f"{shard}: size/sha256 differ" in bad.stdout
     _run(_cmd(prompts, out))
     assert _verify(out, "--recompute", "0").returncode == 0
-    assert _rows(out).keys() == expected.keys()
+    _assert_same_rows(out, reference)
 
 
 def test_a_dead_engine_core_ends_the_driver_and_the_rerun_resumes(tmp_path, prompts, reference):
@@ -180,11 +185,7 @@ def test_a_dead_engine_core_ends_the_driver_and_the_rerun_resumes(tmp_path, prom
     assert not Manifest.load(out).complete
 
     _run(_cmd(prompts, out))
-    expected, got = _rows(reference), _rows(out)
-    assert got.keys() == expected.keys()
-    for seq_id, (split, ids, mask, hs) in expected.items():
-        assert got[seq_id][:3] == (split, ids, mask)
-        torch.testing.assert_close(got[seq_id][3], hs, rtol=1e-5, atol=1e-5)
+    _assert_same_rows(out, reference)
 
 
 def _session(p) -> int:
