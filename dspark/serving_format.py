@@ -17,7 +17,6 @@ back for the reference loop and the validator.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from safetensors.torch import load_file
 
 from dspark.checkpoint import SHARED_FROM_TARGET, CheckpointError, TrainingCheckpoint, check_weights
 from dspark.core.config import DSparkConfig
+from dspark.core.files import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
 from dspark.model import DrafterDims
 
@@ -153,12 +153,9 @@ REEXPORT = "export it again: python -m dspark.export export CHECKPOINT --out {di
 def _read_json_object(path: Path, required: tuple[str, ...]) -> dict[str, Any]:
     """One of the export's JSON files, with the fields it must have; a damaged or foreign file
     is an :class:`ExportError` naming it."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportError(
-            f"{path}: not valid JSON ({e}), expected the file dspark.export writes; {REEXPORT.format(dir=path.parent)}"
-        ) from None
+    data = read_json(
+        path, expected=f"expected the file dspark.export writes; {REEXPORT.format(dir=path.parent)}", error=ExportError
+    )
     if not isinstance(data, dict):
         raise ExportError(
             f"{path}: a JSON {type(data).__name__}, expected an object; {REEXPORT.format(dir=path.parent)}"

@@ -92,6 +92,15 @@ def read_jsonl(path: Path | str, *, error: type[ValueError] = ValueError) -> Ite
                 raise error(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
 
 
+def read_json(path: Path | str, *, expected: str, error: type[ValueError] = ValueError) -> Any:
+    """The parsed content of a JSON file; a file that is not valid JSON (or not UTF-8) raises
+    ``error`` (the caller's own ValueError subclass) naming it and ``expected``."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e}), {expected}") from None
+
+
 def write_jsonl(path: Path | str, records: Iterator[Any] | list[Any]) -> None:
     """One JSON value per line, written atomically."""
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:

@@ -38,7 +38,7 @@ import torch
 from dspark.core import fp8
 from dspark.core.config import TORCH_DTYPES
 from dspark.core.errors import UserError
-from dspark.core.files import atomic_write_text
+from dspark.core.files import atomic_write_text, read_json
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -189,12 +189,7 @@ class Manifest:
         path = Path(directory) / MANIFEST
         if not path.is_file():
             raise DatasetError(f"{path}: missing file; not a dataset directory written by data_tools.extract")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DatasetError(
-                f"{path}: not valid JSON ({e}), expected the manifest data_tools.extract writes"
-            ) from None
+        data = read_json(path, expected="expected the manifest data_tools.extract writes", error=DatasetError)
         if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
             found = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
             raise DatasetError(f"{path}: field 'schema_version' is {found!r}, this code reads {SCHEMA_VERSION}")
