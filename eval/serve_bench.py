@@ -141,7 +141,8 @@ def ensure_export(cfg: RunConfig, target_dir: Path, layout: str, *, required: bo
     from eval.run import export_all, export_path
 
     path = export_path(cfg, "dspark", layout)
-    if not (path / "export.json").is_file():
+    exported = any((export_path(cfg, "dspark", x) / "export.json").is_file() for x in (layout, "dspark"))
+    if not exported:  # export_all writes the dspark layout always, the dflash one where the drafter has it
         ckpt = Path(cfg.eval.checkpoint or cfg.train.checkpoint_dir).expanduser()
         if not ckpt.exists():
             raise ServeBenchError(

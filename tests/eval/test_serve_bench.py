@@ -331,3 +331,16 @@ def test_the_command_help_says_what_it_runs():
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("python -m eval.serve_bench: Serving A/B benchmark")
     assert "serve_bench.traffic_file=" in out.stdout and "vllm.entrypoints.openai.api_server" in out.stdout
+
+
+def test_configurations_resolve_and_a_missing_drafter_is_named(compose_config, tmp_path):
+    from eval.serve_bench import ServeBenchError, resolve_configs
+
+    base = ("+experiment=smollm2_cpu_smoke", f"paths.output_dir={tmp_path}")
+    cfg = compose_config(*base, "serve_bench.configs=[none,ngram]")
+    assert resolve_configs(cfg, tmp_path, gpu=False) == [Configuration("none"), Configuration("ngram", "ngram")]
+    cfg = compose_config(*base, "serve_bench.configs=[none,dflash]")
+    with pytest.raises(
+        ServeBenchError, match=r"no dflash export at .*dspark-dflash and no checkpoint at .*; train first"
+    ):
+        resolve_configs(cfg, tmp_path, gpu=False)
