@@ -792,6 +792,11 @@ def run_serve_bench(cfg: RunConfig, heads: Any, target_dir: Path) -> BenchOutcom
         traffic, longest = eval_set_traffic(cfg, heads, out_dir)
         rows, templated = load_traffic(traffic), True
     configs = resolve_configs(cfg, target_dir, gpu=gpu)
+    if not configs:
+        raise ServeBenchError(
+            f"serve_bench.configs={sb.configs}: nothing vLLM can serve here (on CPU 'ours' needs the dflash layout); "
+            "add none or ngram"
+        )
     setup = BenchSetup(
         target=target_dir,
         traffic=traffic,
