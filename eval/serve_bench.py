@@ -22,7 +22,7 @@ configs, concurrency, request_rate, num_prompts, output_len, ignore_eos, tempera
 traffic_file, max_model_len, num_warmups, host, port, start_timeout_s, level_timeout_s, out_dir.
 
 A traffic file is JSONL, one ``{"prompt": "...", "output_tokens": N}`` per line (vLLM's custom
-dataset; ``output_tokens`` optional, ``serve_bench.output_len`` wins). A server that is not
+dataset; ``output_tokens`` optional: ``serve_bench.output_len`` wins unless it is null). A server that is not
 healthy within ``serve_bench.start_timeout_s`` is stopped and the error names its log; a port
 that is in use is refused; a traffic file in the wrong format is refused naming the file and
 line. Each ends the command with one ``error:`` line and exit status 2.
@@ -51,6 +51,7 @@ from typing import Any, Optional
 from dspark.core.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
 from dspark.core.errors import UserError, exit_on_user_error
 from dspark.core.files import atomic_write_json, atomic_write_text, file_sha256, free_port, read_jsonl, write_jsonl
+from eval.report import _nan_to_none
 from eval.results import AcceptanceCounts
 
 log = logging.getLogger(__name__)
@@ -169,10 +170,11 @@ def speculative_config(c: Configuration, gamma: int) -> Optional[dict[str, Any]]
 # --- traffic -----------------------------------------------------------------------------------
 
 
-def load_traffic(path: Path) -> list[dict[str, Any]]:
+def load_traffic(path: Path, *, need_output_tokens: bool = False) -> list[dict[str, Any]]:
     """A traffic file in vLLM's custom-dataset format, checked line by line before any server
-    starts: a JSON object per line with a non-empty string ``prompt`` and, optionally, a
-    positive integer ``output_tokens``."""
+    starts: a JSON object per line with a non-empty string ``prompt`` and, optionally (on every
+    line with ``need_output_tokens``: serve_bench.output_len=null), a positive integer
+    ``output_tokens``."""
     where = f"serve_bench.traffic_file={path}"
     if not path.is_file():
         raise TrafficFileError(f'{where}: no such file, expected JSONL with one {{"prompt": ...}} per line')
@@ -189,6 +191,10 @@ def load_traffic(path: Path) -> list[dict[str, Any]]:
             tokens = rec.get("output_tokens")
             if "output_tokens" in rec and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
                 raise TrafficFileError(f'{path}:{n}: field "output_tokens" is {tokens!r}, expected an integer >= 1')
+            if need_output_tokens and "output_tokens" not in rec:
+                raise TrafficFileError(
+                    f'{path}:{n}: no "output_tokens", expected one on every line with serve_bench.output_len=null'
+                )
             rows.append(rec)
     except UnicodeDecodeError as e:
         raise TrafficFileError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
@@ -207,10 +213,7 @@ def eval_set_traffic(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[Path, i
     tok = heads.tokenizer
     write_jsonl(
         path,
-        [
-            {"prompt": tok.decode(list(p.prompt_token_ids)), "output_tokens": cfg.serve_bench.output_len}
-            for p in prompts
-        ],
+        [{"prompt": tok.decode(list(p.prompt_token_ids)), "output_tokens": answer_len(cfg)} for p in prompts],
     )
     return path, max(p.num_tokens for p in prompts)
 
@@ -521,7 +524,7 @@ def client_argv(
         "--num-prompts",
         str(num_prompts),
         "--custom-output-len",
-        str(sb.output_len),
+        str(sb.output_len if sb.output_len is not None else -1),  # -1: each request's output_tokens
         "--max-concurrency",
         str(concurrency),
         "--request-rate",
@@ -631,14 +634,19 @@ class BenchSetup:
         }
 
 
-def server_max_model_len(cfg: RunConfig, longest_prompt: int = 0) -> int:
+def server_max_model_len(cfg: RunConfig, longest_prompt: int = 0, longest_answer: int = 0) -> int:
     """The server's window: serve_bench.max_model_len, eval.vllm_max_model_len, or the largest
     context bin (or longest prompt) + the answer + one draft block. Headless nodes pass no prompt
     length, so a prompt past the largest bin needs serve_bench.max_model_len on multi-node runs."""
     sb, e = cfg.serve_bench, cfg.eval
     if sb.max_model_len or e.vllm_max_model_len:
         return int(sb.max_model_len or e.vllm_max_model_len)
-    return max(max(e.context_bins), longest_prompt) + sb.output_len + e.gamma + 1
+    return max(max(e.context_bins), longest_prompt) + (longest_answer or answer_len(cfg)) + e.gamma + 1
+
+
+def answer_len(cfg: RunConfig) -> int:
+    """Tokens per answer: serve_bench.output_len, or eval.max_new_tokens where it is null."""
+    return cfg.serve_bench.output_len or cfg.eval.max_new_tokens
 
 
 def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir: Path) -> ConfigResult:
@@ -786,7 +794,7 @@ def run_serve_bench(cfg: RunConfig, heads: Any, target_dir: Path) -> BenchOutcom
     gpu = torch.cuda.is_available()
     if sb.traffic_file:
         traffic = Path(sb.traffic_file).expanduser()
-        rows, templated = load_traffic(traffic), False
+        rows, templated = load_traffic(traffic, need_output_tokens=sb.output_len is None), False
         longest = 0
     else:
         traffic, longest = eval_set_traffic(cfg, heads, out_dir)
@@ -802,7 +810,9 @@ def run_serve_bench(cfg: RunConfig, heads: Any, target_dir: Path) -> BenchOutcom
         traffic=traffic,
         templated=templated,
         num_requests=sb.num_prompts or len(rows),
-        max_model_len=server_max_model_len(cfg, longest),
+        max_model_len=server_max_model_len(
+            cfg, longest, 0 if sb.output_len else max(int(r.get("output_tokens", 0)) for r in rows)
+        ),
         gamma=e.gamma,
         dtype=cfg.target.dtype,
         seed=e.seed,
@@ -814,7 +824,9 @@ def run_serve_bench(cfg: RunConfig, heads: Any, target_dir: Path) -> BenchOutcom
     fp = config_fingerprint(conditions)
     for c in configs:
         r = bench_config(c, setup, sb, out_dir)
-        atomic_write_json(out_dir / "configs" / f"{c.name}.json", {"fingerprint": fp, "result": asdict(r)}, indent=1)
+        atomic_write_json(
+            out_dir / "configs" / f"{c.name}.json", _nan_to_none({"fingerprint": fp, "result": asdict(r)}), indent=1
+        )
     data = assemble(conditions, merged_configs(out_dir, fp))
     return write_outputs(cfg, data, out_dir)
 
@@ -826,6 +838,11 @@ def _fmt(x: Optional[float], digits: int = 1) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _answers(c: dict[str, Any]) -> str:
+    n = c["output_len"]
+    return f"{n} output tokens each" if n is not None else "each request's own output_tokens"
+
+
 def render_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
     c = data["conditions"]
     lines = [
@@ -833,7 +850,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
         "",
         f"{c['target']} (`{c['target_path']}`), {c['device']}, {c['dtype']}, gamma {c['gamma']}, "
         f"{c['num_requests']} requests per level from the {c['traffic_kind']} `{c['traffic']}`, "
-        f"{c['output_len']} output tokens each{' (EOS ignored)' if c['ignore_eos'] else ''}, temperature "
+        f"{_answers(c)}{' (EOS ignored)' if c['ignore_eos'] else ''}, temperature "
         f"{c['temperature']:g}, request rate {c['request_rate'] or 'unbounded'}; vLLM's OpenAI server and its "
         "`vllm bench serve` client.",
         "",
@@ -873,7 +890,7 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     from matplotlib.figure import Figure
 
     c = data["conditions"]
-    title = f"{c['target']}, {c['device']}, gamma={c['gamma']}, {c['output_len']} tokens"
+    title = f"{c['target']}, {c['device']}, gamma={c['gamma']}, {_answers(c)}"
     plots = {}
 
     def line_plot(name: str, ylabel: str, series: dict[str, tuple[list[int], list[float]]], what: str) -> None:
@@ -931,7 +948,7 @@ def write_outputs(cfg: Optional[RunConfig], data: dict[str, Any], out_dir: Path)
     """serve_bench.json, serve_bench.md, the plots; the W&B run (job type serve_bench) when on."""
     plots = write_plots(data, out_dir)
     json_path, md = out_dir / "serve_bench.json", out_dir / "serve_bench.md"
-    atomic_write_json(json_path, data, indent=1)
+    atomic_write_json(json_path, _nan_to_none(data), indent=1)
     atomic_write_text(md, render_markdown(data, plots))
     if cfg is not None:
         from dspark.core.wandb_run import init_wandb

@@ -582,8 +582,9 @@ class ServeBenchConfig:
     """Requests per second (a Poisson process); None: all at once, bounded by the concurrency."""
     num_prompts: Optional[int] = None
     """Requests per level; None: every prompt of the traffic once (at least 2 x the concurrency)."""
-    output_len: int = II("eval.max_new_tokens")
-    """Tokens per answer; every configuration generates exactly this many (EOS ignored)."""
+    output_len: Optional[int] = II("eval.max_new_tokens")
+    """Tokens per answer; every configuration generates exactly this many (EOS ignored). null:
+    each request's own ``output_tokens`` (a traffic file's; then required on every line)."""
     ignore_eos: bool = True
     temperature: float = II("eval.temperature")
     traffic_file: Optional[str] = None
@@ -620,7 +621,9 @@ class ServeBenchConfig:
             _check(self.request_rate > 0, "serve_bench.request_rate", self.request_rate, "expected > 0, or null")
         if self.num_prompts is not None:
             _at_least("serve_bench.num_prompts", self.num_prompts, 1)
-        for key in ("output_len", "start_timeout_s", "level_timeout_s"):
+        if self.output_len is not None:
+            _at_least("serve_bench.output_len", self.output_len, 1)
+        for key in ("start_timeout_s", "level_timeout_s"):
             _at_least(f"serve_bench.{key}", getattr(self, key), 1)
         _at_least("serve_bench.num_warmups", self.num_warmups, 0)
         _check(0 <= self.port <= 65535, "serve_bench.port", self.port, "expected 0 (pick a free one) or a TCP port")

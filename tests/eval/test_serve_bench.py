@@ -344,3 +344,21 @@ def test_configurations_resolve_and_a_missing_drafter_is_named(compose_config, t
         ServeBenchError, match=r"no dflash export at .*dspark-dflash and no checkpoint at .*; train first"
     ):
         resolve_configs(cfg, tmp_path, gpu=False)
+
+
+def test_output_len_null_takes_each_requests_own_length(tmp_path, compose_config):
+    from eval.serve_bench import Server, client_argv, server_max_model_len
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt": "a", "output_tokens": 300}\n{"prompt": "b"}\n')
+    with pytest.raises(TrafficFileError) as e:
+        load_traffic(path, need_output_tokens=True)
+    assert str(e.value) == f'{path}:2: no "output_tokens", expected one on every line with serve_bench.output_len=null'
+    cfg = compose_config("+experiment=smollm2_cpu_smoke", "serve_bench.output_len=null")
+    server = Server(None, "127.0.0.1", 1, tmp_path / "s.log")
+    argv = client_argv(
+        server, target=tmp_path, traffic=path, templated=False, concurrency=2, num_prompts=2, sb=cfg.serve_bench, seed=0
+    )
+    assert argv[argv.index("--custom-output-len") + 1] == "-1" and "--skip-chat-template" not in argv
+    assert server_max_model_len(cfg, 0, 300) == 512 + 300 + 4 + 1  # the largest bin + the longest answer + a block
+    assert server_max_model_len(compose_config("+experiment=smollm2_cpu_smoke"), 600) == 600 + 12 + 4 + 1
