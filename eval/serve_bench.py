@@ -80,6 +80,9 @@ METRICS = {  # serve_bench.json name -> the key of vLLM's benchmark result
     "total_output_tokens": "total_output_tokens",
 }
 ORDER = ("none", "ngram", "ours", "dflash", "dspark")
+RENDEZVOUS = ("master_addr", "master_port", "node_rank")
+"""Multi-node engine arguments left out of the conditions, so the configurations of one job
+(one srun step and rendezvous port each) make one report."""
 
 
 class ServeBenchError(UserError):
@@ -630,7 +633,8 @@ class BenchSetup:
             "max_model_len": self.max_model_len,
             "dtype": self.dtype,
             "device": "cuda" if self.gpu else "cpu",
-            "engine_kwargs": self.engine_kwargs,
+            # where the workers meet is no condition: each configuration's step has its own port
+            "engine_kwargs": {k: v for k, v in self.engine_kwargs.items() if k not in RENDEZVOUS},
         }
 
 

@@ -362,3 +362,18 @@ def test_output_len_null_takes_each_requests_own_length(tmp_path, compose_config
     assert argv[argv.index("--custom-output-len") + 1] == "-1" and "--skip-chat-template" not in argv
     assert server_max_model_len(cfg, 0, 300) == 512 + 300 + 4 + 1  # the largest bin + the longest answer + a block
     assert server_max_model_len(compose_config("+experiment=smollm2_cpu_smoke"), 600) == 600 + 12 + 4 + 1
+
+
+def test_the_configurations_of_one_multi_node_job_share_their_conditions(tmp_path, compose_config):
+    from eval.serve_bench import BenchSetup
+
+    cfg = compose_config("+experiment=smollm2_cpu_smoke")
+    traffic = tmp_path / "t.jsonl"
+    traffic.write_text('{"prompt": "a"}\n')
+
+    def conditions(port: int) -> dict:
+        kw = {"tensor_parallel_size": 16, "nnodes": 4, "node_rank": 0, "master_addr": "h0", "master_port": port}
+        return BenchSetup(tmp_path, traffic, False, 1, 600, 4, "bfloat16", 0, kw, 1, True).conditions(cfg)
+
+    assert conditions(29743) == conditions(29744)  # one srun step (and rendezvous port) per configuration
+    assert conditions(29743)["engine_kwargs"] == {"tensor_parallel_size": 16, "nnodes": 4}
