@@ -70,6 +70,13 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         lines += [f"check    {c.name}: {'PASS' if c.passed else 'MISS'} ({c.detail})" for c in outcome.checks]
         lines.append(f"report   {outcome.report_dir / 'report.md'} (+ results.json, *.png)")
         lines.append(f"exports  {cfg.eval.export_dir}")
+    if "serve_bench" in cfg.stages:
+        from eval.serve_bench import run_serve_bench
+
+        bench = run_serve_bench(cfg, heads, target_dir)
+        stages_run.append("serve_bench")
+        lines.append(f"serve    {bench.summary_line()}")
+        lines.append(f"serving  {bench.markdown} (+ serve_bench.json, *.png)")
     if cfg.logging.wandb:
         lines.append(f"W&B      {Path(cfg.paths.output_dir) / 'wandb'} (offline runs: wandb sync <run dir>)")
     log.info("main job done in %.1f min:\n  %s", (time.perf_counter() - t0) / 60, "\n  ".join(lines))

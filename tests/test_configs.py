@@ -207,7 +207,7 @@ def test_wrong_type_fails_at_compose_naming_the_key(override, key):
     [
         ("train.anchors_per_seq=0", r"train.anchors_per_seq=0: expected a number >= 1"),
         ("train.micro_batch_size=0", r"train.micro_batch_size=0: expected a number >= 1"),
-        ("stages=[trian]", r"stages\[\]='trian': expected one of \['extract', 'train', 'eval'\]"),
+        ("stages=[trian]", r"stages\[\]='trian': expected one of \['extract', 'train', 'eval', 'serve_bench'\]"),
         ("drafter.num_layers=0", r"drafter.num_layers must be >= 1, got 0"),
         (
             "drafter.markov_head_type=lstm",
@@ -376,8 +376,8 @@ def test_train_py_help_lists_the_stages_experiments_and_examples():
     help_text = out.stdout
     assert help_text.startswith("python train.py: train a DSpark speculative-decoding drafter for a target LLM.")
     stages = help_text.split("== Stages", 1)[1].split("== Experiments", 1)[0].splitlines()[1:]
-    named = [line.split()[0] for line in stages if re.match(r"  [a-z]+ +\S", line)]  # not the continuations
-    assert named == ["extract", "train", "eval"]
+    named = [line.split()[0] for line in stages if re.match(r"  [a-z_]+ +\S", line)]  # not the continuations
+    assert named == ["extract", "train", "eval", "serve_bench"]
     section = help_text.split("== Experiments", 1)[1].split("== Examples", 1)[0]
     listed = {line.split()[0] for line in section.splitlines()[1:] if line.strip()}
     assert listed == {p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")}  # none missing

@@ -19,7 +19,7 @@ from typing import Optional
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from dspark.core.config import STAGES, RunConfig, load_config
+from dspark.core.config import DEFAULT_STAGES, RunConfig, load_config
 from dspark.core.errors import USER_ERROR_EXIT, UserError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -52,7 +52,9 @@ def describe(err: Exception) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dspark.core.compose", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (+experiment=NAME key=value ...)")
-    p.add_argument("--stages", default=",".join(STAGES), help="comma-separated stages, each composed with stages=[S]")
+    p.add_argument(
+        "--stages", default=",".join(DEFAULT_STAGES), help="comma-separated stages, each composed with stages=[S]"
+    )
     args = p.parse_args(argv)
     for stage in args.stages.split(","):
         try:

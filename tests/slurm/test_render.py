@@ -316,3 +316,36 @@ def test_outside_the_repository_says_where_to_submit_from(render, tmp_path):
     assert r.rc == 2 and "is not the dspark repository" in r.log and "DSPARK_REPO" in r.log
     r = render("train.sbatch", env={"SLURM_SUBMIT_DIR": str(tmp_path), "DSPARK_REPO": str(REPO)})
     assert r.rc == 0, r.log
+
+
+@pytest.mark.parametrize("mode", ["1", "only"])
+def test_eval_renders_the_serving_benchmark_one_server_over_four_nodes_per_configuration(render, mode):
+    """Issue #15 on K3: per configuration one srun step; node 0 runs the server (its engine spans
+    the 4 nodes) and vLLM's client, nodes 1-3 host its workers; a fresh rendezvous port each."""
+    r = render("eval.sbatch", "serve_bench.concurrency=[1,8]", env={"SERVE_BENCH": mode})
+    assert r.rc == 0, r.log
+    bench = [x for x in r.launches if x["argv"][:2] == ["-m", "eval.serve_bench"]]
+    evals = [x for x in r.launches if x["argv"][:2] != ["-m", "eval.serve_bench"]]
+    assert len(evals) == (4 if mode == "1" else 0)
+    assert len(bench) == 3 * 4 and len(r.srun) == 3 + (1 if mode == "1" else 0)
+    ports = set()
+    for k, config in enumerate(["none", "ngram", "ours"]):
+        step = bench[4 * k : 4 * k + 4]
+        for i, launch in enumerate(step):
+            argv = launch["argv"]
+            assert launch["env"]["SLURM_NODEID"] == str(i) and argv[2] == "+experiment=kimi_k3_gb300"
+            assert arg(argv, "serve_bench.configs=") == f"[{config}]"
+            assert ("serve_bench.headless=true" in argv) == (i > 0)  # node 0 serves and runs the client
+            assert arg(argv, "+eval.vllm_engine_kwargs.nnodes=") == "4"
+            assert arg(argv, "+eval.vllm_engine_kwargs.node_rank=") == str(i)
+            assert arg(argv, "+eval.vllm_engine_kwargs.master_addr=") == HOSTS[0]
+            assert arg(argv, "hydra.run.dir=").endswith(f"eval/serve_bench-{config}/node{i}")
+            assert argv[-1] == "serve_bench.concurrency=[1,8]"
+        assert len({arg(x["argv"], "+eval.vllm_engine_kwargs.master_port=") for x in step}) == 1
+        ports.add(arg(step[0]["argv"], "+eval.vllm_engine_kwargs.master_port="))
+    assert len(ports) == 3  # no rendezvous port reused between consecutive servers
+
+
+def test_eval_refuses_an_unknown_serve_bench_mode(render):
+    r = render("eval.sbatch", env={"SERVE_BENCH": "yes"})
+    assert r.rc == 2 and "error: SERVE_BENCH=yes: expected 0, 1 or only" in r.log
