@@ -287,6 +287,12 @@ class ExtractEngineConfig:
     """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) unless already set; 4 holds a 6k-token prompt batch."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to ``vllm.LLM``, e.g. ``{nnodes: 4, node_rank: 0, master_addr: ...}``."""
+    start_timeout_s: int = 3600
+    """Bound on the engine's start (weights loaded, workers joined); past it the engine's processes
+    are killed and the command ends naming this setting. 0: no bound."""
+
+    def __post_init__(self) -> None:
+        _at_least("data.vllm.start_timeout_s", self.start_timeout_s, 0)
 
 
 @dataclass
