@@ -379,6 +379,9 @@ class TrainConfig:
     save_every: int = 200
     resume: str = "auto"
     """auto (newest in checkpoint_dir) | never | path to a checkpoint tag dir."""
+    dist_timeout_s: int = 1800
+    """Bound on joining the process group (every rank at MASTER_ADDR:MASTER_PORT) and on each
+    collective of several ranks (a rank that died or hangs); past it the run ends naming it."""
     run_name: str = "${drafter_tag:${drafter}}"
     """One drafter variant per name (:func:`drafter_tag`): its checkpoints, exports and eval report
     live under it, so the Markov-off ablation or a DFlash run never resumes the main run."""
@@ -434,6 +437,7 @@ class TrainConfig:
         ):
             _at_least(f"train.{key}", getattr(self, key), 1)
         _at_least("train.max_seq_len", self.max_seq_len, 2)
+        _at_least("train.dist_timeout_s", self.dist_timeout_s, 1)
         for key in ("lr", "weight_decay", "warmup_steps", "grad_clip", "ce_weight", "tv_weight", "confidence_weight"):
             _at_least(f"train.{key}", getattr(self, key), 0)
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "expected a fraction in [0, 1]")

@@ -815,3 +815,30 @@ def test_a_full_disk_during_export_is_named_and_leaves_nothing(compose_config, t
         err,
     ), err
     assert list(disk.iterdir()) == []  # no half export, no temporary directory
+
+
+def test_a_rendezvous_nobody_joins_ends_within_train_dist_timeout_s_naming_it():
+    """Rank 1 of 2 whose master never comes up: torch would retry; the bound ends it, naming the
+    address, the world size and the setting."""
+    from dspark.core.files import free_port
+
+    port = free_port()
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    code = "from dspark.core.errors import exit_on_user_error\nfrom dspark.trainer import init_distributed\n"
+    code += "with exit_on_user_error():\n    init_distributed(3)\n"
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**env, "MASTER_PORT": str(port)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert time.monotonic() - t0 < 60
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1] == (
+        f"error: rank 1: the 2 ranks did not all meet at 127.0.0.1:{port} within train.dist_timeout_s=3 s: check "
+        "that every rank was started (all nodes of the job), that MASTER_ADDR is reachable from this node and "
+        "MASTER_PORT free and open there, then rerun the same command"
+    )
