@@ -773,7 +773,11 @@ sys.exit(dspark.export.main(sys.argv[1:]))
 """
 
 
-def test_kill_9_mid_export_leaves_no_half_export_and_the_rerun_writes_the_same_bytes(compose_config, tiny, tmp_path):
+def test_kill_9_mid_export_leaves_no_half_export_and_the_rerun_writes_the_same_bytes(
+    compose_config, tiny, tmp_path, caplog
+):
+    import socket
+
     from dspark.export import export
 
     target, _ = tiny
@@ -792,8 +796,14 @@ def test_kill_9_mid_export_leaves_no_half_export_and_the_rerun_writes_the_same_b
 
     killed_export()
     assert not out.exists()  # the half model.safetensors is in a temporary directory, never under --out
-    assert [(p / "model.safetensors").is_file() for p in tmp_path.glob(".export.tmp-*")] == [True]
-    export(ckpt, out, target_dir=target)  # the rerun
+    (half,) = tmp_path.glob(".export.tmp-*")
+    assert (half / "model.safetensors").is_file()
+    live = tmp_path / f".export.tmp-{socket.gethostname()}-{os.getpid()}-000000"  # an export still running
+    elsewhere = tmp_path / ".export.tmp-another-host-1-000000"  # another node's: its process cannot be asked
+    live.mkdir(), elsewhere.mkdir()
+    export(ckpt, out, target_dir=target)  # the rerun: the killed export's directory goes, with a warning
+    assert f"removed {half}: a temporary export left by process" in caplog.text
+    assert sorted(tmp_path.glob(".export.tmp-*")) == sorted([live, elsewhere])
     export(ckpt, tmp_path / "uninterrupted", target_dir=target)
     want = digests(tmp_path / "uninterrupted")
     assert digests(out) == want and set(want) == {"config.json", "export.json", "model.safetensors"}
