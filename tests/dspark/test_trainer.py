@@ -852,3 +852,59 @@ def test_a_rendezvous_nobody_joins_ends_within_train_dist_timeout_s_naming_it():
         "that every rank was started (all nodes of the job), that MASTER_ADDR is reachable from this node and "
         "MASTER_PORT free and open there, then rerun the same command"
     )
+
+
+RANK_0_DISK_FULL = r"""
+import errno, os, runpy, sys
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+real_save = TorchCheckpointEngine.save
+
+def save(self, state_dict, path):  # rank 0's disk is full from step 4's save on; rank 1's is not
+    if os.environ["RANK"] == "0" and "step00000004" in path:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    return real_save(self, state_dict, path)
+
+TorchCheckpointEngine.save = save
+train_py = os.path.join(os.getcwd(), "train.py")
+sys.argv = [train_py, *sys.argv[1:]]
+runpy.run_path(train_py, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_one_disk_full_mid_save_all_end_soon_with_rank_0s_error(tiny, tmp_path):
+    """Rank 0's save fails (disk full) while rank 1 has written its part and waits in DeepSpeed's
+    barrier: torchrun, seeing rank 0 end, ends rank 1 too, long before the collective timeout;
+    the run ends non-zero with rank 0's error naming the tag, and latest stays on step 2."""
+    from dspark.core.files import free_port
+
+    target, data = tiny
+    script = tmp_path / "rank0_disk_full.py"
+    script.write_text(RANK_0_DISK_FULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(script),
+        *overrides(target, data, tmp_path, "train.max_steps=6", "train.save_every=2", "train.micro_batch_size=2"),
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    took, log = time.monotonic() - t0, out.stdout + out.stderr
+    assert out.returncode != 0, log[-3000:]
+    ckpt = tmp_path / "ckpt"
+    assert f"error: {ckpt}: no space for checkpoint step00000004 (" in log, log[-3000:]
+    # gloo: rank 1's barrier fails at once ("Connection closed by peer"); torchrun then ends it
+    assert re.search(r"rank\s*: 1 .*\n\s*exitcode\s*: (1|-15|-9) ", log), log[-3000:]
+    assert took < 300, took  # start-up and 4 steps included; the collective timeout is 1800 s
+    assert (ckpt / "latest").read_text() == "step00000002" and not (ckpt / "step00000006").exists()
+    cmd[cmd.index(str(script))] = "train.py"  # room freed: the rerun resumes from step 2 and completes
+    cmd[cmd.index(next(a for a in cmd if a.startswith("--master_port")))] = f"--master_port={free_port()}"
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert (ckpt / "latest").read_text() == "step00000006"
+    assert "at step 2 (epoch" in out.stdout + out.stderr  # "resumed from ... at step 2 (epoch 0, ..."
