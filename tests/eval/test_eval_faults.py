@@ -61,10 +61,11 @@ atomic_write_json(out, {"method": args["--method"], "draft": None, "gamma": gamm
 """
 
 DRIVER = r"""
-import json, os, signal, sys
+import json, logging, os, signal, sys
 from pathlib import Path
 
 repo, target, point, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")  # as Hydra's main does
 sys.executable = os.environ["STUB_PYTHON"]  # the vLLM child eval.serve starts: the stub
 import eval.reference, eval.report, eval.run
 from dspark.core.files import atomic_path
