@@ -344,9 +344,7 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     parts = Parts(out_dir / "parts", _parts_key(fp, prompts), reuse=not e.force)
     drafters = []
     if e.reference:
-        drafters += parts.get_or_run(
-            "reference", lambda: reference_results(cfg, heads, target_dir, prompts, exports)
-        )
+        drafters += parts.get_or_run("reference", lambda: reference_results(cfg, heads, target_dir, prompts, exports))
     drafters += vllm_results(cfg, target_dir, prompts, prompts_file, out_dir, exports, parts=parts)
     conditions = _conditions(
         cfg,
