@@ -533,6 +533,8 @@ class EvalConfig:
     vllm_max_model_len: Optional[int] = None
     """None = the largest bin + max_new_tokens + a draft block."""
     vllm_timeout_s: int = 7200
+    """Bound on each vLLM child (engine start and serving); past it the child and its processes
+    are killed and the eval ends naming it and its log."""
     vllm_cpu_kvcache_gib: int = II("data.vllm.cpu_kvcache_gib")
     """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) for the served engines, on CPU."""
     force: bool = False
