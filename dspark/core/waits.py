@@ -43,11 +43,19 @@ def kill_tree(pid: int, *, also_root: bool = True, grace_s: float = 10.0) -> lis
     return [p.pid for p in procs]
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the child gets SIGKILL when the process that started it dies (a kill -9 of the
-    driver must not leave a vLLM engine running for nobody)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _die_with_parent_hook() -> Optional[Callable[[], None]]:
+    """Linux: a ``preexec_fn`` that has the child get SIGKILL when the thread that started it
+    ends (a kill -9 of the driver must not leave a vLLM engine running for nobody; call
+    :func:`run_child` from a thread that outlives the child, e.g. the main one). libc is looked
+    up here, in the parent: the hook runs between fork and exec, where loading a library could
+    wait on a lock another thread of the parent held."""
+    if os.uname().sysname != "Linux":
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def log_tail(path: Path, chars: int = 4000) -> str:
@@ -80,7 +88,7 @@ def run_child(
             env=env,
             stdout=fh,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if os.name == "posix" else None,
+            preexec_fn=_die_with_parent_hook(),
         )
         try:
             return proc.wait(timeout=timeout_s)

@@ -111,3 +111,26 @@ def test_an_engine_start_past_its_bound_kills_the_engine_and_names_the_setting()
         "it was on (loading weights, compiling, a multi-node peer that never joined: check master_addr/master_port "
         "and that every node was started), then rerun; a larger data.vllm.start_timeout_s if it was only slow"
     )
+
+
+def test_a_child_dies_with_the_process_that_started_it(tmp_path):
+    """kill -9 of the driver alone (not its process group): its child does not run on for nobody."""
+    pidfile = tmp_path / "child.pid"
+    sleeper = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom dspark.core.waits import run_child\n"
+        f"run_child([sys.executable, '-c', {sleeper!r}, {str(pidfile)!r}], log_file=Path({str(tmp_path / 'c.log')!r}),"
+        " timeout_s=600, what='x', todo='y')\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not (pidfile.is_file() and pidfile.read_text()):
+        assert driver.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    child = int(pidfile.read_text())
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)
