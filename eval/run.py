@@ -320,7 +320,8 @@ def fingerprint(cfg: RunConfig, checkpoints: list[Path]) -> str:
 
 def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     """Export (and validate) the checkpoints, build the eval set, measure every drafter, report.
-    Skipped when results.json already holds this fingerprint (same checkpoint files, settings)."""
+    Skipped when results.json already holds this fingerprint (same checkpoint files, settings);
+    after a killed eval, the parts it finished are kept (:class:`Parts`) and the rest is measured."""
     cfg = load_config(cfg)
     e = cfg.eval
     out_dir = Path(e.out_dir).expanduser()
