@@ -134,3 +134,37 @@ def test_a_child_dies_with_the_process_that_started_it(tmp_path):
     while alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(child)
+
+
+REAL_VLLM_START = r"""
+import os, subprocess, sys
+from dspark.core.errors import exit_on_user_error
+from dspark.core.vllm_engine import make_llm
+
+try:
+    with exit_on_user_error():
+        kwargs = dict(model=sys.argv[1], dtype="float32", max_model_len=512, enforce_eager=True)
+        make_llm(kwargs, cpu_kvcache_gib=1, start_timeout_s=float(sys.argv[2]))
+finally:
+    left = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    print("processes left:", len(left), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_real_vllm_engine_start_past_its_bound_is_ended_and_named(tiny_qwen3_dir):
+    """vLLM 0.32 itself: its engine core killed by the bound, its start-up wait ends (it does not
+    wait forever for the handshake), no process is left and the error names the setting."""
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", REAL_VLLM_START, str(tiny_qwen3_dir), "5"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+    assert f"error: starting vLLM's engine for {tiny_qwen3_dir} did not finish within 5 s;" in out.stderr
+    assert "a larger data.vllm.start_timeout_s if it was only slow" in out.stderr
+    assert out.stdout.strip().endswith("processes left: 0")
+    assert time.monotonic() - t0 < 300  # the vLLM import included

@@ -30,6 +30,7 @@ import json, os, sys, time
 from dataclasses import asdict
 from pathlib import Path
 
+sys.path.insert(0, os.getcwd())  # this checkout's code (the child runs in the repository, as eval.serve's does)
 argv = sys.argv[3:] if sys.argv[1:3] == ["-m", "eval.serve"] else sys.exit(f"not eval.serve: {sys.argv}")
 args = dict(zip(argv[0::2], argv[1::2]))
 out, gamma = Path(args["--out"]), int(args["--gamma"])
