@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from dspark.checkpoint import CheckpointError, TrainingCheckpoint, load_training_checkpoint
 from dspark.core.config import TORCH_DTYPES, TargetConfig
-from dspark.core.files import DiskFullError, atomic_path, reporting_disk_full
+from dspark.core.files import DiskFullError, atomic_path, remove_stale_temporaries, reporting_disk_full
 from dspark.core.layer_ids import CONVENTION
 from dspark.core.target_dir import TargetError, read_text_config
 from dspark.serving_format import (
@@ -119,6 +119,7 @@ def export(
     with reporting_disk_full(out_dir.parent, what=f"export {out_dir.name}", needed=needed, todo=todo):
         # a unique temporary directory, renamed when complete: a killed export leaves no half
         # out_dir, and concurrent exports never collide
+        remove_stale_temporaries(out_dir)  # a killed export's half directory
         with atomic_path(out_dir) as tmp:
             tmp.mkdir()
             _write_export(tmp, weights, config, ckpt, layout, dtype, tdir)

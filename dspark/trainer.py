@@ -121,18 +121,39 @@ def prepare_deepspeed_cpu_ops(
         time.sleep(min(poll_s, stale_after_s - age))
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(timeout_s: float = 1800) -> tuple[int, int]:
     """Join the launcher's process group (torchrun/deepspeed/srun set RANK etc.), or create a
     one-process group for a plain ``python train.py`` on a free port, which is not exported:
-    child processes must not inherit a port this process holds."""
+    child processes must not inherit a port this process holds.
+
+    Bounded (``train.dist_timeout_s``): joining waits at most ``timeout_s`` for every rank, then
+    :class:`~dspark.core.waits.WaitTimedOut` names the rendezvous (MASTER_ADDR:MASTER_PORT,
+    WORLD_SIZE, this RANK) and what to check; each collective afterwards has the same bound (a
+    rank that died or hangs ends the others with torch's timeout error instead of a hang)."""
+    import datetime
+
     import deepspeed
     import torch.distributed as dist
 
+    from dspark.core.waits import WaitTimedOut
+
     prepare_deepspeed_cpu_ops(int(os.environ.get("WORLD_SIZE", "1")))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if "RANK" in os.environ:
-            deepspeed.init_distributed(dist_backend=backend)
+            try:
+                deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+            except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError is a RuntimeError
+                if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+                    raise
+                env = {k: os.environ.get(k, "?") for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+                raise WaitTimedOut(
+                    f"rank {env['RANK']}: the {env['WORLD_SIZE']} ranks did not all meet at {env['MASTER_ADDR']}:"
+                    f"{env['MASTER_PORT']} within train.dist_timeout_s={timeout_s:g} s: "
+                    "check that every rank was started (all nodes of the job), that MASTER_ADDR is reachable "
+                    "from this node and MASTER_PORT free and open there, then rerun the same command"
+                ) from err
         else:
             port = free_port()
             os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; harmless for children
@@ -142,6 +163,7 @@ def init_distributed() -> tuple[int, int]:
                 init_method=f"tcp://127.0.0.1:{port}",
                 rank=0,
                 world_size=1,
+                timeout=timeout,
             )
     return dist.get_rank(), dist.get_world_size()
 
@@ -382,7 +404,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig | DictConfig, heads: TargetHeads):
         cfg = load_config(cfg)
         self.cfg, self.t = cfg, cfg.train
-        self.rank, self.world = init_distributed()
+        self.rank, self.world = init_distributed(self.t.dist_timeout_s)
         self.ckpt_dir = Path(self.t.checkpoint_dir).expanduser()
         require_dataset(cfg.data.shards_dir)  # before the lock: a run without data writes nothing
         self._lock = lock_checkpoint_dir(self.ckpt_dir) if self.rank == 0 else None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from matplotlib.figure import Figure
 
+from dspark.core.files import atomic_write_text
 from eval.results import AcceptanceCounts, Calibration, DrafterResult, EvalConditions, EvalResults
 
 if TYPE_CHECKING:
@@ -445,14 +446,18 @@ def log_to_wandb(run: Run, results: EvalResults, plots: dict[str, Path]) -> None
 def write_report(
     results: EvalResults, out_dir: Path, *, checks: list[Check] | None = None, wandb_run: Run | None = None
 ) -> ReportPaths:
-    """Write results.json, report.md and the PNGs into ``out_dir``; log them to ``wandb_run``."""
+    """Write the PNGs, report.md and results.json into ``out_dir``; log them to ``wandb_run``.
+
+    results.json is written last and atomically: it is what marks the report complete
+    (``eval.run`` skips a report whose results.json holds the same fingerprint), so a kill
+    before it leaves a report that the next run writes again, never one taken as complete."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(results, out_dir)
-    json_path = out_dir / "results.json"
-    json_path.write_text(json.dumps(results_payload(results, checks), indent=2, allow_nan=False) + "\n")
     md_path = out_dir / "report.md"
-    md_path.write_text(render_markdown(results, plots, checks=checks))
+    atomic_write_text(md_path, render_markdown(results, plots, checks=checks))
+    json_path = out_dir / "results.json"
+    atomic_write_text(json_path, json.dumps(results_payload(results, checks), indent=2, allow_nan=False) + "\n")
     if wandb_run is not None:
         log_to_wandb(wandb_run, results, plots)
     return ReportPaths(json=json_path, markdown=md_path, plots=plots)

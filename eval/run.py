@@ -7,6 +7,7 @@ the reference loop and with vLLM itself, and write the report.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -20,6 +21,7 @@ from omegaconf import DictConfig
 from dspark.checkpoint import checkpoint_model_file, latest_tag, load_training_checkpoint
 from dspark.core.config import EvalConfig, RunConfig, config_fingerprint, load_config
 from dspark.core.errors import exit_on_user_error
+from dspark.core.files import atomic_write_json
 from dspark.export import ExportSummary, export
 from dspark.serving_format import load_drafter, read_export
 from eval.results import AcceptanceCounts, DrafterResult, EvalConditions, EvalResults
@@ -318,7 +320,8 @@ def fingerprint(cfg: RunConfig, checkpoints: list[Path]) -> str:
 
 def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     """Export (and validate) the checkpoints, build the eval set, measure every drafter, report.
-    Skipped when results.json already holds this fingerprint (same checkpoint files, settings)."""
+    Skipped when results.json already holds this fingerprint (same checkpoint files, settings);
+    after a killed eval, the parts it finished are kept (:class:`Parts`) and the rest is measured."""
     cfg = load_config(cfg)
     e = cfg.eval
     out_dir = Path(e.out_dir).expanduser()
@@ -339,8 +342,11 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
         log.info("Markov-off ablation: %s", ablation)
         exports["ablation"] = export_all(cfg, ablation, target_dir, "ablation")
     prompts, prompts_file = eval_set(cfg, heads, out_dir)
-    drafters = reference_results(cfg, heads, target_dir, prompts, exports) if e.reference else []
-    drafters += vllm_results(cfg, target_dir, prompts, prompts_file, out_dir, exports)
+    parts = Parts(out_dir / "parts", _parts_key(fp, prompts), reuse=not e.force)
+    drafters = []
+    if e.reference:
+        drafters += parts.get_or_run("reference", lambda: reference_results(cfg, heads, target_dir, prompts, exports))
+    drafters += vllm_results(cfg, target_dir, prompts, prompts_file, out_dir, exports, parts=parts)
     conditions = _conditions(
         cfg,
         target_dir,
@@ -354,6 +360,57 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
         },
     )
     return _report(cfg, EvalResults(conditions, drafters), out_dir, exports)
+
+
+@dataclass
+class Parts:
+    """The finished parts of an eval (the reference loop's results, each vLLM method's), kept as
+    ``<out_dir>/parts/<name>.json`` so that a killed eval's rerun redoes only what was not
+    finished. Each is written atomically once its part is complete and carries ``key`` (the
+    eval's fingerprint and the eval set's hash): a part is reused only when its file reads
+    whole and its key is this run's; ``reuse`` False (``eval.force``) measures everything again."""
+
+    dir: Path
+    key: str
+    reuse: bool = True
+
+    def get_or_run(self, name: str, run: Any) -> list[DrafterResult]:
+        kept = self.get(name)
+        if kept is not None:
+            return kept
+        drafters = run()
+        self.put(name, drafters)
+        return drafters
+
+    def get(self, name: str) -> Optional[list[DrafterResult]]:
+        from eval.report import _drafter_from_dict
+
+        path = self.dir / f"{name}.json"
+        if not self.reuse or not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("key") != self.key:
+                log.info("eval: %s is from other checkpoints, settings or prompts: measured again", path)
+                return None
+            drafters = [_drafter_from_dict(d) for d in data["drafters"]]
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            log.warning("eval: %s is unreadable (%s): measured again", path, err)
+            return None
+        log.info("eval: %s kept from an earlier run (same checkpoints, settings and prompts)", path)
+        return drafters
+
+    def put(self, name: str, drafters: list[DrafterResult]) -> None:
+        from eval.report import _nan_to_none
+
+        payload = {"key": self.key, "drafters": [asdict(d) for d in drafters]}
+        atomic_write_json(self.dir / f"{name}.json", _nan_to_none(payload), indent=1, allow_nan=False)
+
+
+def _parts_key(fp: str, prompts: list) -> str:
+    from eval.prompts import eval_set_sha256
+
+    return config_fingerprint({"fingerprint": fp, "eval_set_sha256": eval_set_sha256(prompts)})
 
 
 def eval_set(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[list, Path]:
@@ -411,40 +468,18 @@ def vllm_results(
     prompts_file: Path,
     out_dir: Path,
     exports: dict[str, dict[str, ExportSummary]],
+    parts: Optional[Parts] = None,
 ) -> list[DrafterResult]:
     """The baselines (ngram) and our exports as vLLM serves them: ``dspark`` on a GPU, the
-    ``dflash`` export on CPU when the drafter has that layout."""
+    ``dflash`` export on CPU when the drafter has that layout. With ``parts``, a method already
+    measured (by a killed run, same fingerprint) is kept, not served again."""
     max_len = vllm_max_model_len(cfg, prompts)
-    out = [vllm_eval(m, m, None, target_dir, prompts_file, cfg, out_dir, max_len) for m in cfg.eval.baselines]
-    if cfg.eval.serve_export == "never":
-        return out
-    for who, ex in exports.items():
+    runs: list[tuple[str, str, Optional[Path]]] = [(m, m, None) for m in cfg.eval.baselines]
+    for who, ex in exports.items() if cfg.eval.serve_export != "never" else ():
         if torch.cuda.is_available():
-            out.append(
-                vllm_eval(
-                    f"vllm-dspark-{who}",
-                    "dspark",
-                    ex["dspark"].out_dir,
-                    target_dir,
-                    prompts_file,
-                    cfg,
-                    out_dir,
-                    max_len,
-                )
-            )
+            runs.append((f"vllm-dspark-{who}", "dspark", ex["dspark"].out_dir))
         elif "dflash" in ex:
-            out.append(
-                vllm_eval(
-                    f"vllm-dflash-{who}",
-                    "dflash",
-                    ex["dflash"].out_dir,
-                    target_dir,
-                    prompts_file,
-                    cfg,
-                    out_dir,
-                    max_len,
-                )
-            )
+            runs.append((f"vllm-dflash-{who}", "dflash", ex["dflash"].out_dir))
         else:
             log.info(
                 "vLLM on CPU serves only the dflash layout; the %s export is measured by the reference loop "
@@ -452,6 +487,13 @@ def vllm_results(
                 who,
                 ex["dspark"].out_dir,
             )
+    out = []
+    for name, method, draft in runs:
+
+        def serve(name: str = name, method: str = method, draft: Optional[Path] = draft) -> list[DrafterResult]:
+            return [vllm_eval(name, method, draft, target_dir, prompts_file, cfg, out_dir, max_len)]
+
+        out += parts.get_or_run(f"vllm_{name}", serve) if parts is not None else serve()
     return out
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -175,25 +174,29 @@ def serve(spec: ServeSpec) -> ServeRun:
 
 
 def run_in_subprocess(spec: ServeSpec, out: Path, *, timeout: int = 3600) -> ServeRun:
-    """Run :func:`serve` in a fresh process (vLLM wants its own main module) and read its JSON."""
+    """Run :func:`serve` in a fresh process (vLLM wants its own main module) and read its JSON.
+    Bounded: past ``timeout`` seconds the child, its engine core and workers are killed and
+    :class:`~dspark.core.waits.WaitTimedOut` names the child, its log and what to do."""
+    from dspark.core.waits import log_tail, run_child
+
     cmd = [sys.executable, "-m", "eval.serve", *spec.argv(), "--out", str(out)]
     method = spec.method
     log_file = out.with_suffix(".log")
     log.info("vLLM %s: %s (log: %s)", method, " ".join(cmd), log_file)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "w") as fh:  # vLLM's own log and progress bars, kept; a live view: tail -f
-        proc = subprocess.run(
-            cmd,
-            cwd=Path(__file__).resolve().parents[1],
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-            check=False,
-        )
-    if proc.returncode != 0:
-        tail = log_file.read_text(errors="replace")[-4000:]
+    Path(out).unlink(missing_ok=True)  # only what this child writes is read back
+    rc = run_child(
+        cmd,
+        cwd=Path(__file__).resolve().parents[1],
+        log_file=log_file,
+        timeout_s=timeout,
+        what=f"the vLLM {method} engine (python -m eval.serve --method {method})",
+        todo="read its log for where it stopped (engine start, a multi-node peer, generation), then rerun the "
+        "eval stage (finished parts are kept), with a larger eval.vllm_timeout_s if it was only slow",
+    )
+    if rc != 0:
         raise RuntimeError(
-            f"vLLM {method} run failed (exit {proc.returncode}): {' '.join(cmd)}\nlast lines of {log_file}:\n{tail}"
+            f"vLLM {method} run failed (exit {rc}): {' '.join(cmd)}\nlast lines of {log_file}:\n{log_tail(log_file)}"
         )
     return load_run(out)
 

@@ -292,6 +292,12 @@ class ExtractEngineConfig:
     """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) unless already set; 4 holds a 6k-token prompt batch."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to ``vllm.LLM``, e.g. ``{nnodes: 4, node_rank: 0, master_addr: ...}``."""
+    start_timeout_s: int = 3600
+    """Bound on the engine's start (weights loaded, workers joined); past it the engine's processes
+    are killed and the command ends naming this setting. 0: no bound."""
+
+    def __post_init__(self) -> None:
+        _at_least("data.vllm.start_timeout_s", self.start_timeout_s, 0)
 
 
 @dataclass
@@ -378,6 +384,9 @@ class TrainConfig:
     save_every: int = 200
     resume: str = "auto"
     """auto (newest in checkpoint_dir) | never | path to a checkpoint tag dir."""
+    dist_timeout_s: int = 1800
+    """Bound on joining the process group (every rank at MASTER_ADDR:MASTER_PORT) and on each
+    collective of several ranks (a rank that died or hangs); past it the run ends naming it."""
     run_name: str = "${drafter_tag:${drafter}}"
     """One drafter variant per name (:func:`drafter_tag`): its checkpoints, exports and eval report
     live under it, so the Markov-off ablation or a DFlash run never resumes the main run."""
@@ -433,6 +442,7 @@ class TrainConfig:
         ):
             _at_least(f"train.{key}", getattr(self, key), 1)
         _at_least("train.max_seq_len", self.max_seq_len, 2)
+        _at_least("train.dist_timeout_s", self.dist_timeout_s, 1)
         for key in ("lr", "weight_decay", "warmup_steps", "grad_clip", "ce_weight", "tv_weight", "confidence_weight"):
             _at_least(f"train.{key}", getattr(self, key), 0)
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "expected a fraction in [0, 1]")
@@ -528,6 +538,8 @@ class EvalConfig:
     vllm_max_model_len: Optional[int] = None
     """None = the largest bin + max_new_tokens + a draft block."""
     vllm_timeout_s: int = 7200
+    """Bound on each vLLM child (engine start and serving); past it the child and its processes
+    are killed and the eval ends naming it and its log."""
     vllm_cpu_kvcache_gib: int = II("data.vllm.cpu_kvcache_gib")
     """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB) for the served engines, on CPU."""
     force: bool = False

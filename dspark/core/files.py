@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -20,6 +22,8 @@ from typing import Any, Iterator, Optional
 
 from dspark.core.errors import UserError
 
+log = logging.getLogger(__name__)
+
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 NEARLY_FULL_BYTES = 1 << 20
 """Free space below which a failed write counts as a full disk even when the writer's error
@@ -27,7 +31,42 @@ says nothing of it (torch's zip writer reports only ``unexpected pos ...``)."""
 
 
 def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{os.urandom(3).hex()}")
+    """``.NAME.tmp-HOST-PID-RANDOM``: whose it is, so that a later writer can tell a killed
+    writer's leftover (:func:`remove_stale_temporaries`) from a live one's."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_temporaries(path: Path | str) -> list[Path]:
+    """Remove the temporary siblings of ``path`` (:func:`atomic_path`'s ``.NAME.tmp-*``) left by
+    writers that were killed: written on this host by a process that is gone. Those of a live
+    process, or of another host (a shared filesystem: its process cannot be asked), are kept.
+    Each removal is logged as a warning naming it; returns what was removed."""
+    path = Path(path)
+    prefix, host, removed = f".{path.name}.tmp-", socket.gethostname(), []
+    if not path.parent.is_dir():
+        return removed
+    for tmp in sorted(path.parent.glob(f"{glob.escape(prefix)}*")):
+        fields = tmp.name[len(prefix) :].rsplit("-", 2)
+        owner = fields[0] if len(fields) == 3 else host  # .NAME.tmp-PID-RANDOM: written before hosts were named
+        if owner != host or not fields[-2].isdigit() or _pid_alive(int(fields[-2])):
+            continue
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        log.warning("removed %s: a temporary %s left by process %s, which was killed", tmp, path.name, fields[-2])
+        removed.append(tmp)
+    return removed
 
 
 @contextlib.contextmanager

@@ -9,18 +9,41 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
 
-def make_llm(kwargs: dict[str, Any], *, cpu_kvcache_gib: int):
+#: vLLM 0.32 bounds only the last step of an engine's start: ``VLLM_ENGINE_READY_TIMEOUT_S``
+#: (600 s) once the engine core has said hello. The handshake before it (the engine core loading
+#: weights, workers of a multi-node engine joining) has no bound of vLLM's: ``make_llm`` adds one.
+ENGINE_READY_TIMEOUT_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
+
+
+def make_llm(kwargs: dict[str, Any], *, cpu_kvcache_gib: int, start_timeout_s: Optional[float] = None):
     """``vllm.LLM(**kwargs)``; on CPU its KV cache is ``cpu_kvcache_gib`` GiB unless
-    ``VLLM_CPU_KVCACHE_SPACE`` is already set."""
-    from vllm import LLM
+    ``VLLM_CPU_KVCACHE_SPACE`` is already set.
+
+    With ``start_timeout_s`` the start is bounded: vLLM's own ready timeout is set to it (unless
+    ``VLLM_ENGINE_READY_TIMEOUT_S`` is set) and, past it, the engine core and workers are killed,
+    which ends vLLM's wait; :class:`~dspark.core.waits.WaitTimedOut` then names the bound and what
+    to do. (An engine run inside this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, has no
+    process to kill and is not bounded.)"""
+    from dspark.core.waits import bounded_start
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gib))
-    return LLM(**kwargs)
+    if start_timeout_s:
+        os.environ.setdefault(ENGINE_READY_TIMEOUT_ENV, str(int(start_timeout_s)))  # read when vllm is imported
+    from vllm import LLM
+
+    return bounded_start(
+        lambda: LLM(**kwargs),
+        timeout_s=start_timeout_s,
+        what=f"starting vLLM's engine for {kwargs.get('model')}",
+        todo="see vLLM's log above for the step it was on (loading weights, compiling, a multi-node peer that "
+        "never joined: check master_addr/master_port and that every node was started), then rerun; a larger "
+        "data.vllm.start_timeout_s if it was only slow",
+    )
 
 
 class EngineDied(RuntimeError):

@@ -773,7 +773,11 @@ sys.exit(dspark.export.main(sys.argv[1:]))
 """
 
 
-def test_kill_9_mid_export_leaves_no_half_export_and_the_rerun_writes_the_same_bytes(compose_config, tiny, tmp_path):
+def test_kill_9_mid_export_leaves_no_half_export_and_the_rerun_writes_the_same_bytes(
+    compose_config, tiny, tmp_path, caplog
+):
+    import socket
+
     from dspark.export import export
 
     target, _ = tiny
@@ -792,8 +796,14 @@ def test_kill_9_mid_export_leaves_no_half_export_and_the_rerun_writes_the_same_b
 
     killed_export()
     assert not out.exists()  # the half model.safetensors is in a temporary directory, never under --out
-    assert [(p / "model.safetensors").is_file() for p in tmp_path.glob(".export.tmp-*")] == [True]
-    export(ckpt, out, target_dir=target)  # the rerun
+    (half,) = tmp_path.glob(".export.tmp-*")
+    assert (half / "model.safetensors").is_file()
+    live = tmp_path / f".export.tmp-{socket.gethostname()}-{os.getpid()}-000000"  # an export still running
+    elsewhere = tmp_path / ".export.tmp-another-host-1-000000"  # another node's: its process cannot be asked
+    live.mkdir(), elsewhere.mkdir()
+    export(ckpt, out, target_dir=target)  # the rerun: the killed export's directory goes, with a warning
+    assert f"removed {half}: a temporary export left by process" in caplog.text
+    assert sorted(tmp_path.glob(".export.tmp-*")) == sorted([live, elsewhere])
     export(ckpt, tmp_path / "uninterrupted", target_dir=target)
     want = digests(tmp_path / "uninterrupted")
     assert digests(out) == want and set(want) == {"config.json", "export.json", "model.safetensors"}
@@ -815,3 +825,88 @@ def test_a_full_disk_during_export_is_named_and_leaves_nothing(compose_config, t
         err,
     ), err
     assert list(disk.iterdir()) == []  # no half export, no temporary directory
+
+
+def test_a_rendezvous_nobody_joins_ends_within_train_dist_timeout_s_naming_it():
+    """Rank 1 of 2 whose master never comes up: torch would retry; the bound ends it, naming the
+    address, the world size and the setting."""
+    from dspark.core.files import free_port
+
+    port = free_port()
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    code = "from dspark.core.errors import exit_on_user_error\nfrom dspark.trainer import init_distributed\n"
+    code += "with exit_on_user_error():\n    init_distributed(3)\n"
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**env, "MASTER_PORT": str(port)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert time.monotonic() - t0 < 60
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1] == (
+        f"error: rank 1: the 2 ranks did not all meet at 127.0.0.1:{port} within train.dist_timeout_s=3 s: check "
+        "that every rank was started (all nodes of the job), that MASTER_ADDR is reachable from this node and "
+        "MASTER_PORT free and open there, then rerun the same command"
+    )
+
+
+RANK_0_DISK_FULL = r"""
+import errno, os, runpy, sys
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+real_save = TorchCheckpointEngine.save
+
+def save(self, state_dict, path):  # rank 0's disk is full from step 4's save on; rank 1's is not
+    if os.environ["RANK"] == "0" and "step00000004" in path:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    return real_save(self, state_dict, path)
+
+TorchCheckpointEngine.save = save
+sys.path.insert(0, os.getcwd())  # this checkout's code, as `python train.py` there imports it
+train_py = os.path.join(os.getcwd(), "train.py")
+sys.argv = [train_py, *sys.argv[1:]]
+runpy.run_path(train_py, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_one_disk_full_mid_save_all_end_soon_with_rank_0s_error(tiny, tmp_path):
+    """Rank 0's save fails (disk full) while rank 1 has written its part and waits in DeepSpeed's
+    barrier: torchrun, seeing rank 0 end, ends rank 1 too, long before the collective timeout;
+    the run ends non-zero with rank 0's error naming the tag, and latest stays on step 2."""
+    from dspark.core.files import free_port
+
+    target, data = tiny
+    script = tmp_path / "rank0_disk_full.py"
+    script.write_text(RANK_0_DISK_FULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(script),
+        *overrides(target, data, tmp_path, "train.max_steps=6", "train.save_every=2", "train.micro_batch_size=2"),
+        "train.dist_timeout_s=600",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    took, log = time.monotonic() - t0, out.stdout + out.stderr
+    assert out.returncode != 0, log[-3000:]
+    ckpt = tmp_path / "ckpt"
+    assert f"error: {ckpt}: no space for checkpoint step00000004 (" in log, log[-3000:]
+    # gloo: rank 1's barrier fails at once ("Connection closed by peer"); torchrun then ends it
+    assert re.search(r"rank\s*: 1 .*\n\s*exitcode\s*: (1|-15|-9) ", log), log[-3000:]
+    assert took < 300, took  # start-up and 4 steps included; the collective timeout is 600 s
+    assert (ckpt / "latest").read_text() == "step00000002" and not (ckpt / "step00000006").exists()
+    cmd[cmd.index(str(script))] = "train.py"  # room freed: the rerun resumes from step 2 and completes
+    cmd[cmd.index(next(a for a in cmd if a.startswith("--master_port")))] = f"--master_port={free_port()}"
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert (ckpt / "latest").read_text() == "step00000006"
+    assert "at step 2 (epoch" in out.stdout + out.stderr  # "resumed from ... at step 2 (epoch 0, ..."
