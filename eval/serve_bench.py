@@ -990,7 +990,7 @@ def write_outputs(cfg: Optional[RunConfig], data: dict[str, Any], out_dir: Path)
 
 def run_headless(cfg: RunConfig, target_dir: Path) -> None:
     """Nodes 1..n-1 of a multi-node server: host this node's workers for the one configuration
-    node 0 serves (slurm/serve_bench.sbatch), with the same engine arguments."""
+    node 0 serves (``SERVE_BENCH=1 sbatch slurm/eval.sbatch``), with the same engine arguments."""
     from dspark.core.vllm_engine import run_headless_workers
     from eval.run import engine_kwargs, export_path
 

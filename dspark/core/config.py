@@ -616,7 +616,7 @@ class ServeBenchConfig:
     """One concurrency level's client run, at most."""
     out_dir: str = "${eval.out_dir}/serve_bench"
     headless: bool = False
-    """Nodes 1..n-1 of a multi-node server (slurm/serve_bench.sbatch): host this node's workers
+    """Nodes 1..n-1 of a multi-node server (``SERVE_BENCH=1 sbatch slurm/eval.sbatch``): host this node's workers
     for the one configuration in ``configs`` that node 0 serves."""
 
     def __post_init__(self) -> None:
