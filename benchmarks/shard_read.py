@@ -79,7 +79,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [measure(d.resolve(), args.split, args.repeat) for d in args.dirs]
     print(f"{args.split} split, {args.threads} torch thread(s), read into float32, best of {args.repeat}\n")
-    print("| store dtype | sequences | tokens | Parquet bytes/token | Arrow cache bytes/token | cache build tok/s | read tok/s |")
+    print(
+        "| store dtype | sequences | tokens | Parquet bytes/token | Arrow cache bytes/token "
+        "| cache build tok/s | read tok/s |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(

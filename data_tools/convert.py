@@ -50,9 +50,7 @@ def convert(src: Path, dst: Path, *, store_dtype: str, compression: Optional[str
         raise DatasetError(f"--store-dtype {store_dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
     source = Manifest.load(src)
     if not source.complete:
-        raise DatasetError(
-            f"{src / 'manifest.json'}: field 'complete' is false; finish or resume its extraction first"
-        )
+        raise DatasetError(f"{src / 'manifest.json'}: field 'complete' is false; finish or resume its extraction first")
     if src.resolve() == dst.resolve():
         raise DatasetError(f"{dst}: the destination is the source; pass another directory")
     header = dataclasses.replace(
@@ -77,7 +75,9 @@ def convert(src: Path, dst: Path, *, store_dtype: str, compression: Optional[str
             for batch in pq.ParquetFile(src / info.path).iter_batches(batch_size=16):
                 rows = batch.to_pylist()
                 for row in rows:
-                    states = decode_hidden_states(row["hidden_states"], dtype=source.dtype, n_layers=n_layers, hidden=hidden)
+                    states = decode_hidden_states(
+                        row["hidden_states"], dtype=source.dtype, n_layers=n_layers, hidden=hidden
+                    )
                     row["hidden_states"] = encode_hidden_states(states, store_dtype)
                 writer.write(rows)
                 bar.update(sum(r["num_tokens"] for r in rows))
@@ -85,10 +85,10 @@ def convert(src: Path, dst: Path, *, store_dtype: str, compression: Optional[str
             tokens += info.tokens
     manifest = finalize(dst, units)
     seconds = time.perf_counter() - t0
+    mb_out, mb_in = (sum(s.bytes for s in m.shards) / 1e6 for m in (manifest, source))
     print(
         f"{dst}: {len(manifest.shards)} shards, {sum(s.tokens for s in manifest.shards):,} tokens in {store_dtype} "
-        f"({sum(s.bytes for s in manifest.shards) / 1e6:,.1f} MB, from {sum(s.bytes for s in source.shards) / 1e6:,.1f} "
-        f"MB in {source.dtype}); {len(todo)} converted in {seconds:.1f} s"
+        f"({mb_out:,.1f} MB, from {mb_in:,.1f} MB in {source.dtype}); {len(todo)} converted in {seconds:.1f} s"
         + (f" ({tokens / seconds:,.0f} tok/s)" if todo and seconds > 0 else "")
     )
     return manifest
@@ -101,7 +101,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("src", type=Path, help="a complete dataset directory (manifest.json + shards)")
     p.add_argument("dst", type=Path, help="where to write the converted dataset (resumed if it exists)")
     p.add_argument("--store-dtype", required=True, choices=list(STORE_DTYPES))
-    p.add_argument("--compression", default=None, choices=COMPRESSIONS, help="Parquet compression (default: the source's)")
+    p.add_argument(
+        "--compression", default=None, choices=COMPRESSIONS, help="Parquet compression (default: the source's)"
+    )
     args = p.parse_args(argv)
     with exit_on_user_error():
         convert(args.src, args.dst, store_dtype=args.store_dtype, compression=args.compression)
