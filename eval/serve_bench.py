@@ -51,6 +51,7 @@ from typing import Any, Optional
 from dspark.core.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
 from dspark.core.errors import UserError, exit_on_user_error
 from dspark.core.files import atomic_write_json, atomic_write_text, file_sha256, free_port, read_jsonl, write_jsonl
+from dspark.core.waits import die_with_parent_hook, log_tail
 from eval.report import _nan_to_none
 from eval.results import AcceptanceCounts
 
@@ -404,13 +405,6 @@ class Server:
         return f"http://{self.host}:{self.port}"
 
 
-def _log_tail(path: Path, chars: int = 2000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
 def wait_healthy(server: Server, timeout_s: float, *, what: str, poll_s: float = 1.0) -> float:
     """Seconds until ``GET /health`` answers 200. The server exiting first, or the timeout, raise
     :class:`ServerStartError` naming its log (the caller stops the server)."""
@@ -420,7 +414,7 @@ def wait_healthy(server: Server, timeout_s: float, *, what: str, poll_s: float =
         if rc is not None:
             raise ServerStartError(
                 f"{what}: the vLLM server exited with status {rc} before it was healthy; its log: {server.log_path}\n"
-                f"last lines:\n{_log_tail(server.log_path)}"
+                f"last lines:\n{log_tail(server.log_path)}"
             )
         with contextlib.suppress(urllib.error.URLError, OSError):
             with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
@@ -463,7 +457,15 @@ def running_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("%s: %s (log: %s)", what, " ".join(cmd), log_path)
     with open(log_path, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(  # its own session, and it dies with this process (a kill -9 of the driver)
+            cmd,
+            cwd=REPO,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent_hook(),
+        )
     server = Server(proc, host, port, log_path)
     try:
         server.start_s = wait_healthy(server, timeout_s, what=what)
@@ -567,7 +569,7 @@ def run_client(argv: list[str], out: Path, *, timeout_s: float, what: str) -> di
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(
             f"{what}: vLLM's benchmark client failed (exit {proc.returncode}); its log: {log_path}\n"
-            f"{_log_tail(log_path)}"
+            f"{log_tail(log_path)}"
         )
     return json.loads(out.read_text())
 

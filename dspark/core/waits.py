@@ -43,7 +43,7 @@ def kill_tree(pid: int, *, also_root: bool = True, grace_s: float = 10.0) -> lis
     return [p.pid for p in procs]
 
 
-def _die_with_parent_hook() -> Optional[Callable[[], None]]:
+def die_with_parent_hook() -> Optional[Callable[[], None]]:
     """Linux: a ``preexec_fn`` that has the child get SIGKILL when the thread that started it
     ends (a kill -9 of the driver must not leave a vLLM engine running for nobody; call
     :func:`run_child` from a thread that outlives the child, e.g. the main one). libc is looked
@@ -88,7 +88,7 @@ def run_child(
             env=env,
             stdout=fh,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent_hook(),
+            preexec_fn=die_with_parent_hook(),
         )
         try:
             return proc.wait(timeout=timeout_s)
