@@ -38,7 +38,11 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
     heads, target_dir = prepare_target(cfg)
     stages_run = ["target"]
     lines = [f"target   {cfg.target.name} ({target_dir})"]
-    if "extract" in cfg.stages:
+    online = cfg.data.mode == "online"
+    if "extract" in cfg.stages and online:
+        log.info("extract: data.mode=online, the engine streams states to the trainer, no shards: skipped")
+        lines.append("extract  online: streamed to the trainer, no shards")
+    elif "extract" in cfg.stages:
         from data_tools.extract import extract
 
         s = extract(cfg, target_dir)
@@ -57,6 +61,11 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         if done is not None:
             log.info("train: %s is at train.max_steps=%s for this drafter, skipped", done, cfg.train.max_steps)
             lines.append(f"train    up to date ({done}), skipped")
+        elif online:
+            from data_tools.online import VllmSource
+
+            state = train(cfg, heads, VllmSource(cfg, target_dir))  # the trainer closes it
+            lines.append(f"train    step {state.step}/{cfg.train.max_steps} (online) -> {cfg.train.checkpoint_dir}")
         else:
             state = train(cfg, heads)
             lines.append(f"train    step {state.step}/{cfg.train.max_steps} -> {cfg.train.checkpoint_dir}")
