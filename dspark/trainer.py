@@ -189,6 +189,8 @@ class TrainState:
     """Hash chain over every consumed sequence id in order: equal digests, equal data order."""
     predictions: int = 0
     """Supervised predictions consumed so far, all ranks (the x axis of a scaling curve)."""
+    tokens: int = 0
+    """Sequence tokens consumed by training steps so far, all ranks (padding excluded)."""
     train_seconds: float = 0.0
     """Wall-clock seconds spent in training steps (validation and checkpoints excluded)."""
     validations: list[dict] = field(default_factory=list)
@@ -685,6 +687,7 @@ class Trainer:
             self.state.data = self.batches.pos
             self.state.record(m["loss"], seq_ids)
             self.state.predictions += int(m["predictions"]) * self.world
+            self.state.tokens += int(m["tokens"]) * self.world
             self.state.train_seconds += m["step_s"]
             if self.state.step % self.t.log_every == 0 or self.state.step == max_steps:
                 self._log_train(m, time.perf_counter() - t_start)
@@ -839,6 +842,7 @@ class Trainer:
             "history": self.state.history,
             "data_digest": self.state.data_digest,
             "predictions": self.state.predictions,
+            "tokens": self.state.tokens,
             "train_seconds": self.state.train_seconds,
             "validations": self.state.validations,
             "drafter": asdict(self.model.cfg),
@@ -938,6 +942,7 @@ class Trainer:
             history=client["history"],
             data_digest=client.get("data_digest", ""),
             predictions=client.get("predictions", 0),
+            tokens=client.get("tokens", 0),
             train_seconds=client.get("train_seconds", 0.0),
             validations=client.get("validations", []),
         )

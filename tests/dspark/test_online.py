@@ -184,6 +184,7 @@ def shard_source(data, layer_ids, hidden, **kw) -> FakeSource:
     return FakeSource(rows["train"], layer_ids=layer_ids, hidden_size=hidden, val=rows["val"], **kw)
 
 
+@pytest.mark.slow
 def test_online_trainer_trains_validates_resumes_at_the_cursor_and_writes_only_checkpoints(
     compose_config,
     tiny,  # noqa: F811
