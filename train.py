@@ -11,6 +11,7 @@ imported when it runs, so a node that only trains never imports vLLM. Tests call
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,9 +63,7 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
             log.info("train: %s is at train.max_steps=%s for this drafter, skipped", done, cfg.train.max_steps)
             lines.append(f"train    up to date ({done}), skipped")
         elif online:
-            from data_tools.online import VllmSource
-
-            state = train(cfg, heads, VllmSource(cfg, target_dir))  # the trainer closes it
+            state = train(cfg, heads, online_source(cfg, target_dir))  # the trainer closes it
             lines.append(f"train    step {state.step}/{cfg.train.max_steps} (online) -> {cfg.train.checkpoint_dir}")
         else:
             state = train(cfg, heads)
@@ -83,6 +82,24 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         lines.append(f"W&B      {Path(cfg.paths.output_dir) / 'wandb'} (offline runs: wandb sync <run dir>)")
     log.info("main job done in %.1f min:\n  %s", (time.perf_counter() - t0) / 60, "\n  ".join(lines))
     return PipelineResult(heads, cfg.drafter, stages_run)
+
+
+def online_source(cfg: RunConfig, target_dir: Path):  # noqa: ANN201 - a SequenceSource, or None
+    """``data.mode=online``: rank 0 reads the stream, from an engine it starts here (one machine)
+    or over the link to the producer on the extraction nodes (``data.online.trainer_addr``);
+    the other ranks get their share from rank 0."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    online = cfg.data.online
+    if online.trainer_addr:
+        from dspark.core.stream import RemoteSource
+
+        return RemoteSource(
+            online.trainer_addr, online.port, buffer_size=online.buffer_size, timeout_s=online.connect_timeout_s
+        )
+    from data_tools.online import VllmSource
+
+    return VllmSource(cfg, target_dir)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

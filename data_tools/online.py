@@ -10,6 +10,14 @@ as they are read; nothing else is written.
 
 On one machine the engine is started in the trainer's process (vLLM runs the model in its own
 engine-core process) and a background thread feeds it, ``data.batch_size`` prompts per call.
+Across nodes (``data.online.trainer_addr``) this module is the producer's command; it sends to
+the trainer's rank 0 over torch.distributed (:class:`dspark.core.stream.StreamLink`):
+
+    python -m data_tools.online +experiment=NAME data.mode=online data.online.trainer_addr=HOST
+
+A multi-node engine (tensor parallel across the extraction nodes) runs as offline extraction's
+does: node 0 drives it and streams, nodes 1.. host headless workers (``data.vllm.engine_kwargs``
+``nnodes``/``node_rank``/``master_addr``/``master_port``; ``slurm/online.sbatch``).
 """
 
 from __future__ import annotations
@@ -25,11 +33,24 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
+import hydra
+from omegaconf import DictConfig
+
 from data_tools.extract import capture_rows, engine_kwargs, make_engine, plan_requests
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
-from dspark.core.config import RunConfig
-from dspark.core.stream import BoundedBuffer, StreamClosed, StreamItem, StreamStats
-from dspark.core.target import read_config
+from dspark.core.config import ConfigError, RunConfig, load_config
+from dspark.core.errors import exit_on_user_error
+from dspark.core.stream import (
+    VAL_END,
+    VAL_ROW,
+    BoundedBuffer,
+    StreamClosed,
+    StreamItem,
+    StreamLink,
+    StreamStats,
+)
+from dspark.core.target import read_config, resolve_target
+from dspark.core.vllm_engine import run_headless_workers
 
 log = logging.getLogger(__name__)
 
@@ -154,3 +175,63 @@ class VllmSource:
             self.llm = None
             gc.collect()
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+# --- the producer on its own nodes ---------------------------------------------------------------
+
+
+def serve(cfg: RunConfig, target_dir: Optional[Path] = None) -> int:
+    """Produce for a trainer on other nodes (``data.online.trainer_addr``): the validation set
+    once, then train sequences from the cursor the trainer sends, until the trainer closes the
+    link (it finished, or was stopped: a rerun of both resumes from its checkpoint)."""
+    online = cfg.data.online
+    if not online.trainer_addr:
+        raise ConfigError(
+            "data.online.trainer_addr: not set, expected the host of the trainer's rank 0 for a producer on its own "
+            "nodes (one machine: python train.py data.mode=online starts the engine itself)"
+        )
+    if target_dir is None:
+        target_dir = resolve_target(cfg.target, cache_dir=Path(cfg.paths.cache_dir).expanduser()).path
+    if int(cfg.data.vllm.engine_kwargs.get("node_rank", 0)) > 0:  # node 0 drives the engine, we host workers
+        _, _, _, text_cfg = read_config(target_dir)
+        ids = cfg.target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
+        run_headless_workers(engine_kwargs(cfg.target, target_dir, ids, cfg.data, default_work_dir(cfg)))
+        return 0
+    source = VllmSource(cfg, target_dir)
+    try:
+        link = StreamLink(online.trainer_addr, online.port, role="producer", timeout_s=online.connect_timeout_s)
+        link.set(
+            "meta",
+            {
+                "layer_ids": source.layer_ids,
+                "hidden_size": source.hidden_size,
+                "store_dtype": source.store_dtype,
+                "num_prompts": source.num_prompts,
+            },
+        )
+        for row in source.val_rows():
+            link.send(StreamItem(VAL_ROW, row))
+        link.send(StreamItem(VAL_END, {}))
+        cursor = int(link.get("cursor"))
+        log.info("online producer: the trainer starts at prompt %d", cursor)
+        source.start(cursor)
+        while True:
+            item = source.get()  # an engine error is raised here
+            try:
+                link.send(item)
+                link.set("stats", source.stats().as_dict())
+            except Exception as e:  # noqa: BLE001 - the trainer closed the link or exited
+                log.info("online producer: the trainer closed the link (%s: %s); done", type(e).__name__, e)
+                return 0
+    finally:
+        source.close()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        serve(load_config(cfg))
+
+
+if __name__ == "__main__":
+    main()

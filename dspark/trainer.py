@@ -56,7 +56,15 @@ from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
 from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
-from dspark.online import OnlineBatches, SequenceList, check_source, row_to_sequence
+from dspark.online import (
+    OnlineBatches,
+    SequenceList,
+    StreamMeta,
+    check_source,
+    row_to_sequence,
+    shared_val_rows,
+    stream_meta,
+)
 from dspark.shards import ShardDataset, ShardSequence, check_dataset, require_dataset
 from dspark.target_topk import SequenceTopK, TargetTopK, head_fingerprint, sequence_topk
 
@@ -391,7 +399,7 @@ class Trainer:
         self.rank, self.world = init_distributed()
         self.ckpt_dir = Path(self.t.checkpoint_dir).expanduser()
         if cfg.data.mode == "online":
-            check_online_ranks(source, self.world)
+            check_online_ranks(source, self.rank)
         else:
             require_dataset(cfg.data.shards_dir)  # before the lock: a run without data writes nothing
         self._lock = lock_checkpoint_dir(self.ckpt_dir) if self.rank == 0 else None
@@ -410,7 +418,13 @@ class Trainer:
         states_dtype = TORCH_DTYPES[self.t.dtype]  # what fp8 shards dequantize into
         online = cfg.data.mode == "online"
         if online:
-            self.train_ds, self.val_ds = None, online_val(self.source, target, heads, states_dtype)
+            self.stream = stream_meta(self.source, self.rank, self.world)
+            check_source(
+                self.stream,
+                expect_layer_ids=target.capture_layer_ids(int(heads.config["num_hidden_layers"])),
+                expect_hidden_size=heads.hidden_size,
+            )
+            self.train_ds, self.val_ds = None, online_val(self.source, self.stream, self.rank, self.world, states_dtype)
         else:
             shards = Path(cfg.data.shards_dir).expanduser()
             self.train_ds = ShardDataset(shards, "train", states_dtype=states_dtype)
@@ -479,7 +493,6 @@ class Trainer:
     def _online_batches(self, drafter: DSparkDrafter, states_dtype: torch.dtype) -> OnlineBatches:
         """``data.mode=online``: micro-batches from the source's rolling window, from the resumed
         position's prompt cursor; ``train.target_topk`` is computed as each sequence arrives."""
-        assert self.source is not None
         topk = None
         if self.t.target_topk:
             device = drafter.lm_head.weight.device
@@ -496,6 +509,7 @@ class Trainer:
 
         return OnlineBatches(
             self.source,
+            meta=self.stream,
             micro_batch=self.t.micro_batch_size,
             new_per_batch=self.cfg.new_per_micro_batch(),
             window_size=self.cfg.data.online.window_size,
@@ -507,6 +521,8 @@ class Trainer:
             position=self.state.data,
             log_dir=self.ckpt_dir,
             target_topk=topk,
+            rank=self.rank,
+            world_size=self.world,
         )
 
     def _attach_target_topk(self, model: DSparkDrafter, heads: TargetHeads) -> None:
@@ -738,8 +754,8 @@ class Trainer:
             peak_mem_gb=peak_memory_gb(),
             elapsed_s=elapsed,
         )
-        if isinstance(self.batches, OnlineBatches):  # the engine's side of the stream
-            online = self.batches.stats()
+        online = self.batches.stats() if isinstance(self.batches, OnlineBatches) else None
+        if online is not None:  # the engine's side of the stream (rank 0)
             log.info(
                 "online: %d sequences from the engine, %.0f tok/s extracted, producer blocked %.1f s on a full buffer",
                 online["sequences"],
@@ -977,30 +993,21 @@ def train(cfg: RunConfig, heads: TargetHeads, source: Optional[SequenceSource] =
     return trainer.train()
 
 
-def check_online_ranks(source: Optional[SequenceSource], world: int) -> None:
-    """``data.mode=online`` trains on one rank for now (more ranks: docs/architecture.md)."""
-    if source is None:
+def check_online_ranks(source: Optional[SequenceSource], rank: int) -> None:
+    """``data.mode=online``: rank 0 reads the stream (the engine train.py starts, or the link to
+    the producer on other nodes) and hands the other ranks their share."""
+    if rank == 0 and source is None:
         raise ConfigError(
-            "data.mode=online: no sequence source, expected the engine that train.py starts "
+            "data.mode=online: no sequence source on rank 0, expected the engine or link that train.py starts "
             "(python train.py data.mode=online stages=[train])"
-        )
-    if world != 1:
-        raise ConfigError(
-            f"data.mode=online: {world} training ranks, expected 1 (several ranks sharing one stream is specified in "
-            "docs/architecture.md, not implemented); train offline or on one rank"
         )
 
 
 def online_val(
-    source: Optional[SequenceSource], target: TargetConfig, heads: TargetHeads, dtype: torch.dtype
+    source: Optional[SequenceSource], meta: StreamMeta, rank: int, world: int, dtype: torch.dtype
 ) -> Optional[SequenceList]:
-    """The online run's validation set: the val split's sequences, generated once, in memory."""
-    assert source is not None
-    check_source(
-        source,
-        expect_layer_ids=target.capture_layer_ids(int(heads.config["num_hidden_layers"])),
-        expect_hidden_size=heads.hidden_size,
-    )
-    kw = dict(store_dtype=source.store_dtype, n_layers=len(source.layer_ids), hidden=source.hidden_size, dtype=dtype)
-    seqs = [row_to_sequence(r, **kw) for r in source.val_rows()]
+    """The online run's validation set: the val split's sequences, generated once, in memory on
+    every rank (validation shards them)."""
+    kw = dict(store_dtype=meta.store_dtype, n_layers=len(meta.layer_ids), hidden=meta.hidden_size, dtype=dtype)
+    seqs = [row_to_sequence(r, **kw) for r in shared_val_rows(source, rank, world)]
     return SequenceList(seqs) if seqs else None

@@ -309,10 +309,19 @@ class OnlineConfig:
     work_dir: Optional[str] = None
     """Where vLLM's capture connector passes each request's states (read and deleted at once).
     None: a directory in /dev/shm (memory, not disk), else the system temp directory."""
+    trainer_addr: Optional[str] = None
+    """None: the engine runs in the trainer's process (one machine, one training rank). A host:
+    the engine runs on other nodes (``python -m data_tools.online``) and streams to the trainer's
+    rank 0 on this host over torch.distributed (gloo); rank 0 hands each rank its share."""
+    port: int = 29650
+    """The trainer's TCPStore port for the producer's link (``trainer_addr``)."""
+    connect_timeout_s: int = 1800
+    """How long either side waits for the other (connecting, or one message: an engine call)."""
 
     def __post_init__(self) -> None:
-        for key in ("buffer_size", "window_size"):
+        for key in ("buffer_size", "window_size", "connect_timeout_s"):
             _at_least(f"data.online.{key}", getattr(self, key), 1)
+        _check(1 <= self.port <= 65535, "data.online.port", self.port, "expected a TCP port in [1, 65535]")
         if self.new_per_micro_batch is not None:
             _at_least("data.online.new_per_micro_batch", self.new_per_micro_batch, 1)
 

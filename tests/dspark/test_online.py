@@ -13,7 +13,7 @@ from dspark.core.config import ConfigError
 from dspark.core.shard_format import encode_hidden_states
 from dspark.core.stream import BoundedBuffer, StreamClosed, StreamItem, StreamStats
 from dspark.core.target import load_target_heads
-from dspark.online import PROMPT_LOG, OnlineBatches, read_prompt_log
+from dspark.online import PROMPT_LOG, OnlineBatches, read_prompt_log, stream_meta
 from dspark.shards import ShardDataset
 from dspark.trainer import Trainer
 from tests.dspark.test_trainer import make_trainer, overrides, tiny  # noqa: F401 - tiny: the module fixture
@@ -79,7 +79,10 @@ class FakeSource:
 def batches(source, tmp_path, position=None, **kw) -> OnlineBatches:
     args = dict(micro_batch=4, new_per_batch=2, window_size=6, seed=0, context_index=[0, 1], final_index=2)
     args.update(kw)
-    return OnlineBatches(source, max_len=64, dtype=torch.float32, position=position, log_dir=tmp_path, **args)
+    meta = stream_meta(source, 0, 1)
+    return OnlineBatches(
+        source, meta=meta, max_len=64, dtype=torch.float32, position=position, log_dir=tmp_path, **args
+    )
 
 
 def test_a_full_buffer_blocks_the_producer_and_an_empty_one_the_consumer():
@@ -113,7 +116,7 @@ def test_window_batches_take_new_sequences_in_order_and_draw_old_ones(tmp_path):
     src = FakeSource([fake_row(i) for i in range(10)], layer_ids=[1, 2, 3], hidden_size=HIDDEN)
     ob = batches(src, tmp_path)
     seen = [ob.next().seq_ids for _ in range(5)]
-    ob.close()
+    src.close()
     assert seen[0] == ["p000", "p001"]  # the window is empty: only the new ones
     assert seen[1][:2] == ["p002", "p003"] and sorted(seen[1][2:]) == ["p000", "p001"]
     for k, ids in enumerate(seen[2:], start=2):
@@ -139,7 +142,7 @@ def test_resume_from_the_cursor_enters_the_same_prompts_and_cuts_the_log(tmp_pat
                 ob.flush_log()
                 saved = ob.pos
         ob.flush_log()
-        ob.close()
+        src.close()
         return got, src, saved
 
     full, _, _ = run(tmp_path / "full")
@@ -213,3 +216,98 @@ def test_online_trainer_trains_validates_resumes_at_the_cursor_and_writes_only_c
     assert [h["seq_ids"][:2] for h in resumed.history] == [h["seq_ids"][:2] for h in full.history]
     with pytest.raises(ConfigError, match="no sequence source"):
         make_trainer(compose_config, tiny, tmp_path / "x", *run)
+
+
+PRODUCER = r"""
+import sys
+from dspark.core.stream import VAL_END, VAL_ROW, StreamItem, StreamLink
+from dspark.shards import ShardDataset
+
+data, port = sys.argv[1], int(sys.argv[2])
+rows = {}
+for split in ("train", "val"):
+    ds = ShardDataset(data, split)
+    rows[split] = [
+        {"seq_id": s.seq_id, "num_tokens": len(s.input_ids), "input_ids": s.input_ids.tolist(),
+         "loss_mask": s.loss_mask.int().tolist(), "hidden_states": s.hidden_states.numpy().tobytes()}
+        for s in (ds[i] for i in range(len(ds)))
+    ]
+link = StreamLink("127.0.0.1", port, role="producer", timeout_s=120)
+link.set("meta", {"layer_ids": [1, 2, 4], "hidden_size": 64, "store_dtype": "float32",
+                  "num_prompts": len(rows["train"])})
+for row in rows["val"]:
+    link.send(StreamItem(VAL_ROW, row))
+link.send(StreamItem(VAL_END, {}))
+cursor = int(link.get("cursor"))
+print("cursor", cursor, flush=True)
+try:
+    while True:
+        link.send(StreamItem(cursor, rows["train"][cursor % len(rows["train"])]))
+        cursor += 1
+except Exception as e:
+    print("trainer gone:", type(e).__name__, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_train_from_a_producer_on_another_node_and_resume_at_its_cursor(
+    tiny,  # noqa: F811
+    tmp_path,
+):
+    """The multi-node layout on one machine: a producer process streams the tiny target's rows
+    over the torch.distributed link (data.online.trainer_addr) to rank 0 of a two-rank torchrun,
+    which hands rank 1 its share; a second run resumes from the checkpoint's cursor."""
+    import subprocess
+    import sys
+
+    from dspark.core.files import free_port
+    from tests.dspark.test_trainer import REPO
+
+    target, data = tiny
+
+    def run(steps: int) -> tuple[str, str]:
+        port = free_port()
+        producer = subprocess.Popen(
+            [sys.executable, "-c", PRODUCER, str(data), str(port)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        extra = (
+            "data.mode=online",
+            "data.online.trainer_addr=127.0.0.1",
+            f"data.online.port={port}",
+            "data.online.connect_timeout_s=120",
+            "data.online.new_per_micro_batch=1",
+            "train.micro_batch_size=2",
+            f"train.max_steps={steps}",
+            "train.save_every=2",
+            "train.eval_every=2",
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "train.py",
+            *overrides(target, data, tmp_path, *extra),
+            f"hydra.run.dir={tmp_path}/run",
+        ]
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+        said = producer.communicate(timeout=120)[0]
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:] + said
+        assert producer.returncode == 0, said
+        return out.stdout + out.stderr, said
+
+    log, said = run(4)
+    assert "2 rank(s)" in log and "cursor 0" in said and "trainer gone" in said
+    entered = read_prompt_log(tmp_path / "ckpt" / PROMPT_LOG)
+    assert [e["index"] for e in entered] == list(range(8))  # 4 steps x 1 new x 2 ranks
+    client = torch.load(tmp_path / "ckpt" / "step00000004" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert [v["step"] for v in client["validations"]] == [2, 4]
+    assert [h["seq_ids"][0] for h in client["history"]] == [f"train-{2 * i:02d}" for i in range(4)]  # rank 0's
+    log, said = run(6)
+    assert "cursor 8" in said  # the checkpoint's cursor: neither repeated nor skipped
+    assert [e["index"] for e in read_prompt_log(tmp_path / "ckpt" / PROMPT_LOG)] == list(range(12))
