@@ -218,6 +218,9 @@ def serve(cfg: RunConfig, target_dir: Optional[Path] = None) -> int:
         while True:
             item = source.get()  # an engine error is raised here
             try:
+                if link.has("stop"):
+                    log.info("online producer: the trainer is done; stopping")
+                    return 0
                 link.send(item)
                 link.set("stats", source.stats().as_dict())
             except Exception as e:  # noqa: BLE001 - the trainer closed the link or exited

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dspark.core.shard_format import Manifest
+from dspark.online import PROMPT_LOG, read_prompt_log
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "slurm"
@@ -272,3 +273,36 @@ def test_pipeline_rejects_bad_options_without_submitting(slurm, tmp_path):
     )
     assert not (tmp_path / "slurm").exists()  # a dry run creates nothing
     assert "--dependency=afterok:\\<extract\\>" in lines[1] and "--dependency=afterok:\\<train\\>" in lines[2]
+
+
+@pytest.mark.slow
+def test_online_hetjob_trains_on_cpu_from_the_engine_component(slurm, tmp_path, smollm2_dir):
+    """slurm/online.sbatch for real, both components on this one node: the producer (vLLM on CPU)
+    streams to the trainer over the torch.distributed link; only checkpoints are written."""
+    out = tmp_path
+    job = sbatch(
+        slurm,
+        out,
+        *CPU,
+        "--oversubscribe",  # both components on this one node (the header asks for exclusive nodes)
+        f"--output={out}/slurm/%x-%j.out",
+        "slurm/online.sbatch",
+        "data.batch_size=2",
+        "data.online.buffer_size=2",
+        "data.online.connect_timeout_s=600",
+        DSPARK_ALLOW_CPU="1",
+    )
+    deadline = time.time() + 300
+    while "PENDING" in slurm.states(job):  # both components must fit on the node
+        assert time.time() < deadline, slurm.run("scontrol", "show", "job", job).stdout
+        time.sleep(2)
+    info = slurm.wait(job, timeout=1800)[job]
+    log = batch_log(out, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log[-4000:])
+    assert "online: engine on 1 node(s)" in log and "trainer exit status 0" in log
+    ckpt = out / "checkpoints" / "smollm2-135m" / "markov16-L1-i256"
+    assert (ckpt / "latest").read_text().strip() == "step00000002"
+    assert [e["index"] for e in read_prompt_log(ckpt / PROMPT_LOG)] == [0, 1]
+    assert not (out / "data").exists()  # no shards
+    train_log = (out / "slurm" / job / "online" / "train-node0" / "train.log").read_text()
+    assert "online: producer connected" in train_log and "step 2/2" in train_log
