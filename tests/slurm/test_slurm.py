@@ -277,14 +277,20 @@ def test_pipeline_rejects_bad_options_without_submitting(slurm, tmp_path):
 
 @pytest.mark.slow
 def test_online_hetjob_trains_on_cpu_from_the_engine_component(slurm, tmp_path, smollm2_dir):
-    """slurm/online.sbatch for real, both components on this one node: the producer (vLLM on CPU)
-    streams to the trainer over the torch.distributed link; only checkpoints are written."""
+    """slurm/online.sbatch for real: the producer (vLLM on CPU) streams to the trainer over the
+    torch.distributed link; only checkpoints are written. Needs a cluster of two nodes or more:
+    this one-node Slurm leaves every heterogeneous job pending (Reason=Resources), even a
+    two-component `srun hostname` with --oversubscribe."""
+    nodes = slurm.run("sinfo", "-h", "-o", "%D", check=False).stdout.split()
+    if sum(int(n) for n in nodes if n.isdigit()) < 2:
+        pytest.skip("a one-node Slurm does not start heterogeneous jobs (their components pend on Resources)")
     out = tmp_path
     job = sbatch(
         slurm,
         out,
         *CPU,
-        "--oversubscribe",  # both components on this one node (the header asks for exclusive nodes)
+        "--oversubscribe",  # both components on this one node: not exclusive, and not all of its memory each
+        "--mem=2G",
         f"--output={out}/slurm/%x-%j.out",
         "slurm/online.sbatch",
         "data.batch_size=2",
