@@ -143,3 +143,30 @@ def test_kill_9_then_resume_neither_repeats_nor_skips_a_prompt(uninterrupted, pr
     assert read_prompt_log(_ckpt(out) / PROMPT_LOG) == read_prompt_log(_ckpt(uninterrupted) / PROMPT_LOG)
     resumed, full = _history(out), _history(uninterrupted)
     assert [h[0] for h in resumed] == [h[0] for h in full]  # the new sequence of every step
+
+
+def test_producer_on_its_own_streams_to_the_trainer_over_the_link(uninterrupted, prompts, tmp_path):
+    """The multi-node layout on one machine: ``python -m data_tools.online`` (the engine) and
+    ``python train.py`` (the trainer) as two processes joined by data.online.trainer_addr; the
+    trainer enters the same prompts as the one-process run."""
+    from dspark.core.files import free_port
+
+    out, port = tmp_path, free_port()
+    link = ["data.online.trainer_addr=127.0.0.1", f"data.online.port={port}", "data.online.connect_timeout_s=600"]
+    cmd = [a for a in _cmd(prompts, out) if not a.startswith("hydra.run.dir=")]
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "data_tools.online", *cmd[2:], *link, f"hydra.run.dir={out}/producer"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    trainer = subprocess.run(
+        [*cmd, *link, f"hydra.run.dir={out}/run"], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    said = producer.communicate(timeout=300)[1]
+    assert trainer.returncode == 0, trainer.stderr[-4000:] + said[-2000:]
+    assert producer.returncode == 0, said[-4000:]
+    assert read_prompt_log(_ckpt(out) / PROMPT_LOG) == read_prompt_log(_ckpt(uninterrupted) / PROMPT_LOG)
+    assert "online: producer connected" in (out / "run" / "train.log").read_text()
+    assert not (out / "data").exists()
