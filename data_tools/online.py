@@ -118,7 +118,12 @@ class VllmSource:
             return []
         t0 = time.perf_counter()
         rows = capture_rows(
-            self.llm, [r for _, r in planned], self.data, n_layers=len(self.layer_ids), hidden=self.hidden_size
+            self.llm,
+            [r for _, r in planned],
+            self.data,
+            n_layers=len(self.layer_ids),
+            hidden=self.hidden_size,
+            rerun="online training stops; rerun the same command to resume from its last checkpoint",
         )
         self._stats.engine_s += time.perf_counter() - t0
         self._stats.sequences += len(rows)
