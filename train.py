@@ -11,6 +11,7 @@ imported when it runs, so a node that only trains never imports vLLM. Tests call
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,11 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
     heads, target_dir = prepare_target(cfg)
     stages_run = ["target"]
     lines = [f"target   {cfg.target.name} ({target_dir})"]
-    if "extract" in cfg.stages:
+    online = cfg.data.mode == "online"
+    if "extract" in cfg.stages and online:
+        log.info("extract: data.mode=online, the engine streams states to the trainer, no shards: skipped")
+        lines.append("extract  online: streamed to the trainer, no shards")
+    elif "extract" in cfg.stages:
         from data_tools.extract import extract
 
         s = extract(cfg, target_dir)
@@ -57,6 +62,9 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         if done is not None:
             log.info("train: %s is at train.max_steps=%s for this drafter, skipped", done, cfg.train.max_steps)
             lines.append(f"train    up to date ({done}), skipped")
+        elif online:
+            state = train(cfg, heads, online_source(cfg, target_dir))  # the trainer closes it
+            lines.append(f"train    step {state.step}/{cfg.train.max_steps} (online) -> {cfg.train.checkpoint_dir}")
         else:
             state = train(cfg, heads)
             lines.append(f"train    step {state.step}/{cfg.train.max_steps} -> {cfg.train.checkpoint_dir}")
@@ -81,6 +89,24 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         lines.append(f"W&B      {Path(cfg.paths.output_dir) / 'wandb'} (offline runs: wandb sync <run dir>)")
     log.info("main job done in %.1f min:\n  %s", (time.perf_counter() - t0) / 60, "\n  ".join(lines))
     return PipelineResult(heads, cfg.drafter, stages_run)
+
+
+def online_source(cfg: RunConfig, target_dir: Path):  # noqa: ANN201 - a SequenceSource, or None
+    """``data.mode=online``: rank 0 reads the stream, from an engine it starts here (one machine)
+    or over the link to the producer on the extraction nodes (``data.online.trainer_addr``);
+    the other ranks get their share from rank 0."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    online = cfg.data.online
+    if online.trainer_addr:
+        from dspark.core.stream import RemoteSource
+
+        return RemoteSource(
+            online.trainer_addr, online.port, buffer_size=online.buffer_size, timeout_s=online.connect_timeout_s
+        )
+    from data_tools.online import VllmSource
+
+    return VllmSource(cfg, target_dir)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -180,8 +180,17 @@ def make_engine(kwargs: dict[str, Any], data: DataConfig):
     return make_llm(kwargs, cpu_kvcache_gib=data.vllm.cpu_kvcache_gib, start_timeout_s=data.vllm.start_timeout_s)
 
 
-def capture_rows(llm: Any, requests: list[Request], data: DataConfig, *, n_layers: int, hidden: int) -> list[dict]:
-    """Run one batch through vLLM and return finished shard rows in request order."""
+def capture_rows(
+    llm: Any,
+    requests: list[Request],
+    data: DataConfig,
+    *,
+    n_layers: int,
+    hidden: int,
+    rerun: str = "the complete shards are kept: rerun the same command to resume",
+) -> list[dict]:
+    """Run one batch through vLLM and return finished shard rows in request order; ``rerun`` is
+    what an engine death's error tells the user to do."""
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         cleanup_hidden_states,
@@ -204,7 +213,7 @@ def capture_rows(llm: Any, requests: list[Request], data: DataConfig, *, n_layer
         params,
         use_tqdm=False,
         what=f"extracting {len(requests)} sequences ({requests[0].seq_id}...)",
-        rerun="the complete shards are kept: rerun the same command to resume",
+        rerun=rerun,
     )
     rows = []
     for req, out in zip(requests, outputs):

@@ -60,6 +60,34 @@ def head_fingerprint(lm_head: torch.Tensor, final_norm: torch.Tensor) -> str:
     return h.hexdigest()[:12]
 
 
+@torch.no_grad()
+def sequence_topk(
+    loss_mask: torch.Tensor,
+    hidden_states: torch.Tensor,
+    *,
+    k: int,
+    rule: str,
+    target_logits: Callable[[torch.Tensor], torch.Tensor],
+    final_index: int,
+    rows_per_call: int = 256,
+) -> SequenceTopK:
+    """One sequence's top ``k`` target distribution at the positions ``rule`` lets the loss read
+    (what the dataset cache stores per sequence; online training computes it as a sequence arrives)."""
+    pos = cached_positions(loss_mask, rule)
+    ids, probs = [], []
+    for s in range(0, len(pos), rows_per_call):
+        rows = hidden_states[pos[s : s + rows_per_call], final_index].float()
+        p = torch.softmax(target_logits(rows).float(), dim=-1)
+        top = p.topk(k, dim=-1)
+        ids.append(top.indices)
+        probs.append(top.values)
+    return SequenceTopK(
+        pos.long(),
+        torch.cat(ids).long() if ids else torch.zeros(0, k, dtype=torch.long),
+        torch.cat(probs).float() if probs else torch.zeros(0, k),
+    )
+
+
 class TargetTopK:
     """Top-k target distributions for every sequence of a :class:`~dspark.shards.ShardDataset`
     split, computed on first use and cached on disk per shard."""
@@ -103,17 +131,18 @@ class TargetTopK:
         tensors: dict[str, torch.Tensor] = {}
         for j, index in enumerate(self._shard_rows(info)):
             seq = self.ds.read(index)
-            pos = cached_positions(seq.loss_mask, self.rule)
-            ids, probs = [], []
-            for s in range(0, len(pos), self.rows_per_call):
-                rows = seq.hidden_states[pos[s : s + self.rows_per_call], self.final_index].float()
-                p = torch.softmax(self.target_logits(rows).float(), dim=-1)
-                top = p.topk(self.k, dim=-1)
-                ids.append(top.indices.to(torch.int32))
-                probs.append(top.values)
-            tensors[f"{j}.positions"] = pos.to(torch.int32)
-            tensors[f"{j}.ids"] = torch.cat(ids) if ids else torch.zeros(0, self.k, dtype=torch.int32)
-            tensors[f"{j}.probs"] = torch.cat(probs) if probs else torch.zeros(0, self.k)
+            top = sequence_topk(
+                seq.loss_mask,
+                seq.hidden_states,
+                k=self.k,
+                rule=self.rule,
+                target_logits=self.target_logits,
+                final_index=self.final_index,
+                rows_per_call=self.rows_per_call,
+            )
+            tensors[f"{j}.positions"] = top.positions.to(torch.int32)
+            tensors[f"{j}.ids"] = top.ids.to(torch.int32)
+            tensors[f"{j}.probs"] = top.probs
         path = self.path(info)
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:

@@ -51,12 +51,22 @@ from dspark.core.files import (
     reporting_disk_full,
 )
 from dspark.core.shard_format import DatasetError
+from dspark.core.stream import SequenceSource
 from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
 from dspark.loss import LossConfig, LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
-from dspark.shards import ShardDataset, check_dataset, require_dataset
-from dspark.target_topk import TargetTopK, head_fingerprint
+from dspark.online import (
+    OnlineBatches,
+    SequenceList,
+    StreamMeta,
+    check_source,
+    row_to_sequence,
+    shared_val_rows,
+    stream_meta,
+)
+from dspark.shards import ShardDataset, ShardSequence, check_dataset, require_dataset
+from dspark.target_topk import SequenceTopK, TargetTopK, head_fingerprint, sequence_topk
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +219,8 @@ class TrainState:
     """Hash chain over every consumed sequence id in order: equal digests, equal data order."""
     predictions: int = 0
     """Supervised predictions consumed so far, all ranks (the x axis of a scaling curve)."""
+    tokens: int = 0
+    """Sequence tokens consumed by training steps so far, all ranks (padding excluded)."""
     train_seconds: float = 0.0
     """Wall-clock seconds spent in training steps (validation and checkpoints excluded)."""
     validations: list[dict] = field(default_factory=list)
@@ -401,12 +413,17 @@ PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig | DictConfig, heads: TargetHeads):
+    def __init__(self, cfg: RunConfig | DictConfig, heads: TargetHeads, source: Optional[SequenceSource] = None):
+        """``source``: where ``data.mode=online`` reads sequences from (``data_tools.online``)."""
         cfg = load_config(cfg)
         self.cfg, self.t = cfg, cfg.train
+        self.source, self.batches = source, None
         self.rank, self.world = init_distributed(self.t.dist_timeout_s)
         self.ckpt_dir = Path(self.t.checkpoint_dir).expanduser()
-        require_dataset(cfg.data.shards_dir)  # before the lock: a run without data writes nothing
+        if cfg.data.mode == "online":
+            check_online_ranks(source, self.rank)
+        else:
+            require_dataset(cfg.data.shards_dir)  # before the lock: a run without data writes nothing
         self._lock = lock_checkpoint_dir(self.ckpt_dir) if self.rank == 0 else None
         try:
             self._build(cfg, heads)
@@ -420,19 +437,29 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         target = cfg.target
-        shards = Path(cfg.data.shards_dir).expanduser()
         states_dtype = TORCH_DTYPES[self.t.dtype]  # what fp8 shards dequantize into
-        self.train_ds = ShardDataset(shards, "train", states_dtype=states_dtype)
-        check_shards_match_target(self.train_ds, target, heads)
-        self.val_ds = (
-            ShardDataset(shards, "val", states_dtype=states_dtype)
-            if any(s.split == "val" and s.rows for s in self.train_ds.manifest.shards)
-            else None
-        )
+        online = cfg.data.mode == "online"
+        if online:
+            self.stream = stream_meta(self.source, self.rank, self.world)
+            check_source(
+                self.stream,
+                expect_layer_ids=target.capture_layer_ids(int(heads.config["num_hidden_layers"])),
+                expect_hidden_size=heads.hidden_size,
+            )
+            self.train_ds, self.val_ds = None, online_val(self.source, self.stream, self.rank, self.world, states_dtype)
+        else:
+            shards = Path(cfg.data.shards_dir).expanduser()
+            self.train_ds = ShardDataset(shards, "train", states_dtype=states_dtype)
+            check_shards_match_target(self.train_ds, target, heads)
+            self.val_ds = (
+                ShardDataset(shards, "val", states_dtype=states_dtype)
+                if any(s.split == "val" and s.rows for s in self.train_ds.manifest.shards)
+                else None
+            )
         model, self.ctx_index, self.final_index = build_drafter(cfg, heads)
         if self.t.init_from_target_layers is not None:
             init_from_target(model, cfg, heads)
-        if self.t.target_topk:
+        if self.t.target_topk and not online:
             self._attach_target_topk(model, heads)
         self.dtype = TORCH_DTYPES[self.t.dtype]
         self.lcfg = loss_config(cfg)
@@ -455,22 +482,26 @@ class Trainer:
         self.state = TrainState()
         self.anchor_gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.rank)
         self._maybe_resume()
-        self.batches = RankBatches(
-            self.train_ds,
-            rank=self.rank,
-            world_size=self.world,
-            micro_batch=self.t.micro_batch_size,
-            seed=cfg.seed,
-            context_index=self.ctx_index,
-            final_index=self.final_index,
-            max_len=self.t.max_seq_len,
-            position=self.state.data,
+        self.batches = (
+            self._online_batches(model.drafter, states_dtype)
+            if online
+            else RankBatches(
+                self.train_ds,
+                rank=self.rank,
+                world_size=self.world,
+                micro_batch=self.t.micro_batch_size,
+                seed=cfg.seed,
+                context_index=self.ctx_index,
+                final_index=self.final_index,
+                max_len=self.t.max_seq_len,
+                position=self.state.data,
+            )
         )
         self.wandb = self._init_wandb() if self.rank == 0 else None
         log.info(
-            "drafter: %.2fM trainable parameters, %d train / %d val sequences, %d rank(s), ZeRO %d, %s",
+            "drafter: %.2fM trainable parameters, %s train / %d val sequences, %d rank(s), ZeRO %d, %s",
             self.model.num_trainable_parameters() / 1e6,
-            len(self.train_ds),
+            "streamed" if online else len(self.train_ds),
             len(self.val_ds or []),
             self.world,
             cfg.deepspeed.zero_optimization.stage,
@@ -480,6 +511,41 @@ class Trainer:
     @property
     def model(self) -> DSparkDrafter:
         return self.engine.module.drafter
+
+    def _online_batches(self, drafter: DSparkDrafter, states_dtype: torch.dtype) -> OnlineBatches:
+        """``data.mode=online``: micro-batches from the source's rolling window, from the resumed
+        position's prompt cursor; ``train.target_topk`` is computed as each sequence arrives."""
+        topk = None
+        if self.t.target_topk:
+            device = drafter.lm_head.weight.device
+
+            def topk(seq: ShardSequence) -> SequenceTopK:
+                return sequence_topk(
+                    seq.loss_mask,
+                    seq.hidden_states,
+                    k=self.t.target_topk,
+                    rule=self.t.supervise,
+                    target_logits=lambda rows: drafter.target_logits(rows.to(device)).cpu(),
+                    final_index=self.final_index,
+                )
+
+        return OnlineBatches(
+            self.source,
+            meta=self.stream,
+            micro_batch=self.t.micro_batch_size,
+            new_per_batch=self.cfg.new_per_micro_batch(),
+            window_size=self.cfg.data.online.window_size,
+            seed=self.cfg.seed,
+            context_index=self.ctx_index,
+            final_index=self.final_index,
+            max_len=self.t.max_seq_len,
+            dtype=states_dtype,
+            position=self.state.data,
+            log_dir=self.ckpt_dir,
+            target_topk=topk,
+            rank=self.rank,
+            world_size=self.world,
+        )
 
     def _attach_target_topk(self, model: DSparkDrafter, heads: TargetHeads) -> None:
         """``train.target_topk``: the training split's target distributions, computed once (each
@@ -624,7 +690,9 @@ class Trainer:
         return int(flag.item())
 
     def close(self) -> None:
-        """Release the checkpoint directory (the OS would at process exit anyway)."""
+        """Stop an online source; release the checkpoint directory (the OS would at process exit anyway)."""
+        if self.source is not None:
+            self.source.close()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -657,6 +725,7 @@ class Trainer:
             self.state.data = self.batches.pos
             self.state.record(m["loss"], seq_ids)
             self.state.predictions += int(m["predictions"]) * self.world
+            self.state.tokens += int(m["tokens"]) * self.world
             self.state.train_seconds += m["step_s"]
             if self.state.step % self.t.log_every == 0 or self.state.step == max_steps:
                 self._log_train(m, time.perf_counter() - t_start)
@@ -707,6 +776,15 @@ class Trainer:
             peak_mem_gb=peak_memory_gb(),
             elapsed_s=elapsed,
         )
+        online = self.batches.stats() if isinstance(self.batches, OnlineBatches) else None
+        if online is not None:  # the engine's side of the stream (rank 0)
+            log.info(
+                "online: %d sequences from the engine, %.0f tok/s extracted, producer blocked %.1f s on a full buffer",
+                online["sequences"],
+                online["tokens_per_s"],
+                online["blocked_s"],
+            )
+            scalars.update({f"online_{k}": v for k, v in online.items()})
         self._log({f"train/{k}": v for k, v in scalars.items()})
 
     def _record_validation(self, res: dict[str, float]) -> None:
@@ -790,6 +868,8 @@ class Trainer:
         import torch.distributed as dist
 
         tag = tag_name(self.state.step)
+        if isinstance(self.batches, OnlineBatches) and self.rank == 0:
+            self.batches.flush_log()  # before the tag: a resume cuts what a later tag did not keep
         client = {
             "context_layer_ids": self.cfg.context_layer_ids(),
             "step": self.state.step,
@@ -800,6 +880,7 @@ class Trainer:
             "history": self.state.history,
             "data_digest": self.state.data_digest,
             "predictions": self.state.predictions,
+            "tokens": self.state.tokens,
             "train_seconds": self.state.train_seconds,
             "validations": self.state.validations,
             "drafter": asdict(self.model.cfg),
@@ -899,6 +980,7 @@ class Trainer:
             history=client["history"],
             data_digest=client.get("data_digest", ""),
             predictions=client.get("predictions", 0),
+            tokens=client.get("tokens", 0),
             train_seconds=client.get("train_seconds", 0.0),
             validations=client.get("validations", []),
         )
@@ -928,6 +1010,26 @@ class Trainer:
         return init_wandb(self.cfg, Path(self.cfg.paths.output_dir), job_type="train")
 
 
-def train(cfg: RunConfig, heads: TargetHeads) -> TrainState:
-    trainer = Trainer(cfg, heads)
+def train(cfg: RunConfig, heads: TargetHeads, source: Optional[SequenceSource] = None) -> TrainState:
+    trainer = Trainer(cfg, heads, source)
     return trainer.train()
+
+
+def check_online_ranks(source: Optional[SequenceSource], rank: int) -> None:
+    """``data.mode=online``: rank 0 reads the stream (the engine train.py starts, or the link to
+    the producer on other nodes) and hands the other ranks their share."""
+    if rank == 0 and source is None:
+        raise ConfigError(
+            "data.mode=online: no sequence source on rank 0, expected the engine or link that train.py starts "
+            "(python train.py data.mode=online stages=[train])"
+        )
+
+
+def online_val(
+    source: Optional[SequenceSource], meta: StreamMeta, rank: int, world: int, dtype: torch.dtype
+) -> Optional[SequenceList]:
+    """The online run's validation set: the val split's sequences, generated once, in memory on
+    every rank (validation shards them)."""
+    kw = dict(store_dtype=meta.store_dtype, n_layers=len(meta.layer_ids), hidden=meta.hidden_size, dtype=dtype)
+    seqs = [row_to_sequence(r, **kw) for r in shared_val_rows(source, rank, world)]
+    return SequenceList(seqs) if seqs else None

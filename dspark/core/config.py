@@ -49,6 +49,7 @@ SERVE_EXPORT = ("auto", "never")
 SUPERVISE = ("answer", "all")
 BASELINES = ("ngram",)
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+DATA_MODES = ("offline", "online")
 
 
 class ConfigError(UserError):
@@ -301,9 +302,48 @@ class ExtractEngineConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """``data.mode=online``: the extraction engine hands finished sequences to the trainer through
+    a bounded buffer; the trainer samples micro-batches from a rolling window of the most recent
+    ones (``dspark/online.py``, ``data_tools/online.py``). Host memory for states is bounded by
+    ``buffer_size + window_size + data.batch_size`` sequences."""
+
+    buffer_size: int = 64
+    """Finished sequences waiting for the trainer; when full the engine waits (a slow trainer never
+    makes it grow), when empty the trainer waits (logged as data wait)."""
+    window_size: int = 256
+    """The most recent sequences the trainer samples micro-batches from (older ones are dropped)."""
+    new_per_micro_batch: Optional[int] = None
+    """Sequences that enter the window per micro batch, each trained in that micro batch; the rest
+    of it is drawn from the window's older sequences (so each sequence trains about
+    micro_batch_size / new_per_micro_batch times). None: half the micro batch, rounded up."""
+    work_dir: Optional[str] = None
+    """Where vLLM's capture connector passes each request's states (read and deleted at once).
+    None: a directory in /dev/shm (memory, not disk), else the system temp directory."""
+    trainer_addr: Optional[str] = None
+    """None: the engine runs in the trainer's process (one machine, one training rank). A host:
+    the engine runs on other nodes (``python -m data_tools.online``) and streams to the trainer's
+    rank 0 on this host over torch.distributed (gloo); rank 0 hands each rank its share."""
+    port: int = 29650
+    """The trainer's TCPStore port for the producer's link (``trainer_addr``)."""
+    connect_timeout_s: int = 1800
+    """How long either side waits for the other (connecting, or one message: an engine call)."""
+
+    def __post_init__(self) -> None:
+        for key in ("buffer_size", "window_size", "connect_timeout_s"):
+            _at_least(f"data.online.{key}", getattr(self, key), 1)
+        _check(1 <= self.port <= 65535, "data.online.port", self.port, "expected a TCP port in [1, 65535]")
+        if self.new_per_micro_batch is not None:
+            _at_least("data.online.new_per_micro_batch", self.new_per_micro_batch, 1)
+
+
+@dataclass
 class DataConfig:
     """Prompts -> on-policy answers from the target in vLLM -> hidden-state shards."""
 
+    mode: str = "offline"
+    """offline: extraction writes Parquet shards, the trainer reads them. online: the engine streams
+    states to the trainer through memory (``data.online``); nothing is written but checkpoints."""
     source: str = "bundled"
     """bundled (offline short instructions) | bundled_lcr (offline AA-LCR-style long documents) |
     a .jsonl/.json or .parquet chat file (OpenAI ``messages`` or ShareGPT ``conversations``) |
@@ -337,8 +377,10 @@ class DataConfig:
     """None: the Slurm array index (or 0); set with world_size to split the work by shard."""
     world_size: int = 1
     vllm: ExtractEngineConfig = field(default_factory=ExtractEngineConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
 
     def __post_init__(self) -> None:
+        _choice("data.mode", self.mode, DATA_MODES)
         _choice("data.on_overlong", self.on_overlong, ON_OVERLONG)
         _choice("data.store_dtype", self.store_dtype, DTYPES + FP8_STORE_DTYPES)
         _choice("data.compression", self.compression, COMPRESSIONS)
@@ -707,6 +749,30 @@ class RunConfig:
                 ctx,
                 f"expected a subset of target.layer_ids={self.target.layer_ids}",
             )
+
+        if self.data.mode == "online":
+            self._check_online()
+
+    def _check_online(self) -> None:
+        mb, new = self.train.micro_batch_size, self.data.online.new_per_micro_batch
+        if new is not None:
+            _check(
+                new <= mb,
+                "data.online.new_per_micro_batch",
+                new,
+                f"expected at most train.micro_batch_size={mb} (the new sequences train in their micro batch)",
+            )
+        _check(
+            self.data.online.window_size >= mb,
+            "data.online.window_size",
+            self.data.online.window_size,
+            f"expected at least train.micro_batch_size={mb}",
+        )
+
+    def new_per_micro_batch(self) -> int:
+        """Sequences entering the online window per micro batch (``data.online.new_per_micro_batch``)."""
+        new = self.data.online.new_per_micro_batch
+        return new if new is not None else (self.train.micro_batch_size + 1) // 2
 
     def context_layer_ids(self) -> list[int]:
         """The target layers the drafter reads as context, in fc input order."""

@@ -24,18 +24,28 @@ SLURM = REPO / "slurm"
 HOSTS = [f"gb300-{i:03d}" for i in range(1, 5)]
 
 SRUN = """#!/bin/bash
-# stub srun: record argv, then run the command once per node (SLURM_NODEID=i), like one task per node
+# stub srun: record argv, then run the command once per node (SLURM_NODEID=i), like one task per node;
+# --het-group=G: on that component's nodes (SLURM_JOB_NUM_NODES_HET_GROUP_G), as SLURM_HET_GROUP=G
 printf '%s\\n' "$(printf '%q ' "$@")" >> "$STUB_RECORD/srun.log"
+n=$SLURM_NNODES group=
+for a in "$@"; do
+  case $a in --het-group=*) group=${a#--het-group=}; v=SLURM_JOB_NUM_NODES_HET_GROUP_$group; n=${!v};; esac
+done
 while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done
 worst=0
-for ((i = 0; i < SLURM_NNODES; i++)); do
-  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" || { rc=$?; [ $rc -gt $worst ] && worst=$rc; }
+for ((i = 0; i < n; i++)); do
+  SLURM_NNODES=$n SLURM_HET_GROUP=$group SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" \\
+    || { rc=$?; [ $rc -gt $worst ] && worst=$rc; }
 done
 exit $worst
 """
 SCONTROL = """#!/bin/bash
+# stub scontrol: 'show hostnames LIST' prints STUB_HOSTS, or STUB_HOSTS_<LIST with [-,] as _> when set
 printf '%s\\n' "$*" >> "$STUB_RECORD/scontrol.log"
-if [ "$1 $2" = "show hostnames" ]; then printf '%s\\n' $STUB_HOSTS; fi
+if [ "$1 $2" = "show hostnames" ]; then
+  v=STUB_HOSTS_$(printf '%s' "$3" | tr -c 'A-Za-z0-9' '_')
+  printf '%s\\n' ${!v:-$STUB_HOSTS}
+fi
 """
 NVIDIA_SMI = """#!/bin/bash
 for ((i = 0; i < ${SLURM_GPUS_ON_NODE:-0}; i++)); do echo "GPU $i: NVIDIA GB300 (UUID: GPU-stub-$i)"; done
@@ -45,7 +55,7 @@ import json, os, subprocess, sys
 argv = sys.argv[1:]
 if argv[:1] == ["-c"] or "--cfg" in argv:  # import checks and config composition: the real thing
     os.execv({python!r}, [{python!r}, *argv])
-keep = ("SLURM_NODEID", "SLURM_JOB_ID", "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM", "DSPARK_ALLOW_CPU")
+keep = ("SLURM_NODEID", "SLURM_HET_GROUP", "SLURM_JOB_ID", "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM", "DSPARK_ALLOW_CPU")
 with open(os.path.join(os.environ["STUB_RECORD"], "python.jsonl"), "a") as f:
     f.write(json.dumps({{"argv": argv, "env": {{k: os.environ.get(k) for k in keep}}}}) + "\\n")
 rcs = json.loads(os.environ.get("STUB_RC", "{{}}"))  # exit status per node id
@@ -349,3 +359,90 @@ def test_eval_renders_the_serving_benchmark_one_server_over_four_nodes_per_confi
 def test_eval_refuses_an_unknown_serve_bench_mode(render):
     r = render("eval.sbatch", env={"SERVE_BENCH": "yes"})
     assert r.rc == 2 and "error: SERVE_BENCH=yes: expected 0, 1 or only" in r.log
+
+
+# -- online training: one heterogeneous job -----------------------------------------------------
+
+
+def het_components(script: Path) -> list[dict[str, str]]:
+    """#SBATCH options per component of a heterogeneous job (``#SBATCH hetjob`` separates them);
+    the options before the first component-specific one are the job's and go to the first."""
+    parts: list[dict[str, str]] = [{}]
+    for line in script.read_text().splitlines()[1:]:
+        if line.startswith("#SBATCH"):
+            word = line.split()[1]
+            if word == "hetjob":
+                parts.append({})
+                continue
+            key, _, value = word.lstrip("-").partition("=")
+            parts[-1][key] = value
+        elif line.strip() and not line.startswith("#"):
+            break
+    return parts
+
+
+HET_ENV = {
+    "SLURM_NNODES": "8",
+    "SLURM_JOB_NUM_NODES": "8",
+    "SLURM_JOB_NODELIST": "gb300-[001-008]",
+    "SLURM_JOB_NUM_NODES_HET_GROUP_0": "4",
+    "SLURM_JOB_NUM_NODES_HET_GROUP_1": "4",
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "gb300-[001-004]",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "gb300-[005-008]",
+    "STUB_HOSTS_gb300__001_004_": " ".join(f"gb300-{i:03d}" for i in range(1, 5)),
+    "STUB_HOSTS_gb300__005_008_": " ".join(f"gb300-{i:03d}" for i in range(5, 9)),
+}
+
+
+def test_online_header_is_a_hetjob_of_an_engine_and_a_trainer_for_k3():
+    engine, trainer = het_components(SLURM / "online.sbatch")
+    for part in (engine, trainer):
+        assert part["nodes"] == "4" and part["gpus-per-node"] == "4" and part["ntasks-per-node"] == "1"
+        assert "exclusive" in part
+    assert int(engine["nodes"]) * int(engine["gpus-per-node"]) == k3_tp() == 16  # one TP16 engine
+    assert "requeue" in engine and engine["open-mode"] == "append" and engine["output"].startswith("outputs/slurm/")
+
+
+def test_online_renders_a_streaming_engine_and_16_training_ranks(render):
+    r = render("online.sbatch", "data.online.window_size=16", env=HET_ENV)
+    assert r.rc == 0, r.log
+    assert [x[0] for x in r.srun] == ["--het-group=0", "--het-group=1"]
+    assert "--kill-on-bad-exit=1" in r.srun[1]
+    base = 29500 + 4242 % 1000
+    producers = [x for x in r.launches if x["env"]["SLURM_HET_GROUP"] == "0"]
+    trainers = [x for x in r.launches if x["env"]["SLURM_HET_GROUP"] == "1"]
+    assert [x["env"]["SLURM_NODEID"] for x in producers] == ["0", "1", "2", "3"]
+    for i, x in enumerate(producers):
+        argv = x["argv"]
+        assert argv[:3] == ["-m", "data_tools.online", "+experiment=kimi_k3_gb300"]
+        assert arg(argv, "+data.vllm.engine_kwargs.nnodes=") == "4"
+        assert arg(argv, "+data.vllm.engine_kwargs.node_rank=") == str(i)
+        assert arg(argv, "+data.vllm.engine_kwargs.master_addr=") == "gb300-001"
+        assert arg(argv, "+data.vllm.engine_kwargs.master_port=") == str(base)
+        assert "data.mode=online" in argv and arg(argv, "data.online.trainer_addr=") == "gb300-005"
+        assert arg(argv, "data.online.port=") == str(base + 2) and argv[-1] == "data.online.window_size=16"
+        assert x["env"]["VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"] == "1"
+    ranks = 0
+    for i, x in enumerate(trainers):
+        argv = x["argv"]
+        assert argv[:2] == ["-m", "torch.distributed.run"] and arg(argv, "--node_rank=") == str(i)
+        assert arg(argv, "--nnodes=") == "4" and arg(argv, "--rdzv_endpoint=") == f"gb300-005:{base + 1}"
+        ranks += int(arg(argv, "--nproc_per_node="))
+        script = argv.index("train.py")
+        assert argv[script + 1 : script + 5] == [
+            "+experiment=kimi_k3_gb300",
+            "stages=[train]",
+            "train.resume=auto",
+            "data.mode=online",
+        ]
+        assert arg(argv, "data.online.trainer_addr=") == "gb300-005" and arg(argv, "data.online.port=") == str(base + 2)
+        assert argv[-1] == "data.online.window_size=16"
+    assert ranks == 16
+    assert "engine on 4 node(s) from gb300-001" in r.log and "trainer rank 0 on gb300-005" in r.log
+    assert "vLLM engine: TP16 x PP1 over 4 node(s) x 4 GPU(s)" in r.log
+
+
+def test_online_outside_a_hetjob_says_so(render):
+    r = render("online.sbatch")
+    assert r.rc != 0 and not r.srun
+    assert "not a heterogeneous job" in r.log

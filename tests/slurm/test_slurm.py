@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dspark.core.shard_format import Manifest
+from dspark.online import PROMPT_LOG, read_prompt_log
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "slurm"
@@ -104,9 +105,9 @@ def test_sbatch_test_only_accepts_every_script(slurm, tmp_path, script):
     r = slurm.run(
         "sbatch", "--test-only", *CPU, *extra, f"--output={tmp_path}/%x-%j.out", f"slurm/{script}", check=False
     )
-    assert r.returncode == 0 and re.search(r"Job \d+ to start at .* on nodes \S+ in partition debug", r.stderr), (
-        r.stderr
-    )
+    # a heterogeneous job (online.sbatch) is reported by the processors its components take
+    said = r"on nodes \S+ in partition debug|using \d+ processors on \S+"
+    assert r.returncode == 0 and re.search(rf"Job \d+ to start at .* ({said})", r.stderr), r.stderr
     r = slurm.run("sbatch", "--test-only", f"slurm/{script}", check=False)
     assert r.returncode != 0 and "gres" in r.stderr.lower(), r.stderr  # GPUs asked for; this node has none
 
@@ -272,3 +273,42 @@ def test_pipeline_rejects_bad_options_without_submitting(slurm, tmp_path):
     )
     assert not (tmp_path / "slurm").exists()  # a dry run creates nothing
     assert "--dependency=afterok:\\<extract\\>" in lines[1] and "--dependency=afterok:\\<train\\>" in lines[2]
+
+
+@pytest.mark.slow
+def test_online_hetjob_trains_on_cpu_from_the_engine_component(slurm, tmp_path, smollm2_dir):
+    """slurm/online.sbatch for real: the producer (vLLM on CPU) streams to the trainer over the
+    torch.distributed link; only checkpoints are written. Needs a cluster of two nodes or more:
+    this one-node Slurm leaves every heterogeneous job pending (Reason=Resources), even a
+    two-component `srun hostname` with --oversubscribe."""
+    nodes = slurm.run("sinfo", "-h", "-o", "%D", check=False).stdout.split()
+    if sum(int(n) for n in nodes if n.isdigit()) < 2:
+        pytest.skip("a one-node Slurm does not start heterogeneous jobs (their components pend on Resources)")
+    out = tmp_path
+    job = sbatch(
+        slurm,
+        out,
+        *CPU,
+        "--oversubscribe",  # both components on this one node: not exclusive, and not all of its memory each
+        "--mem=2G",
+        f"--output={out}/slurm/%x-%j.out",
+        "slurm/online.sbatch",
+        "data.batch_size=2",
+        "data.online.buffer_size=2",
+        "data.online.connect_timeout_s=600",
+        DSPARK_ALLOW_CPU="1",
+    )
+    deadline = time.time() + 300
+    while "PENDING" in slurm.states(job):  # both components must fit on the node
+        assert time.time() < deadline, slurm.run("scontrol", "show", "job", job).stdout
+        time.sleep(2)
+    info = slurm.wait(job, timeout=1800)[job]
+    log = batch_log(out, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log[-4000:])
+    assert "online: engine on 1 node(s)" in log and "trainer exit status 0" in log
+    ckpt = out / "checkpoints" / "smollm2-135m" / "markov16-L1-i256"
+    assert (ckpt / "latest").read_text().strip() == "step00000002"
+    assert [e["index"] for e in read_prompt_log(ckpt / PROMPT_LOG)] == [0, 1]
+    assert not (out / "data").exists()  # no shards
+    train_log = (out / "slurm" / job / "online" / "train-node0" / "train.log").read_text()
+    assert "online: producer connected" in train_log and "step 2/2" in train_log

@@ -1,0 +1,313 @@
+"""Online training (data.mode=online) without vLLM: the bounded buffer's back-pressure, the
+rolling window and its prompt cursor, and the trainer on a fake source that streams the tiny
+target's shard rows (the live engine: tests/data_tools/test_online_vllm.py)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dspark.batching import DataPosition
+from dspark.core.config import ConfigError
+from dspark.core.shard_format import encode_hidden_states
+from dspark.core.stream import BoundedBuffer, StreamClosed, StreamItem, StreamStats
+from dspark.core.target import load_target_heads
+from dspark.online import PROMPT_LOG, OnlineBatches, read_prompt_log, stream_meta
+from dspark.shards import ShardDataset
+from dspark.trainer import Trainer
+from tests.dspark.test_trainer import make_trainer, overrides, tiny  # noqa: F401 - tiny: the module fixture
+
+LAYERS, HIDDEN = 3, 8
+
+
+def fake_row(i: int, n_tokens: int = 10) -> dict:
+    g = torch.Generator().manual_seed(i)
+    return {
+        "seq_id": f"p{i:03d}",
+        "num_tokens": n_tokens,
+        "input_ids": torch.randint(0, 100, (n_tokens,), generator=g).tolist(),
+        "loss_mask": [0] * 4 + [1] * (n_tokens - 4),
+        "hidden_states": encode_hidden_states(torch.randn(n_tokens - 1, LAYERS, HIDDEN, generator=g), "float32"),
+    }
+
+
+class FakeSource:
+    """A SequenceSource over a list of rows (prompt i -> rows[i % n]), produced by a thread into a
+    BoundedBuffer like the vLLM one; ``skip`` prompts yield nothing (too long for the window)."""
+
+    def __init__(self, rows: list[dict], *, layer_ids, hidden_size, capacity=4, skip=(), val=()):
+        self.rows, self.skip, self._val = rows, set(skip), list(val)
+        self.layer_ids, self.hidden_size, self.store_dtype = list(layer_ids), hidden_size, "float32"
+        self.num_prompts = len(rows)
+        self.buffer = BoundedBuffer(capacity, poll_s=0.01)
+        self.started_at: list[int] = []
+        self.produced = 0
+        self._stats = StreamStats()
+        self.thread = None
+
+    def val_rows(self):
+        return self._val
+
+    def start(self, cursor: int) -> None:
+        self.started_at.append(cursor)
+        self.thread = threading.Thread(target=self._run, args=(cursor,), daemon=True)
+        self.thread.start()
+
+    def _run(self, cursor: int) -> None:
+        try:
+            while True:
+                if cursor % self.num_prompts not in self.skip:
+                    self.buffer.put(StreamItem(cursor, self.rows[cursor % self.num_prompts]))
+                    self.produced += 1
+                cursor += 1
+        except StreamClosed:
+            pass
+
+    def get(self):
+        return self.buffer.get()
+
+    def stats(self):
+        return self._stats
+
+    def close(self):
+        self.buffer.close()
+        if self.thread is not None:
+            self.thread.join(5)
+
+
+def batches(source, tmp_path, position=None, **kw) -> OnlineBatches:
+    args = dict(micro_batch=4, new_per_batch=2, window_size=6, seed=0, context_index=[0, 1], final_index=2)
+    args.update(kw)
+    meta = stream_meta(source, 0, 1)
+    return OnlineBatches(
+        source, meta=meta, max_len=64, dtype=torch.float32, position=position, log_dir=tmp_path, **args
+    )
+
+
+def test_a_full_buffer_blocks_the_producer_and_an_empty_one_the_consumer():
+    buf = BoundedBuffer(2, poll_s=0.01)
+    buf.put(1), buf.put(2)
+    waited = []
+    t = threading.Thread(target=lambda: waited.append(buf.put(3)))
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive() and buf.qsize() == 2  # bounded: the third waits
+    assert buf.get() == 1
+    t.join(2)
+    assert waited and waited[0] >= 0.15
+    assert [buf.get(), buf.get()] == [2, 3]
+    got = []
+    t = threading.Thread(target=lambda: got.append(buf.get()))
+    t.start()
+    time.sleep(0.1)
+    assert t.is_alive()  # the consumer waits for the producer
+    buf.put(4)
+    t.join(2)
+    assert got == [4]
+    buf.fail(RuntimeError("engine died"))
+    with pytest.raises(RuntimeError, match="engine died"):
+        buf.get()
+    with pytest.raises(StreamClosed):
+        buf.put(5)
+
+
+def test_window_batches_take_new_sequences_in_order_and_draw_old_ones(tmp_path):
+    src = FakeSource([fake_row(i) for i in range(10)], layer_ids=[1, 2, 3], hidden_size=HIDDEN)
+    ob = batches(src, tmp_path)
+    seen = [ob.next().seq_ids for _ in range(5)]
+    src.close()
+    assert seen[0] == ["p000", "p001"]  # the window is empty: only the new ones
+    assert seen[1][:2] == ["p002", "p003"] and sorted(seen[1][2:]) == ["p000", "p001"]
+    for k, ids in enumerate(seen[2:], start=2):
+        assert ids[:2] == [f"p{2 * k:03d}", f"p{2 * k + 1:03d}"] and len(set(ids)) == 4
+        assert all(int(s[1:]) < 2 * k for s in ids[2:])
+    assert ob.pos == DataPosition(1, 0) and ob.cursor == 10
+    assert len(ob.window) == 6  # the 6 most recent
+    assert src.buffer.qsize() <= 4  # the producer never ran ahead of the buffer
+
+
+def test_resume_from_the_cursor_enters_the_same_prompts_and_cuts_the_log(tmp_path):
+    rows = [fake_row(i) for i in range(7)]
+
+    def run(out, position=None, steps=6, checkpoint_at=None):
+        """``steps`` micro batches; the prompt log is appended at ``checkpoint_at`` (whose position
+        is returned) and at the end (a save killed before its tag was published, for the killed run)."""
+        src = FakeSource(rows, layer_ids=[1, 2, 3], hidden_size=HIDDEN, skip={3})
+        ob = batches(src, out, position)
+        got, saved = [], None
+        for s in range(1, steps + 1):
+            got.append(ob.next().seq_ids[:2])
+            if s == checkpoint_at:
+                ob.flush_log()
+                saved = ob.pos
+        ob.flush_log()
+        src.close()
+        return got, src, saved
+
+    full, _, _ = run(tmp_path / "full")
+    killed, _, pos = run(tmp_path / "r", steps=5, checkpoint_at=3)
+    assert pos == DataPosition(1, 0)  # 6 entered (prompt 3 skipped): the next is prompt 7 = pass 1, index 0
+    resumed, src, _ = run(tmp_path / "r", position=pos, steps=3)
+    assert src.started_at == [7]
+    assert killed[:3] + resumed == full
+    log_full = read_prompt_log(tmp_path / "full" / PROMPT_LOG)
+    assert read_prompt_log(tmp_path / "r" / PROMPT_LOG) == log_full
+    assert [e["index"] for e in log_full] == [0, 1, 2, 4, 5, 6, 7, 8, 9, 11, 12, 13]
+
+
+def test_online_config_is_checked(compose_config):
+    with pytest.raises(ConfigError, match="data.mode='batch': expected one of"):
+        compose_config("data.mode=batch")
+    with pytest.raises(ConfigError, match="data.online.new_per_micro_batch=5: expected at most"):
+        compose_config("data.mode=online", "train.micro_batch_size=4", "data.online.new_per_micro_batch=5")
+    with pytest.raises(ConfigError, match="data.online.window_size=2: expected at least"):
+        compose_config("data.mode=online", "train.micro_batch_size=4", "data.online.window_size=2")
+    with pytest.raises(ConfigError, match="data.online.buffer_size=0"):
+        compose_config("data.mode=online", "data.online.buffer_size=0")
+    cfg = compose_config("data.mode=online", "train.micro_batch_size=5")
+    assert cfg.new_per_micro_batch() == 3 and compose_config().data.mode == "offline"
+
+
+def shard_source(data, layer_ids, hidden, **kw) -> FakeSource:
+    """The tiny target's train shard rows as a stream, its val rows as the val set."""
+    rows = {}
+    for split in ("train", "val"):
+        ds = ShardDataset(data, split)
+        rows[split] = [
+            {
+                "seq_id": s.seq_id,
+                "num_tokens": len(s.input_ids),
+                "input_ids": s.input_ids.tolist(),
+                "loss_mask": s.loss_mask.int().tolist(),
+                "hidden_states": s.hidden_states.numpy().tobytes(),
+            }
+            for s in (ds[i] for i in range(len(ds)))
+        ]
+    return FakeSource(rows["train"], layer_ids=layer_ids, hidden_size=hidden, val=rows["val"], **kw)
+
+
+@pytest.mark.slow
+def test_online_trainer_trains_validates_resumes_at_the_cursor_and_writes_only_checkpoints(
+    compose_config,
+    tiny,  # noqa: F811
+    tmp_path,
+):
+    target, data = tiny
+    run = ("data.mode=online", "train.max_steps=4", "train.save_every=2", "train.eval_every=2")
+
+    def trainer(out, *extra):
+        src = shard_source(data, [1, 2, 4], 64)
+        cfg = compose_config(*overrides(target, data, out, *run, *extra))
+        return Trainer(cfg, load_target_heads(target), src), src
+
+    tr, _ = trainer(tmp_path / "full")
+    full = tr.train()
+    assert full.step == 4 and [v["step"] for v in full.validations] == [2, 4]
+    entered = read_prompt_log(tmp_path / "full" / "ckpt" / PROMPT_LOG)
+    assert [e["index"] for e in entered] == list(range(8))  # 4 steps x 2 new
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["ckpt"]  # no shards, no cache
+    tr, _ = trainer(tmp_path / "r")
+    tr.train(until=2)
+    tr, src = trainer(tmp_path / "r")
+    assert tr.state.step == 2 and src.started_at == [4]
+    resumed = tr.train()
+    assert read_prompt_log(tmp_path / "r" / "ckpt" / PROMPT_LOG) == entered
+    assert [h["seq_ids"][:2] for h in resumed.history] == [h["seq_ids"][:2] for h in full.history]
+    with pytest.raises(ConfigError, match="no sequence source"):
+        make_trainer(compose_config, tiny, tmp_path / "x", *run)
+
+
+PRODUCER = r"""
+import sys
+from dspark.core.stream import VAL_END, VAL_ROW, StreamItem, StreamLink
+from dspark.shards import ShardDataset
+
+data, port = sys.argv[1], int(sys.argv[2])
+rows = {}
+for split in ("train", "val"):
+    ds = ShardDataset(data, split)
+    rows[split] = [
+        {"seq_id": s.seq_id, "num_tokens": len(s.input_ids), "input_ids": s.input_ids.tolist(),
+         "loss_mask": s.loss_mask.int().tolist(), "hidden_states": s.hidden_states.numpy().tobytes()}
+        for s in (ds[i] for i in range(len(ds)))
+    ]
+link = StreamLink("127.0.0.1", port, role="producer", timeout_s=120)
+link.set("meta", {"layer_ids": [1, 2, 4], "hidden_size": 64, "store_dtype": "float32",
+                  "num_prompts": len(rows["train"])})
+for row in rows["val"]:
+    link.send(StreamItem(VAL_ROW, row))
+link.send(StreamItem(VAL_END, {}))
+cursor = int(link.get("cursor"))
+print("cursor", cursor, flush=True)
+try:
+    while True:
+        link.send(StreamItem(cursor, rows["train"][cursor % len(rows["train"])]))
+        cursor += 1
+except Exception as e:
+    print("trainer gone:", type(e).__name__, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_train_from_a_producer_on_another_node_and_resume_at_its_cursor(
+    tiny,  # noqa: F811
+    tmp_path,
+):
+    """The multi-node layout on one machine: a producer process streams the tiny target's rows
+    over the torch.distributed link (data.online.trainer_addr) to rank 0 of a two-rank torchrun,
+    which hands rank 1 its share; a second run resumes from the checkpoint's cursor."""
+    import subprocess
+    import sys
+
+    from dspark.core.files import free_port
+    from tests.dspark.test_trainer import REPO
+
+    target, data = tiny
+
+    def run(steps: int) -> tuple[str, str]:
+        port = free_port()
+        producer = subprocess.Popen(
+            [sys.executable, "-c", PRODUCER, str(data), str(port)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        extra = (
+            "data.mode=online",
+            "data.online.trainer_addr=127.0.0.1",
+            f"data.online.port={port}",
+            "data.online.connect_timeout_s=120",
+            "data.online.new_per_micro_batch=1",
+            "train.micro_batch_size=2",
+            f"train.max_steps={steps}",
+            "train.save_every=2",
+            "train.eval_every=2",
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "train.py",
+            *overrides(target, data, tmp_path, *extra),
+            f"hydra.run.dir={tmp_path}/run",
+        ]
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+        said = producer.communicate(timeout=120)[0]
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:] + said
+        assert producer.returncode == 0, said
+        return out.stdout + out.stderr, said
+
+    log, said = run(4)
+    assert "2 rank(s)" in log and "cursor 0" in said and "trainer gone" in said
+    entered = read_prompt_log(tmp_path / "ckpt" / PROMPT_LOG)
+    assert [e["index"] for e in entered] == list(range(8))  # 4 steps x 1 new x 2 ranks
+    client = torch.load(tmp_path / "ckpt" / "step00000004" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert [v["step"] for v in client["validations"]] == [2, 4]
+    assert [h["seq_ids"][0] for h in client["history"]] == [f"train-{2 * i:02d}" for i in range(4)]  # rank 0's
+    log, said = run(6)
+    assert "cursor 8" in said  # the checkpoint's cursor: neither repeated nor skipped
+    assert [e["index"] for e in read_prompt_log(tmp_path / "ckpt" / PROMPT_LOG)] == list(range(12))
