@@ -283,8 +283,11 @@ def server_command(
     dtype: str,
     seed: int,
     engine_kwargs: dict[str, Any],
+    prefix_caching: bool = False,
 ) -> list[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` with the eval's engine arguments."""
+    """``python -m vllm.entrypoints.openai.api_server`` with the eval's engine arguments
+    (prefix caching off unless asked: every level sends the same prompts, and a cache would give
+    every level after the first its prefill for free)."""
     cmd = [
         sys.executable,
         "-m",
@@ -298,6 +301,7 @@ def server_command(
         "--enforce-eager",
         "--seed",
         str(seed),
+        *([] if prefix_caching else ["--no-enable-prefix-caching"]),
         "--host",
         host,
         "--port",
@@ -632,6 +636,7 @@ class BenchSetup:
             "num_requests": self.num_requests,
             "concurrency": list(sb.concurrency),
             "request_rate": sb.request_rate,
+            "prefix_caching": sb.prefix_caching,
             "max_model_len": self.max_model_len,
             "dtype": self.dtype,
             "device": "cuda" if self.gpu else "cpu",
@@ -669,6 +674,7 @@ def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir:
         dtype=s.dtype,
         seed=s.seed,
         engine_kwargs=s.engine_kwargs,
+        prefix_caching=sb.prefix_caching,
     )
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.kvcache_gib))

@@ -649,6 +649,11 @@ class ServeBenchConfig:
     """The server's window; None: as the eval's engines (the largest bin + answer + a block)."""
     num_warmups: int = 1
     """Requests sent before each level, outside its figures and its spec-decode counters."""
+    prefix_caching: bool = False
+    """vLLM's automatic prefix caching on the servers. Off: every level sends the same prompts,
+    and with a cache each level after the first (and every request the warm-up repeats) would
+    skip its prefill, so TTFT and tokens/s would not compare across levels. On: your traffic's
+    own prefix reuse, measured from the second level on."""
     host: str = "127.0.0.1"
     port: int = 0
     """0: a free port picked per server; a port in use is refused, never reused."""
