@@ -391,3 +391,46 @@ def test_the_configurations_of_one_multi_node_job_share_their_conditions(tmp_pat
 
     assert conditions(29743) == conditions(29744)  # one srun step (and rendezvous port) per configuration
     assert conditions(29743)["engine_kwargs"] == {"tensor_parallel_size": 16, "nnodes": 4}
+
+
+DRIVER = """
+import sys, time
+from pathlib import Path
+from eval.serve_bench import running_server
+port, log = int(sys.argv[1]), Path(sys.argv[2])
+cmd = [sys.executable, "-c", sys.argv[3], str(port)]
+with running_server(cmd, host="127.0.0.1", port=port, log_path=log, timeout_s=60, env={"PATH": "/usr/bin:/bin"},
+                    what="fake") as server:
+    print(server.proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_killed_driver_takes_its_server_with_it(tmp_path):
+    """kill -9 of the benchmark (no ``finally`` runs) must not leave a server holding the node."""
+    port = choose_port("127.0.0.1", 0)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(port), str(tmp_path / "s.log"), HEALTHY],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        server_pid = int(driver.stdout.readline())
+        assert psutil.pid_exists(server_pid) and port_in_use("127.0.0.1", port)
+        driver.kill()
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while alive(server_pid):
+            assert time.monotonic() < deadline, "the server outlived its killed driver"
+            time.sleep(0.2)
+        assert not port_in_use("127.0.0.1", port)
+    finally:
+        driver.kill()
