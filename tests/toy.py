@@ -26,3 +26,15 @@ def toy_manifest(**fields: Any) -> Manifest:
     base.update(fields)
     base.setdefault("scale_granularity", scale_granularity_of(base["dtype"]))
     return Manifest(**base)
+
+
+SHORT_QUESTIONS = [
+    "Name three uses of a hash table.",
+    "What does the Python keyword 'yield' do?",
+    "Write one sentence about the sea.",
+    "Explain recursion to a child.",
+    "What is the capital of France?",
+    "Give an example of a list comprehension.",
+]
+"""Six short chat prompts the embedded target answers quickly: the real-vLLM tests' common start
+(each appends what it needs: a too-long prompt, a duplicate, more questions)."""

@@ -14,17 +14,13 @@ import torch
 
 from dspark.core.shard_format import Manifest
 from dspark.shards import ShardDataset
+from tests.toy import SHORT_QUESTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 PROMPTS = [
-    "Name three uses of a hash table.",
-    "What does the Python keyword 'yield' do?",
-    "Write one sentence about the sea.",
-    "Explain recursion to a child.",
-    "What is the capital of France?",
-    "Give an example of a list comprehension.",
+    *SHORT_QUESTIONS,
     "word " * 300,  # longer than the 192-token window: skipped and counted
     "What is the capital of France?",  # duplicate: dropped
 ]

@@ -18,17 +18,13 @@ import torch
 from data_tools.online import default_work_dir
 from data_tools.prompts import dedupe_and_split, load_source
 from dspark.online import PROMPT_LOG, read_prompt_log
+from tests.toy import SHORT_QUESTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 PROMPTS = [
-    "Name three uses of a hash table.",
-    "What does the Python keyword 'yield' do?",
-    "Write one sentence about the sea.",
-    "Explain recursion to a child.",
-    "What is the capital of France?",
-    "Give an example of a list comprehension.",
+    *SHORT_QUESTIONS,
     "word " * 300,  # longer than the 192-token window: skipped, the only gap in the prompt indexes
     "Name a prime number larger than ten.",
     "What is a unit test?",

@@ -11,17 +11,13 @@ import pytest
 
 from dspark.shards import ShardDataset
 from eval.prompts import EvalPrompt, save_eval_set
+from tests.toy import SHORT_QUESTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 QUESTIONS = [
-    "Name three uses of a hash table.",
-    "What does the Python keyword 'yield' do?",
-    "Write one sentence about the sea.",
-    "Explain recursion to a child.",
-    "What is the capital of France?",
-    "Give an example of a list comprehension.",
+    *SHORT_QUESTIONS,
     "List the planets of the solar system.",
     "How do I reverse a string in Python?",
     "What is a prime number?",
