@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from dspark.core.shard_format import Manifest, scale_granularity_of
@@ -38,3 +39,19 @@ SHORT_QUESTIONS = [
 ]
 """Six short chat prompts the embedded target answers quickly: the real-vLLM tests' common start
 (each appends what it needs: a too-long prompt, a duplicate, more questions)."""
+
+
+def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
+    """``python -m torch.distributed.run`` of ``script`` with ``args`` on ``nproc`` local ranks,
+    at a free rendezvous port."""
+    from dspark.core.files import free_port
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        script,
+        *args,
+    ]

@@ -17,6 +17,7 @@ from dspark.online import PROMPT_LOG, OnlineBatches, read_prompt_log, stream_met
 from dspark.shards import ShardDataset
 from dspark.trainer import Trainer
 from tests.dspark.test_trainer import make_trainer, overrides, tiny  # noqa: F401 - tiny: the module fixture
+from tests.toy import torchrun
 
 LAYERS, HIDDEN = 3, 8
 
@@ -285,16 +286,7 @@ def test_two_ranks_train_from_a_producer_on_another_node_and_resume_at_its_curso
             "train.save_every=2",
             "train.eval_every=2",
         )
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={free_port()}",
-            "train.py",
-            *overrides(target, data, tmp_path, *extra),
-            f"hydra.run.dir={tmp_path}/run",
-        ]
+        cmd = torchrun("train.py", *overrides(target, data, tmp_path, *extra), f"hydra.run.dir={tmp_path}/run")
         out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
         said = producer.communicate(timeout=120)[0]
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:] + said

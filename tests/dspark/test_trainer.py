@@ -23,6 +23,7 @@ from dspark.core.layer_ids import reference_hidden_states
 from dspark.core.shard_format import Manifest
 from dspark.core.target import load_target_heads
 from dspark.trainer import Preempted, Trainer
+from tests.toy import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = [1, 2]  # + final state 4
@@ -233,18 +234,12 @@ def test_zero_1_and_2_match_zero_0(compose_config, tiny, tmp_path, stage):
 @pytest.mark.slow
 def test_two_process_gloo_run(tiny, tmp_path):
     target, data = tiny
-    from dspark.core.files import free_port
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
+    cmd = torchrun(
         "train.py",
         *overrides(target, data, tmp_path, "train.max_steps=3", "train.micro_batch_size=2"),
         f"hydra.run.dir={tmp_path}/run",
-    ]
+    )
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
@@ -883,17 +878,12 @@ def test_two_ranks_one_disk_full_mid_save_all_end_soon_with_rank_0s_error(tiny, 
     target, data = tiny
     script = tmp_path / "rank0_disk_full.py"
     script.write_text(RANK_0_DISK_FULL)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
+    cmd = torchrun(
         str(script),
         *overrides(target, data, tmp_path, "train.max_steps=6", "train.save_every=2", "train.micro_batch_size=2"),
         "train.dist_timeout_s=600",
         f"hydra.run.dir={tmp_path}/run",
-    ]
+    )
     t0 = time.monotonic()
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     took, log = time.monotonic() - t0, out.stdout + out.stderr
