@@ -912,6 +912,7 @@ def write_plots(data: dict[str, Any], out_dir: Path) -> dict[str, Path]:
             ax.plot(xs, ys, marker="o", label=label)
         ax.set(xlabel="client concurrency", ylabel=ylabel, xscale="log", title=f"{what}\n{title}")
         ax.set_xticks(c["concurrency"], [str(x) for x in c["concurrency"]])
+        ax.set_xticks([], minor=True)  # the log axis' own minor labels (3x10^0) beside ours
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
