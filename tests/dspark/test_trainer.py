@@ -623,7 +623,7 @@ def test_each_training_log_line_has_step_elapsed_eta_and_tokens_per_s(caplog):
 
     tr = Trainer.__new__(Trainer)  # only what _log_train reads
     tr.state, tr.t = SimpleNamespace(step=20, predictions=0), SimpleNamespace(max_steps=200)
-    tr.world, tr.wandb, tr._start_step = 1, None, 0
+    tr.world, tr.wandb, tr._start_step, tr.batches = 1, None, 0, None
     m = dict(loss=1.0, ce=1.0, tv=0.5, confidence_bce=0.1, tau=1.5, lr=1e-3, grad_norm=0.2)
     m.update(tokens=1000.0, step_s=2.0, predictions=100.0, data_s=0.1)
     with caplog.at_level("INFO", logger="dspark.trainer"):
