@@ -130,8 +130,10 @@ def bounded_start(start: Callable[[], T], *, timeout_s: Optional[float], what: s
     start-up fail, and that failure becomes :class:`WaitTimedOut` naming ``what`` and ``todo``."""
 
     def kill_children() -> None:
-        pids = kill_tree(os.getpid(), also_root=False)
-        log.error("%s: not done after %g s; killed its %d child process(es) %s", what, timeout_s, len(pids), pids)
+        # said before the kill: the kill makes the start fail at once, and the error printed then
+        # must not be interleaved with this line
+        log.error("%s: not done after %g s; killing its child processes", what, timeout_s)
+        kill_tree(os.getpid(), also_root=False)
 
     with watchdog(timeout_s, kill_children) as fired:
         try:
