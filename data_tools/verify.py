@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import torch
 
 from dspark.core import fp8
+from dspark.core.errors import exit_on_user_error
 from dspark.core.files import file_sha256
 from dspark.core.layer_ids import reference_hidden_states
 from dspark.core.shard_format import (
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = ap.parse_args(argv)
-    try:
+    with exit_on_user_error():  # a missing or unreadable manifest, a target that is gone: rc 2
         manifest = Manifest.load(args.directory)
         if args.recompute and not (Path(manifest.target_path) / "config.json").is_file():
             raise DatasetError(
@@ -164,9 +165,6 @@ def main(argv: list[str] | None = None) -> int:
                 "config.json, expected the target the dataset was extracted from; pass --recompute 0 to check "
                 "integrity only"
             )
-    except DatasetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     problems, pool = check_shards(args.directory, manifest)
     rows = len(pool)
     print(f"{args.directory}: {len(manifest.shards)} shards in manifest, {rows} rows decoded, {len(problems)} problems")

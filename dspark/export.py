@@ -19,11 +19,12 @@ from typing import Any, Optional
 
 from safetensors.torch import save_file
 
-from dspark.checkpoint import CheckpointError, TrainingCheckpoint, load_training_checkpoint
+from dspark.checkpoint import TrainingCheckpoint, load_training_checkpoint
 from dspark.core.config import TORCH_DTYPES, TargetConfig
-from dspark.core.files import DiskFullError, atomic_path, remove_stale_temporaries, reporting_disk_full
+from dspark.core.errors import exit_on_user_error
+from dspark.core.files import atomic_path, remove_stale_temporaries, reporting_disk_full
 from dspark.core.layer_ids import CONVENTION
-from dspark.core.target_dir import TargetError, read_text_config
+from dspark.core.target_dir import read_text_config
 from dspark.serving_format import (
     ARCHITECTURES,
     CONFIG_FILE,
@@ -193,7 +194,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     v.add_argument("--num-speculative-tokens", type=int, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with exit_on_user_error():  # CheckpointError (ExportError), TargetError, DiskFullError: rc 2
         if args.cmd == "export":
             summary = export(
                 args.checkpoint, args.out, layout=args.layout, dtype=args.dtype, target_dir=args.target_dir
@@ -211,9 +212,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                     args.export_dir, target_dir=args.target_dir, num_speculative_tokens=args.num_speculative_tokens
                 ).render()
             )
-    except (CheckpointError, TargetError, DiskFullError) as err:  # ExportError too
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     return 0
 
 

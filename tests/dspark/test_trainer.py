@@ -812,7 +812,9 @@ def test_a_full_disk_during_export_is_named_and_leaves_nothing(compose_config, t
     make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
     disk = small_disk.mount(256 * 1024)  # the tiny drafter's model.safetensors is about 3 MB
     args = ["export", str(tmp_path / "ckpt"), "--out", str(disk / "drafter"), "--no-validate"]
-    assert main([*args, "--target-dir", str(tiny[0])]) == 2
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--target-dir", str(tiny[0])])
+    assert e.value.code == 2
     err = capsys.readouterr().err
     assert re.fullmatch(
         rf"error: {disk}: no space for export drafter \([\d,]+ bytes needed, [\d,]+ bytes free\); free space there "
