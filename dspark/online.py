@@ -40,8 +40,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from dspark.batching import Batch, DataPosition, collate
+from dspark.core import fp8
 from dspark.core.files import atomic_write_text
-from dspark.core.shard_format import DatasetError, decode_hidden_states
+from dspark.core.shard_format import DatasetError, decode_hidden_states, split_scaled
 from dspark.core.stream import SequenceSource, StreamItem
 from dspark.shards import ShardSequence
 from dspark.target_topk import SequenceTopK
@@ -52,14 +53,21 @@ PROMPT_LOG = "online_prompts.jsonl"
 
 
 def row_to_sequence(row: dict[str, Any], *, store_dtype: str, n_layers: int, hidden: int, dtype: torch.dtype):
-    """A streamed row (a shard row's fields) -> the :class:`ShardSequence` the trainer reads."""
+    """A streamed row (a shard row's fields) -> the :class:`ShardSequence` the trainer reads. fp8
+    rows stay fp8 (values and scales, a byte per value in the window) until the batch is on the
+    device (:meth:`dspark.batching.Batch.to`)."""
+    cell, layout = row["hidden_states"], dict(n_layers=n_layers, hidden=hidden)
+    scales = None
+    if store_dtype in fp8.FORMATS:
+        states, scales = split_scaled(cell, dtype=store_dtype, **layout)
+    else:
+        states = decode_hidden_states(cell, dtype=store_dtype, out_dtype=dtype, **layout)
     return ShardSequence(
         seq_id=row["seq_id"],
         input_ids=torch.tensor(row["input_ids"], dtype=torch.long),
         loss_mask=torch.tensor(row["loss_mask"], dtype=torch.bool),
-        hidden_states=decode_hidden_states(
-            row["hidden_states"], dtype=store_dtype, n_layers=n_layers, hidden=hidden, out_dtype=dtype
-        ),
+        hidden_states=states,
+        scales=scales,
     )
 
 

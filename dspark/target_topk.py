@@ -20,12 +20,13 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from dspark.core import fp8
 from dspark.core.files import atomic_path
 from dspark.core.shard_format import ShardInfo
 
@@ -70,13 +71,16 @@ def sequence_topk(
     target_logits: Callable[[torch.Tensor], torch.Tensor],
     final_index: int,
     rows_per_call: int = 256,
+    scales: Optional[torch.Tensor] = None,
 ) -> SequenceTopK:
     """One sequence's top ``k`` target distribution at the positions ``rule`` lets the loss read
     (what the dataset cache stores per sequence; online training computes it as a sequence arrives)."""
     pos = cached_positions(loss_mask, rule)
     ids, probs = [], []
     for s in range(0, len(pos), rows_per_call):
-        rows = hidden_states[pos[s : s + rows_per_call], final_index].float()
+        sel = pos[s : s + rows_per_call]
+        rows = hidden_states[sel, final_index]
+        rows = rows.float() if scales is None else fp8.dequantize(rows, scales[sel, final_index])
         p = torch.softmax(target_logits(rows).float(), dim=-1)
         top = p.topk(k, dim=-1)
         ids.append(top.indices)
@@ -134,6 +138,7 @@ class TargetTopK:
             top = sequence_topk(
                 seq.loss_mask,
                 seq.hidden_states,
+                scales=seq.scales,
                 k=self.k,
                 rule=self.rule,
                 target_logits=self.target_logits,

@@ -437,7 +437,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         target = cfg.target
-        states_dtype = TORCH_DTYPES[self.t.dtype]  # what fp8 shards dequantize into
+        states_dtype = TORCH_DTYPES[self.t.dtype]  # what states reach the drafter in (fp8: on the device)
         online = cfg.data.mode == "online"
         if online:
             self.stream = stream_meta(self.source, self.rank, self.world)
@@ -449,10 +449,10 @@ class Trainer:
             self.train_ds, self.val_ds = None, online_val(self.source, self.stream, self.rank, self.world, states_dtype)
         else:
             shards = Path(cfg.data.shards_dir).expanduser()
-            self.train_ds = ShardDataset(shards, "train", states_dtype=states_dtype)
+            self.train_ds = ShardDataset(shards, "train", states_dtype=states_dtype, keep_fp8=True)
             check_shards_match_target(self.train_ds, target, heads)
             self.val_ds = (
-                ShardDataset(shards, "val", states_dtype=states_dtype)
+                ShardDataset(shards, "val", states_dtype=states_dtype, keep_fp8=True)
                 if any(s.split == "val" and s.rows for s in self.train_ds.manifest.shards)
                 else None
             )
@@ -523,6 +523,7 @@ class Trainer:
                 return sequence_topk(
                     seq.loss_mask,
                     seq.hidden_states,
+                    scales=seq.scales,
                     k=self.t.target_topk,
                     rule=self.t.supervise,
                     target_logits=lambda rows: drafter.target_logits(rows.to(device)).cpu(),

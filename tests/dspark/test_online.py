@@ -157,6 +157,42 @@ def test_resume_from_the_cursor_enters_the_same_prompts_and_cuts_the_log(tmp_pat
     assert [e["index"] for e in log_full] == [0, 1, 2, 4, 5, 6, 7, 8, 9, 11, 12, 13]
 
 
+@pytest.mark.parametrize("store_dtype", ["float8_e4m3", "float32"])
+def test_streamed_fp8_rows_stay_fp8_until_the_batch_is_on_the_device(store_dtype):
+    """fp8 is also the wire format: a streamed row keeps a byte per value in the window and the
+    batch dequantizes where it lands, to the same numbers as dequantizing on arrival."""
+    from dspark.batching import collate
+    from dspark.core.shard_format import decode_hidden_states
+    from dspark.online import row_to_sequence
+    from dspark.shards import ShardSequence
+
+    g = torch.Generator().manual_seed(3)
+    rows = [
+        {
+            **fake_row(i, n),
+            "hidden_states": encode_hidden_states(torch.randn(n - 1, LAYERS, HIDDEN, generator=g), store_dtype),
+        }
+        for i, n in ((0, 10), (1, 7))
+    ]
+    kw = dict(store_dtype=store_dtype, n_layers=LAYERS, hidden=HIDDEN, dtype=torch.float32)
+    seqs = [row_to_sequence(r, **kw) for r in rows]
+    assert (seqs[0].scales is not None) == (store_dtype != "float32")
+    if seqs[0].scales is not None:
+        assert seqs[0].hidden_states.dtype == torch.float8_e4m3fn and seqs[0].scales.shape == (9, LAYERS)
+    host = [
+        ShardSequence(
+            s.seq_id,
+            s.input_ids,
+            s.loss_mask,
+            decode_hidden_states(r["hidden_states"], dtype=store_dtype, n_layers=LAYERS, hidden=HIDDEN),
+        )
+        for s, r in zip(seqs, rows)
+    ]
+    ckw = dict(context_index=[0, 1], final_index=2, max_len=64)
+    a, b = collate(host, **ckw).to("cpu", torch.float32), collate(seqs, **ckw).to("cpu", torch.float32)
+    assert torch.equal(a.context_states, b.context_states) and torch.equal(a.final_states, b.final_states)
+
+
 def test_online_config_is_checked(compose_config):
     with pytest.raises(ConfigError, match="data.mode='batch': expected one of"):
         compose_config("data.mode=batch")

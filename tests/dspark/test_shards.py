@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from data_tools.shard_writer import finalize, write_shard
+from dspark.batching import collate
 from dspark.core import fp8
 from dspark.core.shard_format import DatasetError, Manifest, encode_hidden_states
 from dspark.shards import ShardDataset, open_dataset, require_dataset
@@ -71,6 +72,49 @@ def test_fp8_shards_read_back_dequantized_in_the_dtype_asked_for(tmp_path, dtype
         assert seq.hidden_states.dtype == states_dtype and seq.hidden_states.shape == hs.shape
         rel = (seq.hidden_states.float() - hs).norm(dim=-1) / hs.norm(dim=-1)
         assert rel.max() <= bound
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3", "float8_e5m2"])
+@pytest.mark.parametrize("train_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kept_to_the_device_gives_the_host_readers_batches_bit_for_bit(tmp_path, dtype, train_dtype):
+    """The trainer's reader keeps fp8 as stored (values and scales, zero-copy views) and the batch
+    dequantizes where it lands: the numbers equal dequantizing on the host, padding included
+    (sequences of 3 to 11 tokens, one cropped to a window of 6)."""
+    make_dataset(tmp_path, dtype=dtype, rows=(5, 4), hidden=16)
+    host = ShardDataset(tmp_path, "train", states_dtype=train_dtype)
+    kept = ShardDataset(tmp_path, "train", states_dtype=train_dtype, keep_fp8=True)
+    seq = kept[0]
+    assert seq.hidden_states.dtype == fp8.FORMATS[dtype].torch_dtype and seq.scales.dtype == torch.float32
+    assert (
+        seq.scales.shape == seq.hidden_states.shape[:2]
+        and kept[0].hidden_states.data_ptr() == seq.hidden_states.data_ptr()
+    )
+    assert torch.equal(seq.states(slice(None), 2), ShardDataset(tmp_path, "train")[0].hidden_states[:, 2])  # fp32
+    kw = dict(context_index=[0, 1], final_index=2)
+    for idx, max_len in (([0, 1, 2, 3], 64), ([4, 5, 6, 7, 8], 6)):
+        a = collate([host[i] for i in idx], **kw, max_len=max_len)
+        b = collate([kept[i] for i in idx], **kw, max_len=max_len)
+        assert a.context_scales is None and b.context_states.dtype == fp8.FORMATS[dtype].torch_dtype
+        assert b.context_scales.shape == (len(idx), b.input_ids.shape[1] - 1, 2)
+        a, b = a.to("cpu", train_dtype), b.to("cpu", train_dtype)
+        for name in ("context_states", "final_states"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype == train_dtype and torch.equal(x, y), name
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.lengths, b.lengths)
+        assert b.context_states.abs().sum() > 0
+
+
+def test_target_topk_reads_fp8_kept_states_like_dequantized_ones(tmp_path):
+    from dspark.target_topk import sequence_topk
+
+    make_dataset(tmp_path, dtype="float8_e4m3", rows=(3,), hidden=16)
+    head = torch.randn(16, 50, generator=torch.Generator().manual_seed(1))
+    host, kept = ShardDataset(tmp_path, "train")[1], ShardDataset(tmp_path, "train", keep_fp8=True)[1]
+    kw = dict(k=4, rule="answer", target_logits=lambda rows: rows @ head, final_index=2, rows_per_call=3)
+    a = sequence_topk(host.loss_mask, host.hidden_states, **kw)
+    b = sequence_topk(kept.loss_mask, kept.hidden_states, scales=kept.scales, **kw)
+    assert len(a.positions) > 0 and torch.equal(a.positions, b.positions)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs)
 
 
 def test_states_are_zero_copy_views_of_the_mapped_file(tmp_path):

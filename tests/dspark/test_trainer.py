@@ -222,6 +222,29 @@ def test_finished_run_is_skipped_and_another_drafter_is_not_resumed(compose_conf
         make_trainer(compose_config, tiny, tmp_path, "train.max_steps=3", "drafter.markov_rank=0")
 
 
+def test_fp8_shards_train_bit_for_bit_like_their_host_dequantized_copy(compose_config, tiny, tmp_path):
+    """The trainer keeps fp8 shards as stored and each batch is dequantized on its device: the
+    run (losses, validation, the target's top-k cache) equals, bit for bit, a run on the same
+    shards dequantized to fp32 on the host by ``data_tools.convert``."""
+    from data_tools.convert import convert
+
+    target, data = tiny
+    q8, f32 = tmp_path / "fp8", tmp_path / "fp32"
+    convert(data, q8, store_dtype="float8_e4m3")
+    convert(q8, f32, store_dtype="float32")
+    runs = {}
+    for name, shards in (("fp8", q8), ("fp32", f32)):
+        extra = ("train.max_steps=3", "train.target_topk=8", "train.eval_every=3")
+        tr = Trainer(compose_config(*overrides(target, shards, tmp_path / name, *extra)), load_target_heads(target))
+        kept = tr.train_ds[0].scales is not None  # fp8 reaches the batch as stored
+        assert (tr.train_ds.manifest.dtype, kept) == {"fp8": ("float8_e4m3", True), "fp32": ("float32", False)}[name]
+        runs[name] = (tr.train(), tr.evaluate(tr.val_ds))
+    (a, va), (b, vb) = runs["fp8"], runs["fp32"]
+    assert [h["seq_ids"] for h in a.history] == [h["seq_ids"] for h in b.history]
+    assert [h["loss"] for h in a.history] == [h["loss"] for h in b.history]
+    assert va == vb and va["tau"] >= 1.0
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_1_and_2_match_zero_0(compose_config, tiny, tmp_path, stage):
     ref = make_trainer(compose_config, tiny, tmp_path / "z0", "train.max_steps=4", "deepspeed=zero0").train()
