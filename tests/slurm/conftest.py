@@ -1,4 +1,5 @@
-"""A real single-node Slurm for the batch-script tests: munged, slurmctld and slurmd from
+"""A real local Slurm for the batch-script tests (one node, and a second on the same host for
+heterogeneous jobs): munged, slurmctld and slurmd from
 Debian's `munge` and `slurm-wlm`, on loopback, with every file (config, state, spool, logs, the
 munge socket) in one temporary directory. Started once per session, always stopped.
 
@@ -51,21 +52,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _node_line(name: str) -> str:
+def _node_line(name: str, port: int | None = None) -> str:
     """This machine as slurmd sees it (`slurmd -C`), memory rounded down a little so the node
-    never reports less than configured."""
+    never reports less than configured; ``port``: its own slurmd port (a second node here)."""
     out = subprocess.run([_which("slurmd"), "-C"], capture_output=True, text=True, check=True).stdout
     fields = dict(re.findall(r"(\w+)=(\S+)", out.splitlines()[0]))
     mem = int(int(fields["RealMemory"]) * 0.9)
     return (
         f"NodeName={name} NodeAddr=127.0.0.1 CPUs={fields['CPUs']} Boards={fields['Boards']} "
         f"SocketsPerBoard={fields['SocketsPerBoard']} CoresPerSocket={fields['CoresPerSocket']} "
-        f"ThreadsPerCore={fields['ThreadsPerCore']} RealMemory={mem} State=UNKNOWN"
+        f"ThreadsPerCore={fields['ThreadsPerCore']} RealMemory={mem}"
+        + (f" Port={port}" if port else "")
+        + " State=UNKNOWN"
     )
 
 
 class LocalSlurm:
-    """munged + slurmctld + slurmd under ``root``; ``env`` is what a client (sbatch) needs."""
+    """munged + slurmctld + slurmd under ``root``; ``env`` is what a client (sbatch) needs.
+
+    Partition ``debug`` (the default, every test's) is this host's node. A second slurmd on the
+    same host, node ``localhost`` (another name that resolves here, as the batch scripts use
+    node names as rendezvous addresses), makes partition ``het`` of two nodes: Slurm places the
+    components of a heterogeneous job on different nodes (on one node they pend on Resources),
+    so ``het`` is where slurm/online.sbatch runs. None when this host's own node is
+    ``localhost``."""
 
     TERMINAL = TERMINAL
 
@@ -78,6 +88,8 @@ class LocalSlurm:
             socket.gethostbyname(self.node)
         except OSError:
             self.node = "localhost"
+        self.second = None if self.node == "localhost" else "localhost"
+        self.het_partition = "het" if self.second else None
         self.conf = root / "etc" / "slurm.conf"
         self.socket = root / "munge" / "munge.socket"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -88,7 +100,7 @@ class LocalSlurm:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, timeout: float = 60) -> None:
-        for d in ("etc", "munge", "state", "spool", "log"):
+        for d in ("etc", "munge", "state", "log", *(f"spool/{n}" for n in (self.node, self.second) if n)):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         os.chmod(self.root / "munge", 0o700)
         key = self.root / "munge" / "munge.key"
@@ -108,14 +120,16 @@ class LocalSlurm:
             ],
         )
         self._wait_for(lambda: self.socket.exists(), timeout, "munged socket")
-        self.ctld_port, self.slurmd_port = _free_port(), _free_port()
+        self.ctld_port, self.slurmd_port, self.second_port = _free_port(), _free_port(), _free_port()
         self.conf.write_text(self.config())
         (self.conf.parent / "cgroup.conf").write_text(
             "# unused: proctrack/linuxproc, task/none\nCgroupPlugin=autodetect\n"
         )
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
         self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
-        self._wait_for(self._node_idle, timeout, f"node {self.node} IDLE")
+        if self.second:
+            self._spawn("slurmd-2", [_which("slurmd"), "-D", "-f", str(self.conf), "-N", self.second])
+        self._wait_for(self._node_idle, timeout, f"nodes {self.node} {self.second or ''} IDLE")
 
     def stop(self) -> None:
         if all(self.procs.get(n) and self.procs[n].poll() is None for n in ("slurmctld", "slurmd", "munged")):
@@ -127,7 +141,7 @@ class LocalSlurm:
                 and self.run("squeue", "-h", "-t", "RUNNING,COMPLETING", check=False).stdout.strip()
             ):
                 time.sleep(1)
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in ("slurmd-2", "slurmd", "slurmctld", "munged"):
             p = self.procs.pop(name, None)
             if p is None or p.poll() is not None:
                 continue
@@ -156,13 +170,15 @@ class LocalSlurm:
         raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.logs()}")
 
     def _node_idle(self) -> bool:
-        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False)
-        return out.returncode == 0 and out.stdout.strip().rstrip("*") == "idle"
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False)
+        states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+        want = [n for n in (self.node, self.second) if n]
+        return out.returncode == 0 and all(states.get(n, "").rstrip("*") == "idle" for n in want)
 
     def config(self) -> str:
         r = self.root
         return f"""\
-# Written by tests/slurm/conftest.py: one node on loopback, no cgroups, no accounting.
+# Written by tests/slurm/conftest.py: nodes on loopback, no cgroups, no accounting.
 ClusterName=dspark-test
 SlurmctldHost={self.node}(127.0.0.1)
 SlurmctldPort={self.ctld_port}
@@ -174,11 +190,11 @@ CredType=cred/munge
 AuthInfo=socket={self.socket},cred_expire=20
 # ^ also the hold before a requeued batch job may start again (default 120 s)
 StateSaveLocation={r / "state"}
-SlurmdSpoolDir={r / "spool"}
+SlurmdSpoolDir={r / "spool"}/%n
 SlurmctldPidFile={r / "slurmctld.pid"}
-SlurmdPidFile={r / "slurmd.pid"}
+SlurmdPidFile={r}/slurmd-%n.pid
 SlurmctldLogFile={r / "log" / "slurmctld.log"}
-SlurmdLogFile={r / "log" / "slurmd.log"}
+SlurmdLogFile={r}/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -196,7 +212,9 @@ MinJobAge=3600
 KillWait=10
 InactiveLimit=0
 {_node_line(self.node)}
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+{_node_line(self.second, self.second_port) if self.second else ""}
+PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+{f"PartitionName=het Nodes={self.node},{self.second} MaxTime=INFINITE State=UP" if self.second else ""}
 """
 
     # -- clients -----------------------------------------------------------------------------

@@ -278,24 +278,24 @@ def test_pipeline_rejects_bad_options_without_submitting(slurm, tmp_path):
 @pytest.mark.slow
 def test_online_hetjob_trains_on_cpu_from_the_engine_component(slurm, tmp_path, smollm2_dir):
     """slurm/online.sbatch for real: the producer (vLLM on CPU) streams to the trainer over the
-    torch.distributed link; only checkpoints are written. Needs a cluster of two nodes or more:
-    this one-node Slurm leaves every heterogeneous job pending (Reason=Resources), even a
-    two-component `srun hostname` with --oversubscribe."""
-    nodes = slurm.run("sinfo", "-h", "-o", "%D", check=False).stdout.split()
-    if sum(int(n) for n in nodes if n.isdigit()) < 2:
-        pytest.skip("a one-node Slurm does not start heterogeneous jobs (their components pend on Resources)")
+    torch.distributed link; only checkpoints are written. Slurm puts the two components on two
+    nodes (on one they pend on Resources, even a two-component `srun hostname`): partition
+    ``het``, this host's node and a second slurmd on it (tests/slurm/conftest.py)."""
+    if slurm.het_partition is None:
+        pytest.skip("no second node: this host is named localhost, the name the second node takes")
     out = tmp_path
+    (out / "slurm").mkdir()  # the batch output's directory (slurm/common.sh makes it for a run's files)
     job = sbatch(
         slurm,
         out,
         *CPU,
-        "--oversubscribe",  # both components on this one node: not exclusive, and not all of its memory each
+        f"--partition={slurm.het_partition}",  # header lines override per component; this applies to both
         "--mem=2G",
         f"--output={out}/slurm/%x-%j.out",
         "slurm/online.sbatch",
         "data.batch_size=2",
         "data.online.buffer_size=2",
-        "data.online.connect_timeout_s=600",
+        "data.online.connect_timeout_s=1200",  # the engine starts first; a busy machine slows it
         DSPARK_ALLOW_CPU="1",
     )
     deadline = time.time() + 300
