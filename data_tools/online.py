@@ -50,7 +50,7 @@ from dspark.core.stream import (
     StreamStats,
 )
 from dspark.core.target import read_config, resolve_target
-from dspark.core.vllm_engine import run_headless_workers
+from dspark.core.vllm_engine import interrupt_generate, run_headless_workers
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +171,15 @@ class VllmSource:
         return self._stats
 
     def close(self) -> None:
-        """Stop the producer (it finishes the engine call it is in) and shut the engine down."""
+        """Stop the producer and shut the engine down. The producer is usually inside an engine
+        call (``data.batch_size`` prompts, minutes at long sequences): that call is interrupted,
+        not waited for, since its sequences would be thrown away (the next run starts from the
+        checkpoint's cursor)."""
         self.buffer.close()
         if self._thread is not None:
+            self._thread.join(timeout=1)
+            if self._thread.is_alive() and interrupt_generate(self.llm, StreamClosed("the trainer closed the stream")):
+                log.info("online: interrupted the producer's engine call (the trainer is done)")
             self._thread.join(timeout=600)
             self._thread = None
         if self.llm is not None:

@@ -83,6 +83,20 @@ def _wake_on_engine_death(client: Any, done: threading.Event, poll_s: float = 1.
             return
 
 
+def interrupt_generate(llm: Any, error: BaseException) -> bool:
+    """Make a ``generate`` running in another thread raise ``error`` now, instead of after the
+    rest of its engine call (minutes at long sequences): the error is handed to the queue its
+    ``get_output`` waits on (vLLM 0.32's multiprocess client; thread-safe). The requests stay in
+    the engine until it is shut down. False where the client has no such queue (an engine in this
+    process), which then finishes the call."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    q = getattr(client, "outputs_queue", None)
+    if q is None:
+        return False
+    q.put_nowait(error)
+    return True
+
+
 def run_headless_workers(kwargs: dict[str, Any]) -> None:
     """Nodes 1..n-1 of a multi-node (TP across nodes) engine: host this node's workers for the
     engine that node 0 drives, until it shuts down. Same arguments as node 0."""
