@@ -211,30 +211,9 @@ def test_the_server_command_carries_the_evals_engine_arguments(tmp_path):
     assert cmd[cmd.index("--port") + 1] == "8011" and "--enforce-eager" in cmd
     assert "--no-enable-prefix-caching" in cmd  # each level pays its own prefill
     assert cmd[-7:] == ["--tensor-parallel-size", "16", "--trust-remote-code", "--nnodes", "4", "--master-addr", "h0"]
-    plain = server_command(
-        tmp_path,
-        Configuration("none"),
-        host="h",
-        port=1,
-        gamma=4,
-        max_model_len=9,
-        dtype="bfloat16",
-        seed=0,
-        engine_kwargs={},
-    )
-    assert "--speculative-config" not in plain
-    cached = server_command(
-        tmp_path,
-        Configuration("none"),
-        host="h",
-        port=1,
-        gamma=4,
-        max_model_len=9,
-        dtype="bfloat16",
-        seed=0,
-        engine_kwargs={},
-        prefix_caching=True,
-    )
+    plain = dict(host="h", port=1, gamma=4, max_model_len=9, dtype="bfloat16", seed=0, engine_kwargs={})
+    assert "--speculative-config" not in server_command(tmp_path, Configuration("none"), **plain)
+    cached = server_command(tmp_path, Configuration("none"), **plain, prefix_caching=True)
     assert "--no-enable-prefix-caching" not in cached
     assert engine_flags({"a_b": False, "c": None, "d": {"x": 1}}) == ["--d", '{"x": 1}']
 
