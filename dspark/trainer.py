@@ -150,6 +150,8 @@ def init_distributed(timeout_s: float = 1800) -> tuple[int, int]:
     prepare_deepspeed_cpu_ops(int(os.environ.get("WORLD_SIZE", "1")))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" not in os.environ:  # one process: DeepSpeed insists on LOCAL_RANK; harmless for children
+        os.environ.setdefault("LOCAL_RANK", "0")  # also when a group exists already (vLLM's, of an earlier job)
     if not dist.is_initialized():
         if "RANK" in os.environ:
             try:
@@ -166,7 +168,6 @@ def init_distributed(timeout_s: float = 1800) -> tuple[int, int]:
                 ) from err
         else:
             port = free_port()
-            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists; harmless for children
             deepspeed.init_distributed(
                 dist_backend=backend,
                 auto_mpi_discovery=False,

@@ -847,6 +847,27 @@ def test_a_full_disk_during_export_is_named_and_leaves_nothing(compose_config, t
     assert list(disk.iterdir()) == []  # no half export, no temporary directory
 
 
+def test_deepspeed_starts_in_a_process_where_vllm_left_a_one_process_group():
+    """A multirun's jobs share the process: an earlier job's eval validates the export in vLLM,
+    which leaves a one-process torch.distributed group behind (and no LOCAL_RANK); the next
+    job's trainer must still start DeepSpeed (it failed with DeepSpeed's LOCAL_RANK assertion)."""
+    code = """
+import datetime, torch, torch.distributed as dist, deepspeed
+from dspark.core.files import free_port
+from dspark.trainer import init_distributed
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)  # as vLLM does
+print("group", init_distributed(60))
+model = torch.nn.Linear(4, 2)
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                  config={"train_micro_batch_size_per_gpu": 1})
+print("engine", type(engine).__name__)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "group (0, 1)" in out.stdout and "engine DeepSpeedEngine" in out.stdout
+
+
 def test_a_rendezvous_nobody_joins_ends_within_train_dist_timeout_s_naming_it():
     """Rank 1 of 2 whose master never comes up: torch would retry; the bound ends it, naming the
     address, the world size and the setting."""
