@@ -102,7 +102,11 @@ def online_source(cfg: RunConfig, target_dir: Path):  # noqa: ANN201 - a Sequenc
         from dspark.core.stream import RemoteSource
 
         return RemoteSource(
-            online.trainer_addr, online.port, buffer_size=online.buffer_size, timeout_s=online.connect_timeout_s
+            online.trainer_addr,
+            online.port,
+            buffer_size=online.buffer_size,
+            timeout_s=online.connect_timeout_s,
+            producers=online.producers,
         )
     from data_tools.online import VllmSource
 

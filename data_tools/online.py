@@ -27,7 +27,6 @@ import hashlib
 import logging
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -40,15 +39,7 @@ from data_tools.extract import capture_rows, engine_kwargs, make_engine, plan_re
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from dspark.core.config import ConfigError, RunConfig, load_config
 from dspark.core.errors import exit_on_user_error
-from dspark.core.stream import (
-    VAL_END,
-    VAL_ROW,
-    BoundedBuffer,
-    StreamClosed,
-    StreamItem,
-    StreamLink,
-    StreamStats,
-)
+from dspark.core.stream import BlockProducer, StreamClosed, stream_to_trainer
 from dspark.core.target import read_config, resolve_target
 from dspark.core.vllm_engine import interrupt_generate, run_headless_workers
 
@@ -66,13 +57,22 @@ def default_work_dir(cfg: RunConfig) -> Path:
     return root / f"dspark-online-{key}"
 
 
-class VllmSource:
-    """A :class:`~dspark.core.stream.SequenceSource` over a vLLM engine in this process."""
+class VllmSource(BlockProducer):
+    """A :class:`~dspark.core.stream.SequenceSource` over a vLLM engine in this process: its
+    producer thread answers ``data.batch_size`` prompts per engine call (this producer's blocks,
+    ``data.online.producer_rank`` of ``data.online.producers``)."""
 
     def __init__(self, cfg: RunConfig, target_dir: Path, *, llm: Any = None):
         from transformers import AutoTokenizer
 
         self.data, target = cfg.data, cfg.target
+        online = self.data.online
+        super().__init__(
+            block=self.data.batch_size,
+            buffer_size=online.buffer_size,
+            rank=online.producer_rank,
+            producers=online.producers,
+        )
         conversations = load_source(self.data.source, split=self.data.hf_split)
         self.splits = dedupe_and_split(conversations, val_fraction=self.data.val_fraction, limit=self.data.num_prompts)
         self.train_prompts: list[Conversation] = self.splits["train"]
@@ -94,18 +94,23 @@ class VllmSource:
             if llm is not None
             else make_engine(engine_kwargs(target, target_dir, self.layer_ids, self.data, self.work), self.data)
         )
-        self.buffer = BoundedBuffer(self.data.online.buffer_size)
-        self._stats = StreamStats()
         self.skipped: Counter = Counter()
-        self._thread: Optional[threading.Thread] = None
         log.info(
-            "online: %d train / %d val prompts, %d per engine call, buffer %d sequences, connector files in %s",
+            "online: %d train / %d val prompts, %d per engine call, buffer %d sequences, producer %d of %d, "
+            "connector files in %s",
             self.num_prompts,
             len(self.splits["val"]),
             self.data.batch_size,
-            self.data.online.buffer_size,
+            online.buffer_size,
+            self.rank,
+            self.producers,
             self.work,
         )
+
+    def capture(self, indexes: list[int]) -> list[tuple[int, dict]]:
+        """The train prompts at these indexes (counted across passes) through the engine."""
+        n = self.num_prompts
+        return self._capture(indexes, [self.train_prompts[i % n] for i in indexes])
 
     def _capture(self, indexes: list[int], convs: list[Conversation]) -> list[tuple[int, dict]]:
         """One engine call for these prompts: (index, row) for each that fits the window."""
@@ -126,8 +131,6 @@ class VllmSource:
             rerun="online training stops; rerun the same command to resume from its last checkpoint",
         )
         self._stats.engine_s += time.perf_counter() - t0
-        self._stats.sequences += len(rows)
-        self._stats.tokens += sum(r["num_tokens"] for r in rows)
         return [(i, row) for (i, _), row in zip(planned, rows)]
 
     def val_rows(self) -> list[dict[str, Any]]:
@@ -137,51 +140,17 @@ class VllmSource:
             row for b in range(0, len(val), bs) for _, row in self._capture(list(range(b, b + bs)), val[b : b + bs])
         ]
 
-    def start(self, cursor: int) -> None:
-        assert self._thread is None, "started twice"
-        self._thread = threading.Thread(target=self._produce, args=(cursor,), name="online-producer", daemon=True)
-        self._thread.start()
-
-    def _produce(self, cursor: int) -> None:
-        n, bs = self.num_prompts, self.data.batch_size
-        empty_run = 0  # prompts in a row that gave no sequence: a whole pass of them is an error
-        try:
-            while not self.buffer.closed:
-                indexes = list(range(cursor, cursor + bs))
-                got = self._capture(indexes, [self.train_prompts[i % n] for i in indexes])
-                empty_run = 0 if got else empty_run + bs
-                if empty_run >= n:
-                    raise ValueError(
-                        f"online: none of the {n} train prompts fits data.max_seq_len={self.data.max_seq_len} "
-                        f"(skipped: {dict(self.skipped)})"
-                    )
-                for i, row in got:
-                    self._stats.blocked_s += self.buffer.put(StreamItem(i, row))
-                cursor += bs
-        except StreamClosed:
-            return
-        except BaseException as e:  # handed to the trainer, which raises it
-            log.error("online producer stopped: %s: %s", type(e).__name__, e)
-            self.buffer.fail(e)
-
-    def get(self) -> StreamItem:
-        return self.buffer.get()
-
-    def stats(self) -> StreamStats:
-        return self._stats
-
     def close(self) -> None:
         """Stop the producer and shut the engine down. The producer is usually inside an engine
         call (``data.batch_size`` prompts, minutes at long sequences): that call is interrupted,
         not waited for, since its sequences would be thrown away (the next run starts from the
         checkpoint's cursor)."""
-        self.buffer.close()
-        if self._thread is not None:
-            self._thread.join(timeout=1)
-            if self._thread.is_alive() and interrupt_generate(self.llm, StreamClosed("the trainer closed the stream")):
+
+        def interrupt() -> None:
+            if interrupt_generate(self.llm, StreamClosed("the trainer closed the stream")):
                 log.info("online: interrupted the producer's engine call (the trainer is done)")
-            self._thread.join(timeout=600)
-            self._thread = None
+
+        self.stop_thread(interrupt=interrupt)
         if self.llm is not None:
             self.llm = None
             gc.collect()
@@ -210,33 +179,15 @@ def serve(cfg: RunConfig, target_dir: Optional[Path] = None) -> int:
         return 0
     source = VllmSource(cfg, target_dir)
     try:
-        link = StreamLink(online.trainer_addr, online.port, role="producer", timeout_s=online.connect_timeout_s)
-        link.set(
-            "meta",
-            {
-                "layer_ids": source.layer_ids,
-                "hidden_size": source.hidden_size,
-                "store_dtype": source.store_dtype,
-                "num_prompts": source.num_prompts,
-            },
+        meta = {
+            "layer_ids": source.layer_ids,
+            "hidden_size": source.hidden_size,
+            "store_dtype": source.store_dtype,
+            "num_prompts": source.num_prompts,
+        }
+        return stream_to_trainer(
+            source, online.trainer_addr, online.port, timeout_s=online.connect_timeout_s, meta=meta
         )
-        for row in source.val_rows():
-            link.send(StreamItem(VAL_ROW, row))
-        link.send(StreamItem(VAL_END, {}))
-        cursor = int(link.get("cursor"))
-        log.info("online producer: the trainer starts at prompt %d", cursor)
-        source.start(cursor)
-        while True:
-            item = source.get()  # an engine error is raised here
-            try:
-                if link.has("stop"):
-                    log.info("online producer: the trainer is done; stopping")
-                    return 0
-                link.send(item)
-                link.set("stats", source.stats().as_dict())
-            except Exception as e:  # noqa: BLE001 - the trainer closed the link or exited
-                log.info("online producer: the trainer closed the link (%s: %s); done", type(e).__name__, e)
-                return 0
     finally:
         source.close()
 

@@ -310,7 +310,8 @@ class OnlineConfig:
 
     buffer_size: int = 64
     """Finished sequences waiting for the trainer; when full the engine waits (a slow trainer never
-    makes it grow), when empty the trainer waits (logged as data wait)."""
+    makes it grow), when empty the trainer waits (logged as data wait). Rank 0 keeps one such
+    buffer per producer (``producers``), and each producer one of its own."""
     window_size: int = 256
     """The most recent sequences the trainer samples micro-batches from (older ones are dropped)."""
     new_per_micro_batch: Optional[int] = None
@@ -325,14 +326,41 @@ class OnlineConfig:
     the engine runs on other nodes (``python -m data_tools.online``) and streams to the trainer's
     rank 0 on this host over torch.distributed (gloo); rank 0 hands each rank its share."""
     port: int = 29650
-    """The trainer's TCPStore port for the producer's link (``trainer_addr``)."""
+    """The trainer's TCPStore port for producer 0's link (``trainer_addr``); producer k uses
+    ``port + k``."""
+    producers: int = 1
+    """Extraction engines feeding the trainer side by side (``trainer_addr``; data parallel, each
+    engine its own ``python -m data_tools.online`` with its ``producer_rank``). They split the
+    prompts in blocks of ``data.batch_size`` and the trainer reads the blocks back in prompt order,
+    so the run trains on the same sequences in the same order as with one engine."""
+    producer_rank: int = 0
+    """Which producer this ``python -m data_tools.online`` is (0 .. producers - 1); producer 0 also
+    makes the validation set."""
     connect_timeout_s: int = 1800
     """How long either side waits for the other (connecting, or one message: an engine call)."""
 
     def __post_init__(self) -> None:
         for key in ("buffer_size", "window_size", "connect_timeout_s"):
             _at_least(f"data.online.{key}", getattr(self, key), 1)
-        _check(1 <= self.port <= 65535, "data.online.port", self.port, "expected a TCP port in [1, 65535]")
+        _at_least("data.online.producers", self.producers, 1)
+        _check(
+            1 <= self.port <= 65536 - self.producers,
+            "data.online.port",
+            self.port,
+            f"expected a TCP port in [1, {65536 - self.producers}] (ports port .. port + producers - 1)",
+        )
+        _check(
+            0 <= self.producer_rank < self.producers,
+            "data.online.producer_rank",
+            self.producer_rank,
+            f"expected 0 <= producer_rank < data.online.producers={self.producers}",
+        )
+        _check(
+            self.producers == 1 or bool(self.trainer_addr),
+            "data.online.producers",
+            self.producers,
+            "expected 1 without data.online.trainer_addr (one machine: the engine runs in the trainer's process)",
+        )
         if self.new_per_micro_batch is not None:
             _at_least("data.online.new_per_micro_batch", self.new_per_micro_batch, 1)
 

@@ -25,6 +25,13 @@ the producer's rates); gloo carries each sequence as a header (index, size) and 
 A gloo send completes only once the receiver has posted the matching receive, and the trainer's
 receiving thread posts one only when its buffer has room: the back-pressure reaches the engine.
 :class:`RemoteSource` is the trainer's side.
+
+Several producers (``data.online.producers``: data-parallel engines, each its own job step and
+link, on ports ``data.online.port + k``) split the prompts in blocks of ``data.batch_size``
+counted from the cursor: producer ``k`` of ``n`` answers blocks ``k, k + n, k + 2n, ...`` and
+ends each with a :data:`BLOCK_END` message. The trainer reads the blocks back in order (block
+``b`` from producer ``b % n``), so the sequences enter in the same prompt order as from one
+producer, whatever each engine's speed: the cursor, the prompt log and a resume mean the same.
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
+
+from dspark.core.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,16 @@ class StreamItem:
     """The prompt's position in the train prompt order, counted across passes."""
     row: dict[str, Any]
     """The shard row offline extraction would write for it."""
+
+
+VAL_ROW = -2
+"""The index a validation sequence travels with."""
+VAL_END = -1
+"""The index of the (empty) message that ends the validation set."""
+STREAM_END = -4
+"""The index of a producer's last message, sent once it has seen the trainer's ``stop``."""
+BLOCK_END = -3
+"""The index of the message that ends one of a producer's blocks; its row: ``{"end": the index after the block}``."""
 
 
 @dataclass
@@ -160,12 +179,99 @@ class BoundedBuffer:
         return self._closed.is_set()
 
 
+def producer_blocks(cursor: int, block: int, rank: int = 0, producers: int = 1) -> Iterator[list[int]]:
+    """The prompt indexes producer ``rank`` of ``producers`` answers from ``cursor`` on: blocks of
+    ``block`` consecutive indexes, every ``producers``-th block starting at its rank (all
+    producers' blocks together cover every index from the cursor once)."""
+    j = rank
+    while True:
+        start = cursor + j * block
+        yield list(range(start, start + block))
+        j += producers
+
+
+class BlockProducer:
+    """The producer loop every engine shares: a thread answers this producer's blocks of prompt
+    indexes (:func:`producer_blocks`) with :meth:`capture` and puts each sequence, then the
+    block's :data:`BLOCK_END`, into a :class:`BoundedBuffer` (a full buffer stops it: a slow
+    trainer never makes it grow). :meth:`get` is the :class:`SequenceSource` read (sequences
+    only); :meth:`next_message` also returns the block ends a link forwards to the trainer.
+    Subclasses set ``num_prompts`` and implement :meth:`capture`."""
+
+    num_prompts: int
+
+    def __init__(self, *, block: int, buffer_size: int, rank: int = 0, producers: int = 1, poll_s: float = 0.1):
+        if not 0 <= rank < producers:
+            raise ValueError(f"producer rank {rank}: expected 0 <= rank < producers={producers}")
+        self.block, self.rank, self.producers = block, rank, producers
+        self.buffer = BoundedBuffer(buffer_size, poll_s=poll_s)
+        self._stats = StreamStats()
+        self._thread: Optional[threading.Thread] = None
+        self.started_at: list[int] = []
+
+    def capture(self, indexes: list[int]) -> list[tuple[int, dict[str, Any]]]:
+        """(index, row) for each prompt of ``indexes`` that yields a sequence, in index order."""
+        raise NotImplementedError
+
+    def start(self, cursor: int) -> None:
+        assert self._thread is None, "started twice"
+        self.started_at.append(cursor)
+        self._thread = threading.Thread(target=self._produce, args=(cursor,), name="online-producer", daemon=True)
+        self._thread.start()
+
+    def _produce(self, cursor: int) -> None:
+        empty = 0  # prompt indexes in a row without a sequence (one producer): a whole pass is an error
+        try:
+            for indexes in producer_blocks(cursor, self.block, self.rank, self.producers):
+                if self.buffer.closed:
+                    return
+                got = self.capture(indexes)
+                self._stats.sequences += len(got)
+                self._stats.tokens += sum(int(row["num_tokens"]) for _, row in got)
+                empty = 0 if got else empty + len(indexes)
+                if self.producers == 1 and empty >= self.num_prompts:
+                    raise ValueError(no_prompt_fits(self.num_prompts, dict(getattr(self, "skipped", {}))))
+                for i, row in got:
+                    self._stats.blocked_s += self.buffer.put(StreamItem(i, row))
+                self._stats.blocked_s += self.buffer.put(StreamItem(BLOCK_END, {"end": indexes[-1] + 1}))
+        except StreamClosed:
+            return
+        except BaseException as e:  # handed to the reader, which raises it
+            log.error("online producer stopped: %s: %s", type(e).__name__, e)
+            self.buffer.fail(e)
+
+    def next_message(self) -> StreamItem:
+        """The next sequence or block end, in order; raises the producer's error."""
+        return self.buffer.get()
+
+    def get(self) -> StreamItem:
+        while True:
+            item = self.buffer.get()
+            if item.index != BLOCK_END:
+                return item
+
+    def stats(self) -> StreamStats:
+        return self._stats
+
+    def stop_thread(self, *, interrupt: Any = None) -> None:
+        """Close the buffer and let the thread end (``interrupt()``: called when it is still busy
+        after a second, e.g. inside an engine call that would take minutes)."""
+        self.buffer.close()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+            if self._thread.is_alive() and interrupt is not None:
+                interrupt()
+            self._thread.join(timeout=600)
+            self._thread = None
+
+
+def no_prompt_fits(num_prompts: int, skipped: Optional[dict] = None) -> str:
+    why = f"skipped: {skipped}" if skipped else "too long for data.max_seq_len?"
+    return f"online: none of the {num_prompts} train prompts gave a sequence in a whole pass ({why})"
+
+
 # --- across nodes: torch.distributed ------------------------------------------------------------
 
-VAL_ROW = -2
-"""The index a validation sequence travels with."""
-VAL_END = -1
-"""The index of the (empty) message that ends the validation set."""
 TRAINER, PRODUCER = 0, 1
 
 
@@ -183,6 +289,7 @@ class StreamLink:
         self.peer = 1 - self.rank
 
     def send(self, item: StreamItem) -> None:
+        """Send one item; it completes when the peer has taken it."""
         payload = pickle.dumps(item.row, protocol=pickle.HIGHEST_PROTOCOL) if item.row else b""
         self.pg.send([torch.tensor([item.index, len(payload)], dtype=torch.int64)], self.peer, 0).wait()
         if payload:
@@ -210,61 +317,156 @@ class StreamLink:
 
 
 class RemoteSource:
-    """The trainer's side of a producer on other nodes (``python -m data_tools.online``): a
-    :class:`SequenceSource` whose ``get`` reads what a receiving thread takes from the link into a
-    :class:`BoundedBuffer`."""
+    """The trainer's side of the producers on other nodes (``python -m data_tools.online``): a
+    :class:`SequenceSource` over one link per producer (ports ``port .. port + producers - 1``),
+    each read by a thread into its own :class:`BoundedBuffer`, merged back into prompt order
+    block by block (module docstring)."""
 
-    def __init__(self, host: str, port: int, *, buffer_size: int, timeout_s: float):
-        log.info("online: waiting for the producer to connect to %s:%d (up to %.0f s)", host, port, timeout_s)
-        self.link = StreamLink(host, port, role="trainer", timeout_s=timeout_s)
-        meta = self.link.get("meta")
+    def __init__(self, host: str, port: int, *, buffer_size: int, timeout_s: float, producers: int = 1):
+        log.info(
+            "online: waiting for %d producer(s) to connect to %s:%d..%d (up to %.0f s)",
+            producers,
+            host,
+            port,
+            port + producers - 1,
+            timeout_s,
+        )
+        self.links, metas = [], []
+        for k in range(producers):
+            self.links.append(StreamLink(host, port + k, role="trainer", timeout_s=timeout_s))
+            metas.append(self.links[-1].get("meta"))
+        check_producers(metas, producers, port)
+        meta = metas[0]
         self.layer_ids, self.hidden_size = list(meta["layer_ids"]), int(meta["hidden_size"])
         self.store_dtype, self.num_prompts = str(meta["store_dtype"]), int(meta["num_prompts"])
-        self.buffer = BoundedBuffer(buffer_size)
-        self._thread: Optional[threading.Thread] = None
-        self._received = StreamStats()
-        log.info("online: producer connected: %s", meta)
+        self.buffers = [BoundedBuffer(buffer_size) for _ in range(producers)]
+        self._threads: list[threading.Thread] = []
+        self._block = 0  # the next block, read from producer block % producers
+        self._last = -1  # the last index handed out (or the cursor - 1)
+        log.info("online: %d producer(s) connected: %s", producers, meta)
 
     def val_rows(self) -> list[dict[str, Any]]:
+        """Producer 0's validation rows (the others send only the end of the set)."""
         rows = []
-        while True:
-            item = self.link.recv()
-            if item.index == VAL_END:
-                return rows
-            rows.append(item.row)
+        for k, link in enumerate(self.links):
+            while True:
+                item = link.recv()
+                if item.index == VAL_END:
+                    break
+                if k:
+                    raise RuntimeError(f"online: producer {k} sent a validation row; only producer 0 makes them")
+                rows.append(item.row)
+        return rows
 
     def start(self, cursor: int) -> None:
-        self.link.set("cursor", cursor)
-        self._thread = threading.Thread(target=self._receive, name="online-receiver", daemon=True)
-        self._thread.start()
+        self._last = cursor - 1
+        for k, link in enumerate(self.links):
+            link.set("cursor", cursor)
+            t = threading.Thread(target=self._receive, args=(k,), name=f"online-receiver-{k}", daemon=True)
+            t.start()
+            self._threads.append(t)
 
-    def _receive(self) -> None:
+    def _receive(self, k: int) -> None:
+        """Producer k's messages into its buffer; a receive is posted only when the last item
+        found room (the back-pressure). Once the trainer closed the source, what the producer
+        still sends is taken and dropped up to its :data:`STREAM_END` (it would otherwise wait
+        in a send that no receive takes, until the link's timeout)."""
+        buffer, link = self.buffers[k], self.links[k]
         try:
-            while not self.buffer.closed:
-                item = self.link.recv()  # posted only when the last item found room
-                self.buffer.put(item)
-        except StreamClosed:
-            return
+            while True:
+                item = link.recv()
+                if item.index == STREAM_END:
+                    return
+                if not buffer.closed:
+                    try:
+                        buffer.put(item)
+                    except StreamClosed:
+                        pass
         except BaseException as e:  # the producer died or the link broke: the trainer raises it
-            if not self.buffer.closed:
-                self.buffer.fail(RuntimeError(f"online: the producer's stream broke: {type(e).__name__}: {e}"))
+            if not buffer.closed:
+                buffer.fail(RuntimeError(f"online: producer {k}'s stream broke: {type(e).__name__}: {e}"))
 
     def get(self) -> StreamItem:
-        return self.buffer.get()
+        """The next sequence in prompt order: block ``b``'s sequences come from producer
+        ``b % producers``, up to its block end."""
+        while True:
+            item = self.buffers[self._block % len(self.links)].get()
+            if item.index != BLOCK_END:
+                self._last = item.index
+                return item
+            self._block += 1
+            if item.row["end"] - 1 - self._last >= self.num_prompts:
+                raise ValueError(no_prompt_fits(self.num_prompts))
 
     def stats(self) -> StreamStats:
-        """The producer's numbers, as it last published them."""
-        if not self.link.has("stats"):
-            return StreamStats()
-        d = self.link.get("stats")
+        """The producers' numbers, as each last published them, together: sequences and tokens
+        summed, engine and blocked seconds the longest (the engines run side by side)."""
+        parts = []
+        for link in self.links:
+            if link.has("stats"):
+                d = link.get("stats")
+                parts.append(StreamStats(d["sequences"], d["tokens"], d["engine_s"], d["blocked_s"]))
         return StreamStats(
-            sequences=d["sequences"], tokens=d["tokens"], engine_s=d["engine_s"], blocked_s=d["blocked_s"]
+            sequences=sum(p.sequences for p in parts),
+            tokens=sum(p.tokens for p in parts),
+            engine_s=max((p.engine_s for p in parts), default=0.0),
+            blocked_s=max((p.blocked_s for p in parts), default=0.0),
         )
 
     def close(self) -> None:
-        """Tell the producer to stop (it ends when its send fails or it sees ``stop``)."""
-        self.buffer.close()
+        """Tell the producers to stop (each ends when its send fails or it sees ``stop``)."""
+        for buffer in self.buffers:
+            buffer.close()
+        for link in self.links:
+            try:
+                link.set("stop", True)
+            except Exception:  # noqa: BLE001 - the producer or the store may be gone already
+                pass
+
+
+def check_producers(metas: list[dict[str, Any]], producers: int, port: int) -> None:
+    """Every producer says which one it is and describes the same stream."""
+    keys = ("layer_ids", "hidden_size", "store_dtype", "num_prompts")
+    for k, meta in enumerate(metas):
+        said = (meta.get("producer", 0), meta.get("producers", 1))
+        if said != (k, producers):
+            raise ConfigError(
+                f"online: the producer on port {port + k} is producer {said[0]} of {said[1]}, the trainer expects "
+                f"producer {k} of data.online.producers={producers} (the same data.online.producers on both sides, "
+                f"data.online.producer_rank=k on port data.online.port + k)"
+            )
+        diff = {key: (metas[0][key], meta[key]) for key in keys if meta[key] != metas[0][key]}
+        if diff:
+            raise ConfigError(
+                f"online: producer {k} streams {', '.join(f'{key}={b}' for key, (_, b) in diff.items())}, producer 0 "
+                f"{', '.join(f'{key}={a}' for key, (a, _) in diff.items())}: expected the same target, layers, "
+                "store dtype and prompt set"
+            )
+
+
+def stream_to_trainer(source: BlockProducer, host: str, port: int, *, timeout_s: float, meta: dict[str, Any]) -> int:
+    """A producer's side of the link (``python -m data_tools.online``): connect to the trainer's
+    rank 0 on ``port + source.rank``, describe the stream, send the validation set (producer 0
+    only), then this producer's blocks from the cursor the trainer sends, until the trainer
+    closes the link (it finished, or was stopped: a rerun of both resumes from its checkpoint)."""
+    link = StreamLink(host, port + source.rank, role="producer", timeout_s=timeout_s)
+    link.set("meta", {**meta, "producer": source.rank, "producers": source.producers})
+    if source.rank == 0:
+        for row in source.val_rows():
+            link.send(StreamItem(VAL_ROW, row))
+    link.send(StreamItem(VAL_END, {}))
+    cursor = int(link.get("cursor"))
+    log.info("online producer %d of %d: the trainer starts at prompt %d", source.rank, source.producers, cursor)
+    source.start(cursor)
+    while True:
+        item = source.next_message()  # an engine error is raised here
         try:
-            self.link.set("stop", True)
-        except Exception:  # noqa: BLE001 - the producer or the store may be gone already
-            pass
+            if link.has("stop"):
+                log.info("online producer %d: the trainer is done; stopping", source.rank)
+                link.send(StreamItem(STREAM_END, {}))  # the trainer's receiver takes sends up to this one
+                return 0
+            link.send(item)
+            link.set("stats", source.stats().as_dict())
+        except Exception as e:  # noqa: BLE001 - the trainer closed the link or exited
+            log.info("online producer %d: the trainer closed the link (%s: %s); done", source.rank, type(e).__name__, e)
+            return 0

@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 from data_tools.online import VllmSource
-from dspark.core.stream import BoundedBuffer, StreamClosed, StreamStats
+from dspark.core.stream import BlockProducer, StreamClosed
 from dspark.core.vllm_engine import interrupt_generate
 
 
@@ -47,12 +47,10 @@ def test_interrupt_generate_hands_the_error_to_the_waiting_call():
 
 def test_close_interrupts_the_producers_engine_call_and_returns_at_once(tmp_path, caplog):
     src = VllmSource.__new__(VllmSource)  # the engine-free parts: the producer loop and close
+    BlockProducer.__init__(src, block=2, buffer_size=2, poll_s=0.01)
     src.llm, src.work, src.num_prompts = EndlessEngine(), tmp_path / "work", 4
-    src.data = SimpleNamespace(batch_size=2)
-    src.train_prompts = [None] * 4
-    src.buffer, src._stats, src.skipped = BoundedBuffer(2, poll_s=0.01), StreamStats(), {}
+    src.train_prompts, src.skipped = [None] * 4, {}
     src._capture = lambda indexes, convs: src.llm.generate()
-    src._thread = None
     src.work.mkdir()
     src.start(0)
     while src.llm.calls == 0:

@@ -11,7 +11,14 @@ import torch
 from dspark.batching import DataPosition
 from dspark.core.config import ConfigError
 from dspark.core.shard_format import encode_hidden_states
-from dspark.core.stream import BoundedBuffer, StreamClosed, StreamItem, StreamStats
+from dspark.core.stream import (
+    BlockProducer,
+    BoundedBuffer,
+    RemoteSource,
+    StreamClosed,
+    producer_blocks,
+    stream_to_trainer,
+)
 from dspark.core.target import load_target_heads
 from dspark.online import PROMPT_LOG, OnlineBatches, read_prompt_log, stream_meta
 from dspark.shards import ShardDataset
@@ -33,48 +40,36 @@ def fake_row(i: int, n_tokens: int = 10) -> dict:
     }
 
 
-class FakeSource:
-    """A SequenceSource over a list of rows (prompt i -> rows[i % n]), produced by a thread into a
-    BoundedBuffer like the vLLM one; ``skip`` prompts yield nothing (too long for the window)."""
+class FakeSource(BlockProducer):
+    """A SequenceSource over a list of rows (prompt i -> rows[i % n]) on the producer loop every
+    engine shares (blocks of ``block`` prompts into a BoundedBuffer); ``skip`` prompts yield
+    nothing (too long for the window); ``delay`` seconds per block (a slow engine)."""
 
-    def __init__(self, rows: list[dict], *, layer_ids, hidden_size, capacity=4, skip=(), val=()):
-        self.rows, self.skip, self._val = rows, set(skip), list(val)
+    def __init__(
+        self, rows, *, layer_ids, hidden_size, capacity=4, skip=(), val=(), block=1, rank=0, producers=1, delay=0.0
+    ):
+        super().__init__(block=block, buffer_size=capacity, rank=rank, producers=producers, poll_s=0.01)
+        self.rows, self.skip, self._val, self.delay = rows, set(skip), list(val), delay
         self.layer_ids, self.hidden_size, self.store_dtype = list(layer_ids), hidden_size, "float32"
         self.num_prompts = len(rows)
-        self.buffer = BoundedBuffer(capacity, poll_s=0.01)
-        self.started_at: list[int] = []
         self.produced = 0
-        self._stats = StreamStats()
-        self.thread = None
 
     def val_rows(self):
         return self._val
 
-    def start(self, cursor: int) -> None:
-        self.started_at.append(cursor)
-        self.thread = threading.Thread(target=self._run, args=(cursor,), daemon=True)
-        self.thread.start()
+    def capture(self, indexes):
+        time.sleep(self.delay)
+        got = [(i, self.rows[i % self.num_prompts]) for i in indexes if i % self.num_prompts not in self.skip]
+        self.produced += len(got)
+        return got
 
-    def _run(self, cursor: int) -> None:
-        try:
-            while True:
-                if cursor % self.num_prompts not in self.skip:
-                    self.buffer.put(StreamItem(cursor, self.rows[cursor % self.num_prompts]))
-                    self.produced += 1
-                cursor += 1
-        except StreamClosed:
-            pass
-
-    def get(self):
-        return self.buffer.get()
-
-    def stats(self):
-        return self._stats
+    def meta(self) -> dict:
+        return dict(
+            layer_ids=self.layer_ids, hidden_size=self.hidden_size, store_dtype="float32", num_prompts=len(self.rows)
+        )
 
     def close(self):
-        self.buffer.close()
-        if self.thread is not None:
-            self.thread.join(5)
+        self.stop_thread()
 
 
 def batches(source, tmp_path, position=None, **kw) -> OnlineBatches:
@@ -202,8 +197,91 @@ def test_online_config_is_checked(compose_config):
         compose_config("data.mode=online", "train.micro_batch_size=4", "data.online.window_size=2")
     with pytest.raises(ConfigError, match="data.online.buffer_size=0"):
         compose_config("data.mode=online", "data.online.buffer_size=0")
+    with pytest.raises(ConfigError, match="data.online.producers=2: expected 1 without data.online.trainer_addr"):
+        compose_config("data.mode=online", "data.online.producers=2")
+    with pytest.raises(ConfigError, match="data.online.producer_rank=2: expected 0 <= producer_rank < data.online.pro"):
+        compose_config("data.online.trainer_addr=h", "data.online.producers=2", "data.online.producer_rank=2")
     cfg = compose_config("data.mode=online", "train.micro_batch_size=5")
     assert cfg.new_per_micro_batch() == 3 and compose_config().data.mode == "offline"
+
+
+def test_producer_blocks_split_the_prompts_from_the_cursor_each_index_once():
+    got = {k: [i for _, b in zip(range(4), producer_blocks(5, 3, k, 3)) for i in b] for k in range(3)}
+    assert got[0][:6] == [5, 6, 7, 14, 15, 16] and got[2][:3] == [11, 12, 13]
+    assert sorted(i for k in got for i in got[k]) == list(range(5, 5 + 36))  # disjoint, no gap
+
+
+def run_producers(rows, port, *, ranks, producers, timeout_s=30, delays=None, **kw):
+    """Producer threads on the real link (gloo on localhost): (threads, return codes, errors)."""
+    results, errors = [], []
+
+    def produce(k):
+        src = FakeSource(rows, rank=k, producers=producers, delay=(delays or {}).get(k, 0.0), **kw)
+        try:
+            results.append(stream_to_trainer(src, "127.0.0.1", port, timeout_s=timeout_s, meta=src.meta()))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            errors.append(e)
+        finally:
+            src.close()
+
+    threads = [threading.Thread(target=produce, args=(k,), daemon=True) for k in ranks]
+    for t in threads:
+        t.start()
+    return threads, results, errors
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1])
+def test_two_producers_enter_the_prompts_in_the_order_one_producer_gives(slow_rank):
+    """Two engines over their links, one of them slow: the trainer reads their blocks back in
+    prompt order (skipped prompts leave the same gaps), from a cursor inside a block, with the
+    validation set from producer 0 only, and both stop when the trainer closes."""
+    from dspark.core.files import free_port
+
+    rows, port = [fake_row(i) for i in range(10)], free_port(span=2)
+    kw = dict(layer_ids=[1, 2, 3], hidden_size=HIDDEN, skip={3, 8}, block=3, capacity=2, val=[fake_row(99)])
+    threads, results, errors = run_producers(rows, port, ranks=[0, 1], producers=2, delays={slow_rank: 0.05}, **kw)
+    trainer = RemoteSource("127.0.0.1", port, buffer_size=2, timeout_s=30, producers=2)
+    assert [r["seq_id"] for r in trainer.val_rows()] == ["p099"]
+    trainer.start(4)
+    got = [trainer.get().index for _ in range(14)]
+    assert got == [i for i in range(4, 40) if i % 10 not in (3, 8)][:14]
+    stats = trainer.stats()
+    trainer.close()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and errors == [] and results == [0, 0]
+    assert 14 <= stats.sequences <= 14 + 2 * (2 + 3)  # what was sent: no more than the buffers and a block ahead
+
+
+def test_producers_that_disagree_with_the_trainer_are_refused():
+    from dspark.core.config import ConfigError
+    from dspark.core.files import free_port
+
+    rows, port = [fake_row(i) for i in range(4)], free_port(span=2)
+    kw = dict(layer_ids=[1, 2, 3], hidden_size=HIDDEN)
+    threads, _, _ = run_producers(rows, port, ranks=[0, 1], producers=3, timeout_s=5, **kw)
+    with pytest.raises(
+        ConfigError, match=r"is producer [01] of 3, the trainer expects producer [01] of data.online.producers=2"
+    ):
+        RemoteSource("127.0.0.1", port, buffer_size=2, timeout_s=30, producers=2)
+    for t in threads:
+        t.join(30)
+
+
+def test_no_prompt_fitting_in_a_whole_pass_is_an_error_with_several_producers():
+    from dspark.core.files import free_port
+
+    rows, port = [fake_row(i) for i in range(6)], free_port(span=2)
+    kw = dict(layer_ids=[1, 2, 3], hidden_size=HIDDEN, skip=set(range(6)), block=2)
+    threads, _, _ = run_producers(rows, port, ranks=[0, 1], producers=2, timeout_s=10, **kw)
+    trainer = RemoteSource("127.0.0.1", port, buffer_size=2, timeout_s=30, producers=2)
+    trainer.val_rows()
+    trainer.start(0)
+    with pytest.raises(ValueError, match="none of the 6 train prompts gave a sequence in a whole pass"):
+        trainer.get()
+    trainer.close()
+    for t in threads:
+        t.join(30)
 
 
 def shard_source(data, layer_ids, hidden, **kw) -> FakeSource:
@@ -256,11 +334,13 @@ def test_online_trainer_trains_validates_resumes_at_the_cursor_and_writes_only_c
 
 
 PRODUCER = r"""
+import logging
 import sys
-from dspark.core.stream import VAL_END, VAL_ROW, StreamItem, StreamLink
+from dspark.core.stream import BlockProducer, stream_to_trainer
 from dspark.shards import ShardDataset
 
-data, port = sys.argv[1], int(sys.argv[2])
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+data, port, rank, producers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rows = {}
 for split in ("train", "val"):
     ds = ShardDataset(data, split)
@@ -269,31 +349,35 @@ for split in ("train", "val"):
          "loss_mask": s.loss_mask.int().tolist(), "hidden_states": s.hidden_states.numpy().tobytes()}
         for s in (ds[i] for i in range(len(ds)))
     ]
-link = StreamLink("127.0.0.1", port, role="producer", timeout_s=120)
-link.set("meta", {"layer_ids": [1, 2, 4], "hidden_size": 64, "store_dtype": "float32",
-                  "num_prompts": len(rows["train"])})
-for row in rows["val"]:
-    link.send(StreamItem(VAL_ROW, row))
-link.send(StreamItem(VAL_END, {}))
-cursor = int(link.get("cursor"))
-print("cursor", cursor, flush=True)
-try:
-    while True:
-        link.send(StreamItem(cursor, rows["train"][cursor % len(rows["train"])]))
-        cursor += 1
-except Exception as e:
-    print("trainer gone:", type(e).__name__, flush=True)
+
+
+class Rows(BlockProducer):
+    num_prompts = len(rows["train"])
+
+    def capture(self, indexes):
+        return [(i, rows["train"][i % self.num_prompts]) for i in indexes]
+
+    def val_rows(self):
+        return rows["val"]
+
+
+src = Rows(block=3, buffer_size=2, rank=rank, producers=producers)
+meta = {"layer_ids": [1, 2, 4], "hidden_size": 64, "store_dtype": "float32", "num_prompts": len(rows["train"])}
+print("exit", stream_to_trainer(src, "127.0.0.1", port, timeout_s=120, meta=meta), flush=True)
+src.stop_thread()
 """
 
 
 @pytest.mark.slow
-def test_two_ranks_train_from_a_producer_on_another_node_and_resume_at_its_cursor(
+def test_two_ranks_train_from_two_producers_on_other_nodes_and_resume_at_their_cursor(
     tiny,  # noqa: F811
     tmp_path,
 ):
-    """The multi-node layout on one machine: a producer process streams the tiny target's rows
-    over the torch.distributed link (data.online.trainer_addr) to rank 0 of a two-rank torchrun,
-    which hands rank 1 its share; a second run resumes from the checkpoint's cursor."""
+    """The multi-node layout on one machine: two producer processes (data-parallel engines)
+    stream the tiny target's rows in blocks over their torch.distributed links
+    (data.online.trainer_addr, data.online.producers=2) to rank 0 of a two-rank torchrun, which
+    merges them in prompt order and hands rank 1 its share; a second run resumes from the
+    checkpoint's cursor, inside a block."""
     import subprocess
     import sys
 
@@ -303,18 +387,22 @@ def test_two_ranks_train_from_a_producer_on_another_node_and_resume_at_its_curso
     target, data = tiny
 
     def run(steps: int) -> tuple[str, str]:
-        port = free_port()
-        producer = subprocess.Popen(
-            [sys.executable, "-c", PRODUCER, str(data), str(port)],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        port = free_port(span=2)
+        producers = [
+            subprocess.Popen(
+                [sys.executable, "-c", PRODUCER, str(data), str(port), str(k), "2"],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for k in range(2)
+        ]
         extra = (
             "data.mode=online",
             "data.online.trainer_addr=127.0.0.1",
             f"data.online.port={port}",
+            "data.online.producers=2",
             "data.online.connect_timeout_s=120",
             "data.online.new_per_micro_batch=1",
             "train.micro_batch_size=2",
@@ -324,18 +412,18 @@ def test_two_ranks_train_from_a_producer_on_another_node_and_resume_at_its_curso
         )
         cmd = torchrun("train.py", *overrides(target, data, tmp_path, *extra), f"hydra.run.dir={tmp_path}/run")
         out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-        said = producer.communicate(timeout=120)[0]
+        said = "".join(p.communicate(timeout=120)[0] for p in producers)
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:] + said
-        assert producer.returncode == 0, said
+        assert [p.returncode for p in producers] == [0, 0], said
         return out.stdout + out.stderr, said
 
     log, said = run(4)
-    assert "2 rank(s)" in log and "cursor 0" in said and "trainer gone" in said
+    assert "2 rank(s)" in log and said.count("the trainer starts at prompt 0") == 2 and said.count("exit 0") == 2
     entered = read_prompt_log(tmp_path / "ckpt" / PROMPT_LOG)
     assert [e["index"] for e in entered] == list(range(8))  # 4 steps x 1 new x 2 ranks
     client = torch.load(tmp_path / "ckpt" / "step00000004" / "mp_rank_00_model_states.pt", weights_only=False)
     assert [v["step"] for v in client["validations"]] == [2, 4]
     assert [h["seq_ids"][0] for h in client["history"]] == [f"train-{2 * i:02d}" for i in range(4)]  # rank 0's
     log, said = run(6)
-    assert "cursor 8" in said  # the checkpoint's cursor: neither repeated nor skipped
+    assert said.count("the trainer starts at prompt 8") == 2  # the checkpoint's cursor, inside a block
     assert [e["index"] for e in read_prompt_log(tmp_path / "ckpt" / PROMPT_LOG)] == list(range(12))

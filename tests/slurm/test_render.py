@@ -438,8 +438,48 @@ def test_online_renders_a_streaming_engine_and_16_training_ranks(render):
         assert arg(argv, "data.online.trainer_addr=") == "gb300-005" and arg(argv, "data.online.port=") == str(base + 2)
         assert argv[-1] == "data.online.window_size=16"
     assert ranks == 16
-    assert "engine on 4 node(s) from gb300-001" in r.log and "trainer rank 0 on gb300-005" in r.log
+    assert "1 engine(s) of 4 node(s) from gb300-001" in r.log and "trainer rank 0 on gb300-005" in r.log
+    assert all(arg(x["argv"], "data.online.producers=") == "1" for x in r.launches)
+    assert all(arg(x["argv"], "data.online.producer_rank=") == "0" for x in producers)
     assert "vLLM engine: TP16 x PP1 over 4 node(s) x 4 GPU(s)" in r.log
+
+
+def test_online_with_8_extraction_nodes_renders_two_engines_each_on_its_own_4_nodes(render):
+    env = {
+        **HET_ENV,
+        "SLURM_NNODES": "12",
+        "SLURM_JOB_NUM_NODES": "12",
+        "SLURM_JOB_NODELIST": "gb300-[001-012]",
+        "SLURM_JOB_NUM_NODES_HET_GROUP_0": "8",
+        "SLURM_JOB_NODELIST_HET_GROUP_0": "gb300-[001-008]",
+        "SLURM_JOB_NODELIST_HET_GROUP_1": "gb300-[009-012]",
+        "STUB_HOSTS_gb300__001_008_": " ".join(f"gb300-{i:03d}" for i in range(1, 9)),
+        "STUB_HOSTS_gb300__009_012_": " ".join(f"gb300-{i:03d}" for i in range(9, 13)),
+    }
+    r = render("online.sbatch", env=env)
+    assert r.rc == 0, r.log
+    base = 29500 + 4242 % 1000
+    producers = [x["argv"] for x in r.launches if x["env"]["SLURM_HET_GROUP"] == "0"]
+    trainers = [x["argv"] for x in r.launches if x["env"]["SLURM_HET_GROUP"] == "1"]
+    assert len(producers) == 8 and len(trainers) == 4
+    for node, argv in enumerate(producers):
+        engine = node // 4
+        assert arg(argv, "data.online.producer_rank=") == str(engine) and arg(argv, "data.online.producers=") == "2"
+        assert arg(argv, "+data.vllm.engine_kwargs.nnodes=") == "4"
+        assert arg(argv, "+data.vllm.engine_kwargs.node_rank=") == str(node % 4)
+        assert arg(argv, "+data.vllm.engine_kwargs.master_addr=") == ("gb300-001", "gb300-005")[engine]
+        assert arg(argv, "data.online.port=") == str(base + 2)  # producer k's link: port + k (the config)
+    assert all(
+        arg(a, "data.online.producers=") == "2" and arg(a, "data.online.trainer_addr=") == "gb300-009" for a in trainers
+    )
+    assert "2 engine(s) of 4 node(s) from gb300-001" in r.log and f"gb300-009:{base + 2}..{base + 3}" in r.log
+
+
+def test_online_extraction_nodes_not_a_multiple_of_an_engine_are_refused(render):
+    env = {**HET_ENV, "SLURM_JOB_NUM_NODES_HET_GROUP_0": "6"}
+    r = render("online.sbatch", env=env)
+    assert r.rc != 0 and not r.srun
+    assert "needs 4 node(s) per engine; the extraction component has 6: expected a multiple of 4" in r.log
 
 
 def test_online_outside_a_hetjob_says_so(render):
