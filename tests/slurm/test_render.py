@@ -381,17 +381,32 @@ def het_components(script: Path) -> list[dict[str, str]]:
     return parts
 
 
-HET_ENV = {
-    "SLURM_NNODES": "8",
-    "SLURM_JOB_NUM_NODES": "8",
-    "SLURM_JOB_NODELIST": "gb300-[001-008]",
-    "SLURM_JOB_NUM_NODES_HET_GROUP_0": "4",
-    "SLURM_JOB_NUM_NODES_HET_GROUP_1": "4",
-    "SLURM_JOB_NODELIST_HET_GROUP_0": "gb300-[001-004]",
-    "SLURM_JOB_NODELIST_HET_GROUP_1": "gb300-[005-008]",
-    "STUB_HOSTS_gb300__001_004_": " ".join(f"gb300-{i:03d}" for i in range(1, 5)),
-    "STUB_HOSTS_gb300__005_008_": " ".join(f"gb300-{i:03d}" for i in range(5, 9)),
-}
+def het_env(extract: int = 4, train: int = 4) -> dict[str, str]:
+    """Slurm's environment in a heterogeneous job of ``extract`` then ``train`` GB300 nodes."""
+    n = extract + train
+
+    def names(lo: int, hi: int) -> tuple[str, str, str]:  # nodelist, the stub's variable, its hosts
+        return (
+            f"gb300-[{lo:03d}-{hi:03d}]",
+            f"STUB_HOSTS_gb300__{lo:03d}_{hi:03d}_",
+            " ".join(f"gb300-{i:03d}" for i in range(lo, hi + 1)),
+        )
+
+    ext, trn = names(1, extract), names(extract + 1, n)
+    return {
+        "SLURM_NNODES": str(n),
+        "SLURM_JOB_NUM_NODES": str(n),
+        "SLURM_JOB_NODELIST": names(1, n)[0],
+        "SLURM_JOB_NUM_NODES_HET_GROUP_0": str(extract),
+        "SLURM_JOB_NUM_NODES_HET_GROUP_1": str(train),
+        "SLURM_JOB_NODELIST_HET_GROUP_0": ext[0],
+        "SLURM_JOB_NODELIST_HET_GROUP_1": trn[0],
+        ext[1]: ext[2],
+        trn[1]: trn[2],
+    }
+
+
+HET_ENV = het_env()
 
 
 def test_online_header_is_a_hetjob_of_an_engine_and_a_trainer_for_k3():
@@ -406,8 +421,9 @@ def test_online_header_is_a_hetjob_of_an_engine_and_a_trainer_for_k3():
 def test_online_renders_a_streaming_engine_and_16_training_ranks(render):
     r = render("online.sbatch", "data.online.window_size=16", env=HET_ENV)
     assert r.rc == 0, r.log
-    assert [x[0] for x in r.srun] == ["--het-group=0", "--het-group=1"]
-    assert "--kill-on-bad-exit=1" in r.srun[1]
+    steps = {x[0]: x for x in r.srun}  # both run in the background: either may be recorded first
+    assert len(r.srun) == 2 and sorted(steps) == ["--het-group=0", "--het-group=1"]
+    assert "--kill-on-bad-exit=1" in steps["--het-group=1"] and "--kill-on-bad-exit=0" in steps["--het-group=0"]
     base = 29500 + 4242 % 1000
     producers = [x for x in r.launches if x["env"]["SLURM_HET_GROUP"] == "0"]
     trainers = [x for x in r.launches if x["env"]["SLURM_HET_GROUP"] == "1"]
@@ -445,17 +461,7 @@ def test_online_renders_a_streaming_engine_and_16_training_ranks(render):
 
 
 def test_online_with_8_extraction_nodes_renders_two_engines_each_on_its_own_4_nodes(render):
-    env = {
-        **HET_ENV,
-        "SLURM_NNODES": "12",
-        "SLURM_JOB_NUM_NODES": "12",
-        "SLURM_JOB_NODELIST": "gb300-[001-012]",
-        "SLURM_JOB_NUM_NODES_HET_GROUP_0": "8",
-        "SLURM_JOB_NODELIST_HET_GROUP_0": "gb300-[001-008]",
-        "SLURM_JOB_NODELIST_HET_GROUP_1": "gb300-[009-012]",
-        "STUB_HOSTS_gb300__001_008_": " ".join(f"gb300-{i:03d}" for i in range(1, 9)),
-        "STUB_HOSTS_gb300__009_012_": " ".join(f"gb300-{i:03d}" for i in range(9, 13)),
-    }
+    env = het_env(extract=8, train=4)
     r = render("online.sbatch", env=env)
     assert r.rc == 0, r.log
     base = 29500 + 4242 % 1000
@@ -476,7 +482,7 @@ def test_online_with_8_extraction_nodes_renders_two_engines_each_on_its_own_4_no
 
 
 def test_online_extraction_nodes_not_a_multiple_of_an_engine_are_refused(render):
-    env = {**HET_ENV, "SLURM_JOB_NUM_NODES_HET_GROUP_0": "6"}
+    env = het_env(extract=6, train=4)
     r = render("online.sbatch", env=env)
     assert r.rc != 0 and not r.srun
     assert "needs 4 node(s) per engine; the extraction component has 6: expected a multiple of 4" in r.log
