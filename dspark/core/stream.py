@@ -157,8 +157,10 @@ class BoundedBuffer:
         self._error = error
         self._closed.set()
 
-    def get(self) -> Any:
-        """Blocks while the buffer is empty; raises the producer's error, or StreamClosed."""
+    def get(self, timeout_s: Optional[float] = None) -> Any:
+        """Blocks while the buffer is empty (up to ``timeout_s``, then returns None); raises the
+        producer's error, or StreamClosed."""
+        t_end = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             try:
                 return self._q.get(timeout=self.poll_s)
@@ -167,6 +169,8 @@ class BoundedBuffer:
                     raise self._error
                 if self._closed.is_set():
                     raise StreamClosed("the producer closed the buffer")
+                if t_end is not None and time.monotonic() >= t_end:
+                    return None
 
     def qsize(self) -> int:
         return self._q.qsize()
@@ -240,9 +244,10 @@ class BlockProducer:
             log.error("online producer stopped: %s: %s", type(e).__name__, e)
             self.buffer.fail(e)
 
-    def next_message(self) -> StreamItem:
-        """The next sequence or block end, in order; raises the producer's error."""
-        return self.buffer.get()
+    def next_message(self, timeout_s: Optional[float] = None) -> Optional[StreamItem]:
+        """The next sequence or block end, in order (None when none came within ``timeout_s``);
+        raises the producer's error."""
+        return self.buffer.get(timeout_s)
 
     def get(self) -> StreamItem:
         while True:
@@ -343,7 +348,7 @@ class RemoteSource:
         self._threads: list[threading.Thread] = []
         self._block = 0  # the next block, read from producer block % producers
         self._last = -1  # the last index handed out (or the cursor - 1)
-        log.info("online: %d producer(s) connected: %s", producers, meta)
+        log.info("online: producer connected (%d in all): %s", producers, meta)
 
     def val_rows(self) -> list[dict[str, Any]]:
         """Producer 0's validation rows (the others send only the end of the set)."""
@@ -413,8 +418,9 @@ class RemoteSource:
             blocked_s=max((p.blocked_s for p in parts), default=0.0),
         )
 
-    def close(self) -> None:
-        """Tell the producers to stop (each ends when its send fails or it sees ``stop``)."""
+    def close(self, wait_s: float = 30) -> None:
+        """Tell the producers to stop and wait (up to ``wait_s``) until each has sent its end:
+        a receiving thread still inside a gloo receive when the process exits aborts it."""
         for buffer in self.buffers:
             buffer.close()
         for link in self.links:
@@ -422,6 +428,11 @@ class RemoteSource:
                 link.set("stop", True)
             except Exception:  # noqa: BLE001 - the producer or the store may be gone already
                 pass
+        t_end = time.monotonic() + wait_s
+        for k, t in enumerate(self._threads):
+            t.join(max(0.0, t_end - time.monotonic()))
+            if t.is_alive():
+                log.warning("online: producer %d did not end its stream within %.0f s of the stop", k, wait_s)
 
 
 def check_producers(metas: list[dict[str, Any]], producers: int, port: int) -> None:
@@ -459,12 +470,14 @@ def stream_to_trainer(source: BlockProducer, host: str, port: int, *, timeout_s:
     log.info("online producer %d of %d: the trainer starts at prompt %d", source.rank, source.producers, cursor)
     source.start(cursor)
     while True:
-        item = source.next_message()  # an engine error is raised here
+        item = source.next_message(timeout_s=0.5)  # an engine error is raised here
         try:
-            if link.has("stop"):
+            if link.has("stop"):  # looked at twice a second, also while the engine is busy
                 log.info("online producer %d: the trainer is done; stopping", source.rank)
                 link.send(StreamItem(STREAM_END, {}))  # the trainer's receiver takes sends up to this one
                 return 0
+            if item is None:
+                continue
             link.send(item)
             link.set("stats", source.stats().as_dict())
         except Exception as e:  # noqa: BLE001 - the trainer closed the link or exited
