@@ -389,13 +389,24 @@ class RemoteSource:
                         pass
         except BaseException as e:  # the producer died or the link broke: the trainer raises it
             if not buffer.closed:
-                buffer.fail(RuntimeError(f"online: producer {k}'s stream broke: {type(e).__name__}: {e}"))
+                why = f"{type(e).__name__}: {e}"
+                try:
+                    if link.has("error"):  # the producer's own error, if it could say it
+                        why = f"{link.get('error')} (then the link broke: {why})"
+                except Exception:  # noqa: BLE001 - the store is this process's; keep the link's error
+                    pass
+                buffer.fail(producer_failed(k, why))
 
     def get(self) -> StreamItem:
         """The next sequence in prompt order: block ``b``'s sequences come from producer
         ``b % producers``, up to its block end."""
         while True:
-            item = self.buffers[self._block % len(self.links)].get()
+            k = self._block % len(self.links)
+            item = self.buffers[k].get(timeout_s=1.0)
+            if item is None:  # nothing yet: has the producer said it failed? (its process may linger)
+                if self.links[k].has("error"):
+                    raise producer_failed(k, self.links[k].get("error"))
+                continue
             if item.index != BLOCK_END:
                 self._last = item.index
                 return item
@@ -435,6 +446,12 @@ class RemoteSource:
                 log.warning("online: producer %d did not end its stream within %.0f s of the stop", k, wait_s)
 
 
+def producer_failed(k: int, why: str) -> RuntimeError:
+    return RuntimeError(
+        f"online: producer {k} failed: {why}; rerun the job (trainer and producers) to resume from the last checkpoint"
+    )
+
+
 def check_producers(metas: list[dict[str, Any]], producers: int, port: int) -> None:
     """Every producer says which one it is and describes the same stream."""
     keys = ("layer_ids", "hidden_size", "store_dtype", "num_prompts")
@@ -470,7 +487,15 @@ def stream_to_trainer(source: BlockProducer, host: str, port: int, *, timeout_s:
     log.info("online producer %d of %d: the trainer starts at prompt %d", source.rank, source.producers, cursor)
     source.start(cursor)
     while True:
-        item = source.next_message(timeout_s=0.5)  # an engine error is raised here
+        try:
+            item = source.next_message(timeout_s=0.5)
+        except BaseException as e:  # the engine failed: the trainer reads why from the store
+            link.set("error", f"{type(e).__name__}: {e}")
+            try:  # and the stream's end, so its receiving thread ends (taken once the trainer reaches it)
+                link.send(StreamItem(STREAM_END, {}))
+            except Exception:  # noqa: BLE001 - the trainer is gone
+                pass
+            raise
         try:
             if link.has("stop"):  # looked at twice a second, also while the engine is busy
                 log.info("online producer %d: the trainer is done; stopping", source.rank)

@@ -43,22 +43,38 @@ def fake_row(i: int, n_tokens: int = 10) -> dict:
 class FakeSource(BlockProducer):
     """A SequenceSource over a list of rows (prompt i -> rows[i % n]) on the producer loop every
     engine shares (blocks of ``block`` prompts into a BoundedBuffer); ``skip`` prompts yield
-    nothing (too long for the window); ``delay`` seconds per block (a slow engine)."""
+    nothing (too long for the window); ``delay`` seconds per block (a slow engine); ``fail_at``:
+    the engine dies on the block that reaches this index."""
 
     def __init__(
-        self, rows, *, layer_ids, hidden_size, capacity=4, skip=(), val=(), block=1, rank=0, producers=1, delay=0.0
+        self,
+        rows,
+        *,
+        layer_ids,
+        hidden_size,
+        capacity=4,
+        skip=(),
+        val=(),
+        block=1,
+        rank=0,
+        producers=1,
+        delay=0.0,
+        fail_at=None,
     ):
         super().__init__(block=block, buffer_size=capacity, rank=rank, producers=producers, poll_s=0.01)
         self.rows, self.skip, self._val, self.delay = rows, set(skip), list(val), delay
         self.layer_ids, self.hidden_size, self.store_dtype = list(layer_ids), hidden_size, "float32"
         self.num_prompts = len(rows)
         self.produced = 0
+        self.fail_at = fail_at
 
     def val_rows(self):
         return self._val
 
     def capture(self, indexes):
         time.sleep(self.delay)
+        if self.fail_at is not None and indexes[-1] >= self.fail_at:
+            raise RuntimeError(f"engine core died at prompt {indexes[0]}")
         got = [(i, self.rows[i % self.num_prompts]) for i in indexes if i % self.num_prompts not in self.skip]
         self.produced += len(got)
         return got
@@ -211,16 +227,17 @@ def test_producer_blocks_split_the_prompts_from_the_cursor_each_index_once():
     assert sorted(i for k in got for i in got[k]) == list(range(5, 5 + 36))  # disjoint, no gap
 
 
-def run_producers(rows, port, *, ranks, producers, timeout_s=30, delays=None, **kw):
-    """Producer threads on the real link (gloo on localhost): (threads, return codes, errors)."""
+def run_producers(rows, port, *, ranks, producers, timeout_s=30, delays=None, fail_at=None, **kw):
+    """Producer threads on the real link (gloo on localhost): (threads, return codes, error messages)."""
     results, errors = [], []
 
     def produce(k):
-        src = FakeSource(rows, rank=k, producers=producers, delay=(delays or {}).get(k, 0.0), **kw)
+        kw_k = {**kw, "fail_at": (fail_at or {}).get(k)}
+        src = FakeSource(rows, rank=k, producers=producers, delay=(delays or {}).get(k, 0.0), **kw_k)
         try:
             results.append(stream_to_trainer(src, "127.0.0.1", port, timeout_s=timeout_s, meta=src.meta()))
-        except Exception as e:  # noqa: BLE001 - reported to the test
-            errors.append(e)
+        except Exception as e:  # noqa: BLE001 - reported to the test (as text: the traceback would keep the link open)
+            errors.append(str(e))
         finally:
             src.close()
 
@@ -266,6 +283,26 @@ def test_producers_that_disagree_with_the_trainer_are_refused():
         RemoteSource("127.0.0.1", port, buffer_size=2, timeout_s=30, producers=2)
     for t in threads:
         t.join(30)
+
+
+def test_one_of_two_producers_dying_stops_the_trainer_with_its_error():
+    """Producer 1's engine dies on its second block: the trainer takes every sequence before that
+    block in prompt order, then raises the producer's own error (from the link's store)."""
+    from dspark.core.files import free_port
+
+    rows, port = [fake_row(i) for i in range(20)], free_port(span=2)
+    kw = dict(layer_ids=[1, 2, 3], hidden_size=HIDDEN, block=2)
+    threads, results, errors = run_producers(rows, port, ranks=[0, 1], producers=2, fail_at={1: 6}, **kw)
+    trainer = RemoteSource("127.0.0.1", port, buffer_size=2, timeout_s=30, producers=2)
+    trainer.val_rows()
+    trainer.start(0)
+    got = [trainer.get().index for _ in range(6)]  # blocks 0, 1 (producer 1's first), 2
+    with pytest.raises(RuntimeError, match=r"producer 1 failed: RuntimeError: engine core died at prompt 6"):
+        trainer.get()  # block 3 is producer 1's second
+    trainer.close(wait_s=5)
+    for t in threads:
+        t.join(30)
+    assert got == list(range(6)) and errors == ["engine core died at prompt 6"]
 
 
 def test_no_prompt_fitting_in_a_whole_pass_is_an_error_with_several_producers():
