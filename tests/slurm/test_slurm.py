@@ -305,7 +305,7 @@ def test_online_hetjob_trains_on_cpu_from_the_engine_component(slurm, tmp_path, 
     info = slurm.wait(job, timeout=1800)[job]
     log = batch_log(out, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log[-4000:])
-    assert "online: engine on 1 node(s)" in log and "trainer exit status 0" in log
+    assert "online: 1 engine(s) of 1 node(s)" in log and "trainer exit status 0" in log
     ckpt = out / "checkpoints" / "smollm2-135m" / "markov16-L1-i256"
     assert (ckpt / "latest").read_text().strip() == "step00000002"
     assert [e["index"] for e in read_prompt_log(ckpt / PROMPT_LOG)] == [0, 1]
