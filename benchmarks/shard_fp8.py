@@ -10,6 +10,12 @@ encoder (``dspark.core.shard_format.encode_hidden_states``). Bytes per token are
 (fp8: values + one fp32 scale per token and layer) against the bf16 floor, and after zstd in a
 Parquet file of the same rows. The error is ||x - x_hat|| / ||x|| per token against the states as
 stored (fp32 shards give the exact error; 16-bit ones the error on top of their own rounding).
+
+A last table answers where the fp8 scale should live (issue #16: per token and layer, or per
+channel): the same e4m3/e5m2 rounding with one scale per (sequence, layer) tensor, per (sequence,
+layer, channel), per (token, layer) as stored, and per token after dividing each channel by its
+amax over the sequence (the two combined). It is measured here, in memory; the shards store the
+per-token form only.
 Prints Markdown tables.
 """
 
@@ -95,6 +101,58 @@ def measure(dtype: str, states: list[torch.Tensor], rows: list[dict], repeat: in
     return out
 
 
+GRANULARITIES = {
+    "tensor": "sequence x layer",
+    "channel": "sequence x layer x channel",
+    "token": "token x layer (stored)",
+    "token+channel": "token x layer, channels pre-divided",
+}
+"""Where one fp32 scale lives -> how the table names it."""
+
+
+def quantize_at(x: torch.Tensor, fmt: fp8.Fp8Format, granularity: str) -> tuple[torch.Tensor, int]:
+    """One sequence's states [T, L, H] rounded through ``fmt`` with scales at ``granularity``:
+    (reconstruction [T, L, H], bytes of fp32 scales). ``token`` is the stored format (fp8.quantize)."""
+    if granularity == "token":
+        q, scale = fp8.quantize(x, fmt)
+        return fp8.dequantize(q, scale), scale.numel() * fp8.SCALE_BYTES
+    channel = None
+    if granularity in ("channel", "token+channel"):
+        channel = x.abs().amax(dim=0, keepdim=True)  # [1, L, H]: each channel's largest magnitude
+        channel = torch.where(channel > 0, channel, torch.ones_like(channel))
+        x = x / channel
+    if granularity == "token+channel":
+        q, scale = fp8.quantize(x, fmt)
+        return fp8.dequantize(q, scale) * channel, (scale.numel() + channel.numel()) * fp8.SCALE_BYTES
+    # one scale for the whole tensor (after the channel division, for "channel")
+    amax = x.abs().amax(dim=(0, 2), keepdim=True)  # [1, L, 1]
+    scale = torch.where(amax > 0, amax, torch.ones_like(amax)) / fmt.max_finite
+    out = (x / scale).clamp(-fmt.max_finite, fmt.max_finite).to(fmt.torch_dtype).float() * scale
+    if channel is not None:
+        return out * channel, (channel.numel() + amax.numel()) * fp8.SCALE_BYTES
+    return out, amax.numel() * fp8.SCALE_BYTES
+
+
+def measure_granularity(name: str, granularity: str, states: list[torch.Tensor], layer_ids: list[int]) -> dict:
+    fmt = fp8.FORMATS[name]
+    errs, scale_bytes = [], 0
+    for x in states:
+        y, nbytes = quantize_at(x, fmt, granularity)
+        errs.append((x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30))  # [T, L]
+        scale_bytes += nbytes
+    rel = torch.cat(errs)
+    return {
+        "format": name,
+        "granularity": granularity,
+        "scale_bytes_per_token": scale_bytes / rel.shape[0],
+        "err_mean": rel.mean().item(),
+        "err_p99": rel.flatten().quantile(0.99).item(),
+        "err_max": rel.max().item(),
+        "first_token_err": torch.stack([e[0] for e in errs]).mean().item(),
+        "worst_layer": max(layer_ids, key=lambda layer: rel[:, layer_ids.index(layer)].mean().item()),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("directory", type=Path, help="dataset directory (manifest.json); only read")
@@ -136,6 +194,21 @@ def main() -> None:
         print(f"| {layer} | {cells} |")
     bounds = ", ".join(f"{f.name} {f.row_rel_bound(hidden):.4f}" for f in fp8.FORMATS.values())
     print(f"\nStated bound per token (dspark/core/fp8.py): {bounds}.")
+
+    print(
+        f"\nWhere the scale lives: relative error per token against the stored {manifest.dtype} states, "
+        "all captured layers, and the fp32 scales' bytes per token (values: "
+        f"{n_layers * hidden} bytes/token in every row):\n"
+    )
+    print("| format | one scale per | scale B/token | mean | p99 | max | first token mean | worst layer (mean) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for name in fp8.FORMATS:
+        for g, per in GRANULARITIES.items():
+            r = measure_granularity(name, g, states, manifest.layer_ids)
+            print(
+                f"| {name} | {per} | {r['scale_bytes_per_token']:.1f} | {r['err_mean']:.2e} | {r['err_p99']:.2e} | "
+                f"{r['err_max']:.2e} | {r['first_token_err']:.2e} | {r['worst_layer']} |"
+            )
 
 
 if __name__ == "__main__":
