@@ -9,6 +9,15 @@ run: the scaling curve.
 
     .venv/bin/python benchmarks/ablation_report.py outputs/checkpoints/smollm2-135m/ablate-* \\
         --plot docs/img/ablation.png [--json outputs/benchmarks/ablation.json]
+
+``--paired A=B`` compares two arms run over the same seeds (an A/B that must be judged against
+the run-to-run noise, e.g. fp8 against fp16 shards): each run whose name holds A is paired with
+the run named with B in its place, and the table gives each pair's val tau and loss difference,
+their mean with its standard error, and the seed-to-seed spread of each arm. Whether the twins
+read the same data in the same order is checked from the checkpoints' data digests.
+
+    .venv/bin/python benchmarks/ablation_report.py outputs/checkpoints/smollm2-135m/fp8-* \\
+        --paired float16=float8_e4m3
 """
 
 from __future__ import annotations
@@ -21,13 +30,16 @@ from pathlib import Path
 from dspark.core.files import read_jsonl
 
 
-def runs(paths: list[Path]) -> dict[str, list[dict]]:
+def runs(paths: list[Path], dirs: dict[str, Path] | None = None) -> dict[str, list[dict]]:
+    """Run name -> its validations; ``dirs`` (if given) gets run name -> checkpoint directory."""
     found: dict[str, list[dict]] = {}
     for p in paths:
         for f in (
             [p / "validation.jsonl"] if (p / "validation.jsonl").is_file() else sorted(p.glob("*/validation.jsonl"))
         ):
             found[f.parent.name] = [v for _, v in read_jsonl(f)]
+            if dirs is not None:
+                dirs[f.parent.name] = f.parent
     if not found:
         raise SystemExit(f"error: no validation.jsonl under {[str(p) for p in paths]}")
     return found
@@ -57,6 +69,55 @@ def fit(vals: list[dict], goal: float) -> dict:
     rate = vals[-1]["predictions"] / vals[-1]["train_seconds"]
     need = 10 ** ((goal - a) / b) if b > 0 else math.inf
     return {"a": a, "b": b, "points": n, "goal": goal, "predictions": need, "hours": need / rate / 3600}
+
+
+def data_digest(run_dir: Path) -> str:
+    """The data-order digest of a run's newest checkpoint (DeepSpeed's client state, read
+    memory-mapped: the weights beside it are not loaded)."""
+    import torch
+
+    latest = (run_dir / "latest").read_text().strip() if (run_dir / "latest").is_file() else None
+    if latest is None:
+        return ""
+    states = run_dir / latest / "mp_rank_00_model_states.pt"
+    return str(torch.load(states, map_location="cpu", mmap=True, weights_only=False).get("data_digest", ""))
+
+
+def paired(found: dict[str, list[dict]], dirs: dict[str, Path], a: str, b: str) -> str:
+    """Markdown: B - A per pair of twins (same name but A -> B), their mean and standard error,
+    and each arm's seed-to-seed standard deviation."""
+    pairs = sorted((name, name.replace(a, b)) for name in found if a in name and name.replace(a, b) in found)
+    if not pairs:
+        raise SystemExit(f"error: no run holding {a!r} has a twin holding {b!r} among {sorted(found)}")
+    head = (
+        f"| pair | {a} val tau | {b} val tau | tau diff ({b} - {a}) | diff % | {a} val loss | {b} val loss "
+        "| loss diff | same data order |\n" + "|---" * 9 + "|"
+    )
+    rows, dtau, dpct, dloss = [], [], [], []
+    for x, y in pairs:
+        vx, vy = found[x][-1], found[y][-1]
+        same = data_digest(dirs[x]) == data_digest(dirs[y]) != ""
+        dtau.append(vy["tau"] - vx["tau"])
+        dpct.append(100 * dtau[-1] / vx["tau"])
+        dloss.append(vy["loss"] - vx["loss"])
+        rows.append(
+            f"| {x} | {vx['tau']:.4f} | {vy['tau']:.4f} | {dtau[-1]:+.4f} | {dpct[-1]:+.2f} | {vx['loss']:.5f} | "
+            f"{vy['loss']:.5f} | {dloss[-1]:+.5f} | {'yes' if same else 'NO'} |"
+        )
+
+    def mean_sd(xs: list[float]) -> tuple[float, float]:
+        m = sum(xs) / len(xs)
+        return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
+
+    n = len(pairs)
+    (mt, st), (mp, sp), (ml, sl) = mean_sd(dtau), mean_sd(dpct), mean_sd(dloss)
+    sa, sb = mean_sd([found[x][-1]["tau"] for x, _ in pairs])[1], mean_sd([found[y][-1]["tau"] for _, y in pairs])[1]
+    rows.append(
+        f"| mean of {n} pairs (standard error) | | | {mt:+.4f} ({st / n**0.5:.4f}) | {mp:+.2f} ({sp / n**0.5:.2f}) "
+        f"| | | {ml:+.5f} ({sl / n**0.5:.5f}) | |"
+    )
+    rows.append(f"| seed-to-seed sd of val tau | {sa:.4f} | {sb:.4f} | | | | | | |")
+    return "\n".join([head, *rows])
 
 
 def plot(found: dict[str, list[dict]], out: Path, fits: dict[str, dict] | None = None) -> None:
@@ -105,9 +166,14 @@ def main() -> None:
         metavar="RUN=TAU",
         help="fit tau against log10(predictions) for RUN and say where it reaches TAU",
     )
+    p.add_argument("--paired", default=None, metavar="A=B", help="B against A over twin runs (names differ in A/B)")
     args = p.parse_args()
-    found = runs(args.runs)
+    dirs: dict[str, Path] = {}
+    found = runs(args.runs, dirs)
     print(table(found))
+    if args.paired:
+        a, b = args.paired.split("=")
+        print("\n" + paired(found, dirs, a, b))
     fits = {}
     for spec in args.fit:
         name, goal = spec.split("=")
