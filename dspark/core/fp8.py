@@ -6,7 +6,7 @@ and one per channel would not follow a single large token. A scale per row maps 
 largest magnitude to the format's largest finite value: no row saturates, and every value keeps
 the format's relative precision unless it is below ``2**min_exponent`` times its row's maximum.
 Measured against a scale per tensor and per channel (``benchmarks/shard_fp8.py``, docs/benchmarks.md
-"Where the scale lives"): the per-row scale has the lowest mean and largest error of the four.
+"Where the scale lives"): the per-row scale has the lowest mean, p99 and max error of the four.
 
 Error bound (round to nearest, checked by tests/dspark/test_fp8.py), per element ``x`` of a row
 with scale ``s = amax / max_finite``::
