@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 
 from dspark.core.files import read_jsonl
@@ -106,8 +107,7 @@ def paired(found: dict[str, list[dict]], dirs: dict[str, Path], a: str, b: str) 
         )
 
     def mean_sd(xs: list[float]) -> tuple[float, float]:
-        m = sum(xs) / len(xs)
-        return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else float("nan")
+        return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else float("nan")
 
     n = len(pairs)
     (mt, st), (mp, sp), (ml, sl) = mean_sd(dtau), mean_sd(dpct), mean_sd(dloss)

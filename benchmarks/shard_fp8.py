@@ -76,12 +76,17 @@ def timed(fn, repeat: int) -> float:
     return best
 
 
+def rel_error(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """||x - y|| / ||x|| per row of H: [T, L, H] -> [T, L]."""
+    return (x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)
+
+
 def measure(dtype: str, states: list[torch.Tensor], rows: list[dict], repeat: int, layer_ids: list[int]) -> dict:
     n_layers, hidden = states[0].shape[1:]
     tokens = sum(s.shape[0] for s in states)
     cells = [encode_hidden_states(s, dtype) for s in states]
     decoded = [decode_hidden_states(c, dtype=dtype, n_layers=n_layers, hidden=hidden).float() for c in cells]
-    rel = torch.cat([(x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30) for x, y in zip(states, decoded)])
+    rel = torch.cat([rel_error(x, y) for x, y in zip(states, decoded)])
     out = {
         "dtype": dtype,
         "bytes_per_token": bytes_per_token(dtype, n_layers=n_layers, hidden=hidden),
@@ -136,7 +141,7 @@ def measure_granularity(name: str, granularity: str, states: list[torch.Tensor])
     errs, scale_bytes = [], 0
     for x in states:
         y, nbytes = quantize_at(x, fmt, granularity)
-        errs.append((x - y).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30))  # [T, L]
+        errs.append(rel_error(x, y))
         scale_bytes += nbytes
     rel = torch.cat(errs)
     return {
