@@ -12,8 +12,15 @@ One step, for the last token x_a (sampled by the target, its states not computed
    distribution is the target's; then one bonus/correction token from the target;
 4. the target cache is cut back to the kept tokens and their states extend the drafter context.
 
-Counting matches vLLM's counters (:mod:`eval.results`): one draft per verification step, every
-proposed token counted even past ``max_new_tokens`` or EOS (the output is cut afterwards).
+Counting matches vLLM's counters (:mod:`eval.results`): one draft per verification step that
+proposed something, every proposed token counted even past ``max_new_tokens`` or EOS (the output
+is cut afterwards), and every verification step counted as a step, drafted or not.
+
+Proposers: our drafter (``DraftRunner``), vLLM's prompt lookup (``PromptLookup``: the ``ngram``
+method's own matching function, its rules and the same gamma), or the two chained
+(``ngram-then-dspark``): the lookup's proposal where it finds one, the drafter's block otherwise.
+vLLM 0.32 serves one method per engine, so the chained row is measured here only; it is the upper
+bound that a serving-side hybrid could reach.
 """
 
 from __future__ import annotations
@@ -145,6 +152,36 @@ class DraftRunner:
         return tokens, (torch.stack(probs) if probs else None), confs
 
 
+class PromptLookup:
+    """vLLM's ``ngram`` proposer: the longest suffix n-gram (``min_n``..``max_n`` tokens) of the
+    sequence so far that occurred before, and the up to ``k`` tokens that followed it; none when
+    there is no such match. The matching is vLLM's own function
+    (``vllm.v1.spec_decode.ngram_proposer._find_longest_matched_ngram_and_propose_tokens``),
+    so the proposals are the ones the served ``ngram`` method makes on the same tokens."""
+
+    def __init__(self, min_n: int, max_n: int, max_model_len: int):
+        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens
+
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self._find = _find_longest_matched_ngram_and_propose_tokens
+        self.min_n, self.max_n, self.max_model_len = min_n, max_n, max_model_len
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        import numpy as np
+
+        found = self._find(np.asarray(tokens, dtype=np.int32), self.min_n, self.max_n, self.max_model_len, k)
+        return [int(t) for t in found]
+
+
+def _one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
+    """The proposal distribution of a model-free proposer: all mass on its token (what vLLM's
+    rejection sampler assumes for drafts without probabilities)."""
+    q = torch.zeros(len(tokens), vocab)
+    q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return q
+
+
 def _sample(p: torch.Tensor, gen: torch.Generator) -> int:
     return int(torch.multinomial(p, 1, generator=gen))
 
@@ -196,19 +233,27 @@ def _finish(tokens: list[int], max_new: int, eos: set[int]) -> tuple[list[int], 
 
 def speculative_generate(
     target: TargetRunner,
-    draft: DraftRunner,
+    draft: Optional[DraftRunner],
     prompt: Sequence[int],
     cfg: DecodeConfig,
     eos: set[int],
     gen: torch.Generator,
+    lookup: Optional[PromptLookup] = None,
 ) -> Generation:
+    """One prompt. ``draft`` alone: our drafter every step; ``lookup`` alone: vLLM's ngram rule
+    (a step without a match verifies the anchor alone); both: the lookup where it matches, the
+    drafter otherwise (its context still grows every step)."""
+    if draft is None and lookup is None:
+        raise ValueError("speculative_generate needs a drafter, a prompt lookup, or both")
     res = Generation([], AcceptanceCounts(cfg.gamma))
     target.reset()
-    draft.reset()
+    if draft is not None:
+        draft.reset()
     t0 = time.perf_counter()
     logits, states = target.forward(prompt)
     out = [_first_token(logits[-1], cfg.temperature, gen)]
-    draft.extend(states)
+    if draft is not None:
+        draft.extend(states)
     res.prefill_s = time.perf_counter() - t0
     t_dec = time.perf_counter()
     while True:
@@ -217,7 +262,13 @@ def speculative_generate(
             break
         anchor = out[-1]
         t1 = time.perf_counter()
-        drafts, q, confs = draft.propose(anchor, cfg.gamma, cfg.temperature, gen, cfg.confidence_threshold)
+        drafts, q, confs = [], None, []
+        if lookup is not None:
+            drafts = lookup.propose([*prompt, *out], cfg.gamma)
+            if drafts and cfg.temperature > 0:
+                q = _one_hot(drafts, logits.shape[-1])
+        if not drafts and draft is not None:
+            drafts, q, confs = draft.propose(anchor, cfg.gamma, cfg.temperature, gen, cfg.confidence_threshold)
         t2 = time.perf_counter()
         logits, states = target.forward([anchor, *drafts])
         n, nxt = verify(drafts, q, logits, cfg.temperature, gen)
@@ -227,7 +278,8 @@ def speculative_generate(
         res.counts.add_step(len(drafts), n)
         res.confidence += [(c, k < n) for k, c in enumerate(confs[: n + 1])]
         target.drop_last(len(drafts) - n)  # keep the anchor and the accepted drafts
-        draft.extend(states[: n + 1])
+        if draft is not None:
+            draft.extend(states[: n + 1])
         out += drafts[:n] + [nxt]
     res.decode_s = time.perf_counter() - t_dec
     res.tokens = out

@@ -2,8 +2,15 @@
 with our fill-in export, ``dspark`` with our export on GPUs) and read its spec-decode counters.
 
 One engine per method, one process per engine (vLLM spawns workers, so this module is also the
-process entry point). A warm-up request runs first and the counters are read before and after
-each context bin, so warm-up is excluded and every bin gets its own figures.
+process entry point). A warm-up request runs first, then the prompts one at a time (batch size
+1, the single-stream case the drafter is for), and the counters are read before and after each
+prompt, so warm-up is excluded and every prompt (and bin) gets its own figures.
+
+Steps are the engine's own counter: ``vllm:inter_token_latency_seconds`` observes one value per
+request per engine step that gave it new tokens after its first, so at one request at a time its
+count is the number of verification steps, drafted or not, the last one included even when the
+stop cut some of its tokens. ``generated - 1 - accepted`` (from the outputs) is kept beside it
+as a check: it is lower by exactly the accepted tokens that a stop cut off.
 
     python -m eval.serve --target DIR --method dspark --draft EXPORT_DIR --prompts eval_set.jsonl \
         --gamma 7 --max-model-len 8192 --out vllm_dspark.json
@@ -36,6 +43,9 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "num_accepted",
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+STEPS = "vllm:inter_token_latency_seconds"  # a histogram: one observation per decode step per request
+PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX = 2, 4
+"""vLLM ``ngram``'s n-gram lengths, for the served baseline and the reference loop's lookup alike."""
 
 
 @dataclass
@@ -49,6 +59,7 @@ class ServeRun:
     outputs: dict[str, list[int]]  # prompt_id -> generated token ids
     engine_start_s: float
     generate_s: float
+    per_prompt: list[dict[str, Any]] = field(default_factory=list)  # {prompt_id, bin, **AcceptanceCounts fields}
 
 
 def read_counters(llm: Any, gamma: int) -> AcceptanceCounts:
@@ -62,14 +73,28 @@ def read_counters(llm: Any, gamma: int) -> AcceptanceCounts:
             counts.accepted_per_pos = [
                 a + int(b) for a, b in zip(counts.accepted_per_pos, values + [0] * (gamma - len(values)))
             ]
+        elif m.name == STEPS:
+            counts.num_steps += int(m.count)
     return counts
+
+
+def steps_from_outputs(num_generated: int, num_accepted: int) -> int:
+    """Verification steps of one request from its output and vLLM's accepted counter: the first
+    token comes from prefill, each later step gives 1 + its accepted tokens. Lower than the true
+    count by the accepted tokens a stop (EOS, max_tokens) cut from the last step."""
+    return max(num_generated - 1 - num_accepted, 0)
 
 
 def speculative_config(method: str, draft: Optional[Path], gamma: int) -> dict[str, Any]:
     if method not in METHODS:
         raise ValueError(f"method {method!r}: expected one of {METHODS}")
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": gamma, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": gamma,
+            "prompt_lookup_max": PROMPT_LOOKUP_MAX,
+            "prompt_lookup_min": PROMPT_LOOKUP_MIN,
+        }
     if draft is None:
         raise ValueError(f"method {method!r} needs --draft (an export directory from dspark.export)")
     return {"method": method, "model": str(draft), "num_speculative_tokens": gamma}
@@ -151,26 +176,55 @@ def serve(spec: ServeSpec) -> ServeRun:
     )
     warm = prompts[0].prompt_token_ids[-64:]
     llm.generate([TokensPrompt(prompt_token_ids=warm)], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
-    per_bin, outputs = {}, {}
+    per_bin, outputs, per_prompt = {}, {}, []
     t1 = time.perf_counter()
     for b in sorted({p.bin for p in prompts}):
         group = [p for p in prompts if p.bin == b]
-        before = read_counters(llm, gamma)
-        results = generate(
-            llm,
-            [TokensPrompt(prompt_token_ids=list(p.prompt_token_ids)) for p in group],
-            params,
-            use_tqdm=True,
-            what=f"serving {spec.method}, bin {b}",
-            rerun="rerun the eval stage (the exports and finished results are kept)",
+        total = AcceptanceCounts(gamma)
+        for i, p in enumerate(group):
+            before = read_counters(llm, gamma)
+            (result,) = generate(
+                llm,
+                [TokensPrompt(prompt_token_ids=list(p.prompt_token_ids))],
+                params,
+                use_tqdm=False,
+                what=f"serving {spec.method}, bin {b}, prompt {p.prompt_id}",
+                rerun="rerun the eval stage (the exports and finished results are kept)",
+            )
+            delta = read_counters(llm, gamma).minus(before)
+            tokens = list(result.outputs[0].token_ids)
+            check = steps_from_outputs(len(tokens), delta.num_accepted)
+            if not check <= delta.num_steps <= check + gamma:
+                raise RuntimeError(
+                    f"{spec.method}, prompt {p.prompt_id}: the engine counted {delta.num_steps} steps, the outputs "
+                    f"say {check} to {check + gamma} ({len(tokens)} tokens, {delta.num_accepted} accepted): "
+                    f"{STEPS} no longer counts one per step in this vLLM"
+                )
+            outputs[p.prompt_id] = tokens
+            per_prompt.append({"prompt_id": p.prompt_id, "bin": b, **asdict(delta), "steps_from_outputs": check})
+            total.merge(delta)
+            log.info(
+                "%s bin %d prompt %d/%d: %d tokens in %d steps, %d drafts",
+                spec.method,
+                b,
+                i + 1,
+                len(group),
+                len(tokens),
+                delta.num_steps,
+                delta.num_drafts,
+            )
+        per_bin[str(b)] = {**asdict(total), "num_prompts": len(group)}
+        log.info(
+            "%s bin %d: %d prompts, tokens/step %.3f, tau %.3f over %.0f%% drafted steps",
+            spec.method,
+            b,
+            len(group),
+            total.tokens_per_step,
+            total.tau,
+            100 * total.draft_share,
         )
-        delta = read_counters(llm, gamma).minus(before)
-        per_bin[str(b)] = {**asdict(delta), "num_prompts": len(group)}
-        for p, r in zip(group, results):
-            outputs[p.prompt_id] = list(r.outputs[0].token_ids)
-        log.info("%s bin %d: %d prompts, tau %.3f", spec.method, b, len(group), delta.tau)
     draft = str(spec.draft) if spec.draft else None
-    return ServeRun(spec.method, draft, gamma, per_bin, outputs, start_s, time.perf_counter() - t1)
+    return ServeRun(spec.method, draft, gamma, per_bin, outputs, start_s, time.perf_counter() - t1, per_prompt)
 
 
 def run_in_subprocess(spec: ServeSpec, out: Path, *, timeout: int = 3600) -> ServeRun:
@@ -294,11 +348,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     atomic_write_json(a.out, asdict(run))
     total = AcceptanceCounts(a.gamma)
     for b in run.per_bin.values():
-        total.merge(
-            AcceptanceCounts(a.gamma, b["num_drafts"], b["num_draft_tokens"], b["num_accepted"], b["accepted_per_pos"])
-        )
+        total.merge(AcceptanceCounts.from_dict(b))
     print(
-        f"{a.method}: tau {total.tau:.3f} over {total.num_drafts} drafts; per position "
+        f"{a.method}: {total.tokens_per_step:.3f} tokens per target step over {total.num_steps} steps; tau "
+        f"{total.tau:.3f} over {total.num_drafts} drafts ({100 * total.draft_share:.0f}% of steps); per position "
         f"{[round(x, 3) for x in total.accept_per_pos]}"
     )
     return 0
