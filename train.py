@@ -74,8 +74,9 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
 
         outcome = run_eval(cfg, heads, target_dir)
         stages_run.append("eval")
-        lines.append("eval     tau: " + ", ".join(f"{d.name} {d.tau:.3f}" for d in outcome.results.drafters))
-        lines += [f"check    {c.name}: {'PASS' if c.passed else 'MISS'} ({c.detail})" for c in outcome.checks]
+        from eval.report import summary_lines
+
+        lines += summary_lines(outcome.results, outcome.checks)
         lines.append(f"report   {outcome.report_dir / 'report.md'} (+ results.json, *.png)")
         lines.append(f"exports  {cfg.eval.export_dir}")
     if "serve_bench" in cfg.stages:

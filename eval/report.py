@@ -1,8 +1,13 @@
 """Turn an ``EvalResults`` into what people read: ``results.json``, ``report.md`` and PNG plots,
 and optionally the same figures on a W&B run.
 
-The speedup model (Leviathan et al. 2023; README "Glossary"): with measured tau = E[tokens per
-step] and measured draft cost ratio r, the predicted speedup is E / (1 + r). The i.i.d.
+The headline of every method is tokens per target step over every verification step
+(:mod:`eval.results`), with vLLM's tau over the drafted steps and the share of drafted steps
+beside it, and a 95 % bootstrap interval over prompts beside each tokens-per-step and pos-1
+figure. A check whose interval crosses its line says "inside the noise" instead of pass or fail.
+
+The speedup model (Leviathan et al. 2023; README "Glossary"): with measured E = tokens per
+target step and measured draft cost ratio r, the predicted speedup is E / (1 + r). The i.i.d.
 per-token acceptance p that gives the same E under E(p) = (1 - p^(gamma+1)) / (1 - p) is
 reported beside it, so drafters can be compared on one number that does not depend on gamma.
 
@@ -21,7 +26,16 @@ from typing import TYPE_CHECKING, Any
 from matplotlib.figure import Figure
 
 from dspark.core.files import atomic_write_text
-from eval.results import AcceptanceCounts, Calibration, DrafterResult, EvalConditions, EvalResults
+from eval.results import (
+    CONFIDENCE,
+    STATS,
+    AcceptanceCounts,
+    Calibration,
+    DrafterResult,
+    EvalConditions,
+    EvalResults,
+    ratio_interval,
+)
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
@@ -39,22 +53,40 @@ class ReportPaths:
     plots: dict[str, Path]
 
 
+INSIDE_NOISE = "inside the noise"
+
+
 @dataclass(frozen=True)
 class Check:
-    """One quality gate shown as "target vs measured" (e.g. ours beats the ngram baseline)."""
+    """One quality gate shown as "target vs measured" (e.g. ours beats the ngram baseline).
+    ``passed`` is the point estimate's side of the line; ``interval`` (95 %, over prompts) says
+    whether the eval set can tell: when it crosses the line the verdict is "inside the noise"."""
 
     name: str
     measured: float
     target: float
     passed: bool
     detail: str
+    interval: tuple[float, float] | None = None
+
+    @property
+    def inside_noise(self) -> bool:
+        if self.interval is None or any(math.isnan(x) for x in self.interval):
+            return False
+        lo, hi = self.interval
+        return lo < self.target <= hi
+
+    @property
+    def verdict(self) -> str:
+        """PASS, MISS, or "inside the noise" when the interval crosses the line."""
+        return INSIDE_NOISE if self.inside_noise else ("PASS" if self.passed else "MISS")
 
 
 @dataclass(frozen=True)
 class SpeedupRow:
     """The speedup model (module docstring) evaluated at one drafter's measured tau and r."""
 
-    tau: float  # E: measured mean tokens per verification step
+    tokens_per_step: float  # E: measured tokens per target step, every step counted
     p: float  # i.i.d. per-token acceptance that gives E
     r: float  # draft cost / target verify cost per step
     predicted: float  # E / (1 + r)
@@ -92,9 +124,15 @@ def fit_p(tau: float, gamma: int) -> float:
     return (lo + hi) / 2
 
 
-def speedup_row(tau: float, gamma: int, r: float) -> SpeedupRow:
-    """Predicted speedup from measured acceptance and measured cost ratio (both, not assumed)."""
-    return SpeedupRow(tau=tau, p=fit_p(tau, gamma), r=r, predicted=tau / (1.0 + r))
+def speedup_row(tokens_per_step: float, gamma: int, r: float) -> SpeedupRow:
+    """Predicted speedup from measured tokens per target step and measured cost ratio (both, not
+    assumed)."""
+    return SpeedupRow(
+        tokens_per_step=tokens_per_step,
+        p=fit_p(tokens_per_step, gamma),
+        r=r,
+        predicted=tokens_per_step / (1.0 + r),
+    )
 
 
 def speedup_table(results: EvalResults) -> list[dict[str, Any]]:
@@ -106,10 +144,11 @@ def speedup_table(results: EvalResults) -> list[dict[str, Any]]:
         measured = d.measured_speedup
         if d.draft_cost_ratio is None and measured is None:
             continue
+        e = d.tokens_per_step
         if d.draft_cost_ratio is None:
-            model: dict[str, Any] = {"tau": d.tau, "p": fit_p(d.tau, gamma), "r": None, "predicted": None}
+            model: dict[str, Any] = {"tokens_per_step": e, "p": fit_p(e, gamma), "r": None, "predicted": None}
         else:
-            model = asdict(speedup_row(d.tau, gamma, d.draft_cost_ratio))
+            model = asdict(speedup_row(e, gamma, d.draft_cost_ratio))
         rows.append({"drafter": d.name, **model, "measured": measured})
     return rows
 
@@ -117,17 +156,47 @@ def speedup_table(results: EvalResults) -> list[dict[str, Any]]:
 # --- quality checks --------------------------------------------------------------------------
 
 
+def interval_text(interval: tuple[float, float] | None, digits: int = 3) -> str:
+    """The text " [lo, hi]" of a 95 % interval, or "" where there is none."""
+    if interval is None or any(math.isnan(x) for x in interval):
+        return ""
+    return f" [{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"
+
+
 def ratio_check(
-    name: str, numerator_name: str, numerator: float, denominator_name: str, denominator: float, min_ratio: float
+    name: str,
+    numerator_name: str,
+    numerator: float,
+    denominator_name: str,
+    denominator: float,
+    min_ratio: float,
+    interval: tuple[float, float] | None = None,
 ) -> Check:
-    """Pass when numerator / denominator >= min_ratio (e.g. tau of ours over tau of ngram).
+    """Pass when numerator / denominator >= min_ratio (e.g. tokens per step of ours over ngram's);
+    ``interval``: the ratio's 95 % interval, which decides "inside the noise".
 
     A zero or NaN denominator gives a NaN ratio, which fails: no evidence is not a pass."""
     ratio = numerator / denominator if denominator else math.nan
     detail = (
-        f"{numerator_name} {numerator:.3f} / {denominator_name} {denominator:.3f} = {ratio:.3f} (need >= {min_ratio:g})"
+        f"{numerator_name} {numerator:.3f} / {denominator_name} {denominator:.3f} = {ratio:.3f}"
+        f"{interval_text(interval)} (need >= {min_ratio:g})"
     )
-    return Check(name=name, measured=ratio, target=min_ratio, passed=ratio >= min_ratio, detail=detail)
+    return Check(
+        name=name, measured=ratio, target=min_ratio, passed=ratio >= min_ratio, detail=detail, interval=interval
+    )
+
+
+def paired_interval(a: DrafterResult, b: DrafterResult, stat: str = "tokens_per_step") -> tuple[float, float]:
+    """The 95 % interval of stat(a) / stat(b) over the prompts both were measured on, resampled
+    together (the same prompts: their own difficulty cancels)."""
+    ca, cb = a.counts_by_prompt(), b.counts_by_prompt()
+    common = [k for k in ca if k in cb]
+    return ratio_interval([ca[k] for k in common], [cb[k] for k in common], STATS[stat], paired=True)
+
+
+def bins_interval(d: DrafterResult, num_bin: str, den_bin: str, stat: str = "tokens_per_step") -> tuple[float, float]:
+    """The 95 % interval of stat(bin a) / stat(bin b) of one drafter: other prompts, resampled apart."""
+    return ratio_interval(d.prompt_counts(num_bin), d.prompt_counts(den_bin), STATS[stat], paired=False)
 
 
 # --- JSON ------------------------------------------------------------------------------------
@@ -155,14 +224,7 @@ def results_payload(results: EvalResults, checks: list[Check] | None = None) -> 
 def _summary_from_counts(summary: dict[str, Any]) -> dict[str, Any]:
     """Recompute tau and the acceptance rates from the raw counters, which restores the NaNs
     that JSON stored as null; extra keys (``num_prompts``) are kept."""
-    counts = AcceptanceCounts(
-        summary["gamma"],
-        summary["num_drafts"],
-        summary["num_draft_tokens"],
-        summary["num_accepted"],
-        list(summary["accepted_per_pos"]),
-    )
-    return {**summary, **counts.summary()}
+    return {**summary, **AcceptanceCounts.from_dict(summary).summary()}
 
 
 def _drafter_from_dict(d: dict[str, Any]) -> DrafterResult:
@@ -182,6 +244,7 @@ def _drafter_from_dict(d: dict[str, Any]) -> DrafterResult:
         tokens_per_s=d.get("tokens_per_s"),
         baseline_tokens_per_s=d.get("baseline_tokens_per_s"),
         notes=d.get("notes", ""),
+        per_prompt=list(d.get("per_prompt") or []),
     )
 
 
@@ -198,12 +261,24 @@ def load_checks(path: Path) -> list[Check] | None:
     data = json.loads(Path(path).read_text())
     if "checks" not in data:
         return None
-    return [Check(**{**c, "measured": math.nan if c["measured"] is None else c["measured"]}) for c in data["checks"]]
+    out = []
+    for c in data["checks"]:
+        iv = c.get("interval")
+        iv = None if iv is None else tuple(math.nan if x is None else x for x in iv)
+        out.append(Check(**{**c, "measured": math.nan if c["measured"] is None else c["measured"], "interval": iv}))
+    return out
+
+
+def _bin_value(d: DrafterResult, b: str, key: str = "tokens_per_step") -> float:
+    """NaN for a bin the drafter has no counts for, so tables and bars show a gap."""
+    if b not in d.per_bin:
+        return math.nan
+    v = d.per_bin[b].get(key)
+    return math.nan if v is None else float(v)
 
 
 def _bin_tau(d: DrafterResult, b: str) -> float:
-    """NaN for a bin the drafter has no counts for, so tables and bars show a gap."""
-    return float(d.per_bin[b]["tau"]) if b in d.per_bin else math.nan
+    return _bin_value(d, b, "tau")
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -239,9 +314,9 @@ def plot_acceptance_per_position(results: EvalResults, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def plot_tau_per_bin(results: EvalResults, path: Path) -> None:
-    """Grouped bars: one group per context bin, one bar per drafter, so drafters compare
-    within a context length."""
+def plot_tokens_per_step_per_bin(results: EvalResults, path: Path) -> None:
+    """Grouped bars: one group per context bin, one bar per drafter, so drafters compare within a
+    context length; tokens per target step over every step, with the 95 % interval over prompts."""
     c = results.conditions
     bins = [str(b) for b in c.context_bins]
     width = 0.8 / max(len(results.drafters), 1)
@@ -249,14 +324,20 @@ def plot_tau_per_bin(results: EvalResults, path: Path) -> None:
     ax = fig.add_subplot()
     for i, d in enumerate(results.drafters):
         xs = [j + (i - (len(results.drafters) - 1) / 2) * width for j in range(len(bins))]
-        taus = [_bin_tau(d, b) for b in bins]
-        ax.bar(xs, taus, width=width, label=d.name)
+        values = [_bin_value(d, b) for b in bins]
+        lo_hi = [d.interval("tokens_per_step", b) for b in bins]
+        err = [
+            [max(v - lo, 0.0) if not math.isnan(lo) else 0.0 for v, (lo, _) in zip(values, lo_hi)],
+            [max(hi - v, 0.0) if not math.isnan(hi) else 0.0 for v, (_, hi) in zip(values, lo_hi)],
+        ]
+        ax.bar(xs, values, width=width, label=d.name, yerr=err, capsize=3)
     ax.set_xticks(range(len(bins)), [f"{b}\n(n={c.prompts_per_bin.get(b, 0)})" for b in bins])
+    top = max([_bin_value(d, b) for d in results.drafters for b in bins if not math.isnan(_bin_value(d, b))] or [1.0])
     ax.set(
         xlabel="context bin (tokens)",
-        ylabel="tau (tokens per step)",
-        ylim=(0, c.gamma + 1),
-        title=f"Acceptance length per context bin\n{_conditions_line(c)}",
+        ylabel="tokens per target step (all steps)",
+        ylim=(0, min(c.gamma + 1, max(2.0, 1.25 * top))),
+        title=f"Tokens per target step per context bin ({CONFIDENCE:.0%} interval over prompts)\n{_conditions_line(c)}",
     )
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
@@ -293,10 +374,10 @@ def write_plots(results: EvalResults, out_dir: Path) -> dict[str, Path]:
     """All PNGs, keyed by name; calibration only when some drafter has a confidence head."""
     plots = {
         "acceptance_per_position": out_dir / "acceptance_per_position.png",
-        "tau_per_bin": out_dir / "tau_per_bin.png",
+        "tokens_per_step_per_bin": out_dir / "tokens_per_step_per_bin.png",
     }
     plot_acceptance_per_position(results, plots["acceptance_per_position"])
-    plot_tau_per_bin(results, plots["tau_per_bin"])
+    plot_tokens_per_step_per_bin(results, plots["tokens_per_step_per_bin"])
     calibration = out_dir / "calibration.png"
     if plot_calibration(results, calibration):
         plots["calibration"] = calibration
@@ -329,11 +410,44 @@ def _conditions_section(c: EvalConditions) -> list[str]:
     return ["## Conditions", ""] + _table(["condition", "value"], rows)
 
 
+def _pct(x: float) -> str:
+    return _NA if math.isnan(x) else f"{100 * x:.0f}%"
+
+
+def _figures_row(d: DrafterResult, counts: dict[str, Any], bin: str | None) -> list[str]:
+    c = AcceptanceCounts.from_dict(counts)
+    pos1 = c.accept_per_pos[0] if c.accept_per_pos else math.nan
+    return [
+        _fmt(c.tokens_per_step) + interval_text(d.interval("tokens_per_step", bin)),
+        _fmt(c.tau),
+        _pct(c.draft_share),
+        _fmt(pos1) + interval_text(d.interval("pos1", bin)),
+        f"{c.num_steps}",
+    ]
+
+
 def _tau_section(results: EvalResults) -> list[str]:
-    bins = [str(b) for b in results.conditions.context_bins]
-    rows = [[d.name, d.runner, _fmt(d.tau)] + [_fmt(_bin_tau(d, b)) for b in bins] for d in results.drafters]
-    return ["## Acceptance length tau", "", "tau = 1 + accepted / drafts (tokens per verification step).", ""] + _table(
-        ["drafter", "runner", "overall"] + [f"ctx {b}" for b in bins], rows
+    """Per method, then per method and context bin: the all-steps figure with its interval,
+    vLLM's tau over the drafted steps, the drafted share, pos-1 with its interval."""
+    head = ["tokens/step (all steps)", "tau (drafted steps)", "drafted", "pos-1", "steps"]
+    overall = [[d.name, d.runner] + _figures_row(d, d.overall, None) for d in results.drafters]
+    per_bin = [
+        [d.name, b, str(d.per_bin[b].get("num_prompts", ""))] + _figures_row(d, d.per_bin[b], b)
+        for d in results.drafters
+        for b in [str(x) for x in results.conditions.context_bins]
+        if b in d.per_bin
+    ]
+    text = (
+        "tokens/step = 1 + accepted / every target verification step (drafted or not): what a user pays "
+        "for, target forwards. tau = 1 + accepted / drafts counts only the steps that had a draft "
+        "(vLLM's counter); drafted = their share. pos-1 = P(first drafted token accepted), per draft. "
+        f"Brackets: {CONFIDENCE:.0%} bootstrap interval over prompts (seeded); none for a single prompt."
+    )
+    return (
+        ["## Tokens per target step", "", text, ""]
+        + _table(["drafter", "runner"] + head, overall)
+        + ["", "Per context bin:", ""]
+        + _table(["drafter", "ctx bin", "prompts"] + head, per_bin)
     )
 
 
@@ -351,17 +465,25 @@ def _position_section(results: EvalResults) -> list[str]:
 
 def _speedup_section(rows: list[dict[str, Any]]) -> list[str]:
     model = (
-        "Predicted = E / (1 + r) with E = measured tau and r = measured draft/target cost per step; "
+        "Predicted = E / (1 + r) with E = measured tokens per target step (every step) and r = measured "
+        "draft/target cost per step; "
         "p is the i.i.d. per-token acceptance giving E = (1 - p^(gamma+1)) / (1 - p)."
     )
     head = ["## Speedup", "", model, ""]
     if not rows:
         return head + ["No drafter has a measured cost ratio or wall-clock speedup."]
     table = [
-        [r["drafter"], _fmt(r["tau"]), _fmt(r["p"]), _fmt(r["r"]), _fmt(r["predicted"], 2), _fmt(r["measured"], 2)]
+        [
+            r["drafter"],
+            _fmt(r["tokens_per_step"]),
+            _fmt(r["p"]),
+            _fmt(r["r"]),
+            _fmt(r["predicted"], 2),
+            _fmt(r["measured"], 2),
+        ]
         for r in rows
     ]
-    return head + _table(["drafter", "tau (E)", "p", "r", "predicted speedup", "measured speedup"], table)
+    return head + _table(["drafter", "tokens/step (E)", "p", "r", "predicted speedup", "measured speedup"], table)
 
 
 def _calibration_section(results: EvalResults) -> list[str]:
@@ -376,8 +498,15 @@ def _calibration_section(results: EvalResults) -> list[str]:
 
 
 def _checks_section(checks: list[Check]) -> list[str]:
-    rows = [[c.name, _fmt(c.target), _fmt(c.measured), "pass" if c.passed else "**FAIL**", c.detail] for c in checks]
-    return ["## Quality checks", ""] + _table(["check", "target", "measured", "result", "detail"], rows)
+    def result(c: Check) -> str:
+        return INSIDE_NOISE if c.inside_noise else ("pass" if c.passed else "**FAIL**")
+
+    rows = [[c.name, _fmt(c.target), _fmt(c.measured) + interval_text(c.interval), result(c), c.detail] for c in checks]
+    note = (
+        f"Brackets: {CONFIDENCE:.0%} bootstrap interval over prompts; a check whose interval crosses its line "
+        "is inside the noise: this eval set cannot tell."
+    )
+    return ["## Quality checks", "", note, ""] + _table(["check", "target", "measured", "result", "detail"], rows)
 
 
 def render_markdown(results: EvalResults, plots: dict[str, Path], *, checks: list[Check] | None = None) -> str:
@@ -396,6 +525,20 @@ def render_markdown(results: EvalResults, plots: dict[str, Path], *, checks: lis
     return "\n\n".join("\n".join(s) for s in sections if s) + "\n"
 
 
+def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
+    """The main job's eval lines: each method's tokens per target step over all steps (the headline,
+    with its interval), vLLM's tau over the drafted steps and the drafted share beside it; then
+    each check with its verdict."""
+    lines = []
+    for d in results.drafters:
+        share = _pct(AcceptanceCounts.from_dict(d.overall).draft_share)
+        lines.append(
+            f"eval     {d.name:<18} tokens/step {_fmt(d.tokens_per_step)}{interval_text(d.interval('tokens_per_step'))}"
+            f"  (tau {_fmt(d.tau)} over drafted steps, {share} drafted; {d.runner})"
+        )
+    return lines + [f"check    {c.name}: {c.verdict} ({c.detail})" for c in checks]
+
+
 # --- W&B -------------------------------------------------------------------------------------
 
 
@@ -404,8 +547,13 @@ def _wandb_scalars(results: EvalResults, speedups: list[dict[str, Any]]) -> dict
     out: dict[str, float] = {}
     for d in results.drafters:
         key = f"eval/{d.name}"
+        out[f"{key}/tokens_per_step"] = d.tokens_per_step
+        lo, hi = d.interval("tokens_per_step")
+        out[f"{key}/tokens_per_step_lo"], out[f"{key}/tokens_per_step_hi"] = lo, hi
         out[f"{key}/tau"] = d.tau
+        out[f"{key}/draft_share"] = AcceptanceCounts.from_dict(d.overall).draft_share
         for b in results.conditions.context_bins:
+            out[f"{key}/tokens_per_step_bin_{b}"] = _bin_value(d, str(b))
             out[f"{key}/tau_bin_{b}"] = _bin_tau(d, str(b))
         for k, a in enumerate(d.overall["accept_per_pos"], start=1):
             out[f"{key}/accept_pos_{k}"] = a
@@ -425,16 +573,16 @@ def log_to_wandb(run: Run, results: EvalResults, plots: dict[str, Path]) -> None
     speedups = speedup_table(results)
     bins = [str(b) for b in results.conditions.context_bins]
     bin_table = wandb.Table(
-        columns=["drafter", "overall"] + bins,
-        data=[[d.name, d.tau] + [_bin_tau(d, b) for b in bins] for d in results.drafters],
+        columns=["drafter", "tokens_per_step", "tau"] + bins,
+        data=[[d.name, d.tokens_per_step, d.tau] + [_bin_value(d, b) for b in bins] for d in results.drafters],
     )
-    columns = ["drafter", "tau", "p", "r", "predicted", "measured"]
+    columns = ["drafter", "tokens_per_step", "p", "r", "predicted", "measured"]
     speedup = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in speedups])
     run.log(
         {
             **_wandb_scalars(results, speedups),
             **{f"eval/plots/{name}": wandb.Image(str(p)) for name, p in plots.items()},
-            "eval/tau_per_bin_table": bin_table,
+            "eval/tokens_per_step_per_bin_table": bin_table,
             "eval/speedup_table": speedup,
         }
     )

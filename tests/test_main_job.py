@@ -68,21 +68,32 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     report_dir = tmp_path / "eval" / "smollm2-135m" / "markov16-L1-i256"
     results = json.loads((report_dir / "results.json").read_text())
     names = {d["name"]: d for d in results["drafters"]}
-    assert set(names) == {"dspark", "markov-off", "ngram"}
+    assert set(names) == {"dspark", "markov-off", "ngram-then-dspark", "ngram"}
     for d in names.values():  # every bin measured, by the reference loop and by vLLM's counters
         assert set(d["per_bin"]) == {"256", "512"} and d["overall"]["num_drafts"] > 0
+        o = d["overall"]  # every target step counted, drafted or not
+        assert o["num_steps"] >= o["num_drafts"] and o["tokens_per_step"] == 1 + o["num_accepted"] / o["num_steps"]
+        assert sum(p["num_steps"] for p in d["per_prompt"]) == o["num_steps"] and len(d["per_prompt"]) == 4
+        lo, hi = d["intervals"]["overall"]["tokens_per_step"]
+        assert lo <= d["tokens_per_step"] <= hi
+    assert names["dspark"]["overall"]["draft_share"] == 1.0  # ours drafts on every step
+    # the chain drafts on every step too: the lookup where it matches, our block otherwise
+    assert names["ngram-then-dspark"]["overall"]["num_drafts"] == names["ngram-then-dspark"]["overall"]["num_steps"]
     assert {c["name"] for c in results["checks"]} >= {
         "DSpark over its Markov-off ablation",
         "DSpark over vLLM ngram",
         "no long-context collapse",
     }
-    for png in ("tau_per_bin.png", "acceptance_per_position.png"):
+    for png in ("tokens_per_step_per_bin.png", "acceptance_per_position.png"):
         assert (report_dir / png).stat().st_size > 1000
     report = (report_dir / "report.md").read_text()
     assert "markov-off" in report and "ngram" in report and "| gamma | 4 |" in report
     assert f"report   {report_dir / 'report.md'}" in log
     for name in ("DSpark over its Markov-off ablation", "DSpark over vLLM ngram", "no long-context collapse"):
-        assert re.search(rf"check    {name}: (PASS|MISS) \(", log), name  # the targets, in the closing summary
+        assert re.search(rf"check    {name}: (PASS|MISS|inside the noise) \(", log), name  # in the closing summary
+    assert re.search(
+        r"eval     ngram +tokens/step \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]  \(tau \d\.\d{3} over drafted steps", log
+    )
     assert list((tmp_path / "wandb").glob("offline-run-*")) or list(report_dir.glob("wandb/offline-run-*"))
 
     log = _main_job(tmp_path, "logging.wandb=false")

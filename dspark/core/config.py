@@ -48,6 +48,7 @@ EVAL_SOURCES = ("offline", "aa_lcr")
 SERVE_EXPORT = ("auto", "never")
 SUPERVISE = ("answer", "all")
 BASELINES = ("ngram",)
+REFERENCE_PROPOSERS = ("dspark", "ngram-then-dspark", "ngram")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 DATA_MODES = ("offline", "online")
 
@@ -599,6 +600,11 @@ class EvalConfig:
     """None = the run's train.dtype."""
     reference: bool = True
     """The PyTorch reference loop (tau, calibration, r, wall clock)."""
+    reference_proposers: list[str] = field(default_factory=lambda: ["dspark", "ngram-then-dspark"])
+    """What the reference loop runs, each a row of the report: dspark (our drafter, and its
+    Markov-off ablation when there is one); ngram-then-dspark (vLLM's prompt lookup where it finds
+    a match, our drafter's block otherwise: a chain vLLM 0.32 cannot serve); ngram (the lookup
+    alone, the served ngram baseline's twin: its counts should equal vLLM's on the same tokens)."""
     measure_plain: bool = True
     """Time plain decoding of the same target for the wall-clock speedup."""
     baselines: list[str] = field(default_factory=lambda: ["ngram"])
@@ -622,6 +628,8 @@ class EvalConfig:
         _choice("eval.serve_export", self.serve_export, SERVE_EXPORT)
         for b in self.baselines:
             _choice("eval.baselines[]", b, BASELINES)
+        for r in self.reference_proposers:
+            _choice("eval.reference_proposers[]", r, REFERENCE_PROPOSERS)
         if self.export_dtype is not None:
             _compute_dtype("eval.export_dtype", self.export_dtype)
         _check(

@@ -41,24 +41,26 @@ if os.environ.get("STUB_HANG"):  # the engine "starts" and never finishes: waits
 from dspark.core.files import atomic_write_json
 from eval.prompts import load_eval_set
 
-per_bin, outputs = {}, {}
+from eval.results import AcceptanceCounts
+
+per_bin, outputs, per_prompt = {}, {}, []
 for p in load_eval_set(Path(args["--prompts"])):  # counters that depend on every prompt token
-    b = per_bin.setdefault(str(p.bin), {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted": 0,
-                                        "accepted_per_pos": [0] * gamma, "num_prompts": 0, "gamma": gamma})
+    b = per_bin.setdefault(str(p.bin), AcceptanceCounts(gamma))
+    c = AcceptanceCounts(gamma)
     drafts = 3 + sum(p.prompt_token_ids) % 5
     for k in range(drafts):
-        kept = (p.prompt_token_ids[k % len(p.prompt_token_ids)] + k) % (gamma + 1)
-        b["num_drafts"] += 1
-        b["num_draft_tokens"] += gamma
-        b["num_accepted"] += kept
-        for j in range(kept):
-            b["accepted_per_pos"][j] += 1
-    b["num_prompts"] += 1
+        c.add_step(gamma, (p.prompt_token_ids[k % len(p.prompt_token_ids)] + k) % (gamma + 1))
+        if k % 2:
+            c.add_step(0, 0)  # a step without a match, as ngram has
+    b.merge(c)
+    per_prompt.append({"prompt_id": p.prompt_id, "bin": p.bin, **asdict(c)})
     outputs[p.prompt_id] = p.prompt_token_ids[:4]
-for b in per_bin.values():
-    b.pop("gamma")
-atomic_write_json(out, {"method": args["--method"], "draft": None, "gamma": gamma, "per_bin": per_bin,
-                        "outputs": outputs, "engine_start_s": 1.0, "generate_s": 1.0})
+counts = {k: asdict(v) for k, v in per_bin.items()}
+for k, v in counts.items():
+    v.pop("gamma")
+    v["num_prompts"] = sum(p["bin"] == int(k) for p in per_prompt)
+atomic_write_json(out, {"method": args["--method"], "draft": None, "gamma": gamma, "per_bin": counts,
+                        "outputs": outputs, "engine_start_s": 1.0, "generate_s": 1.0, "per_prompt": per_prompt})
 """
 
 DRIVER = r"""
@@ -134,6 +136,7 @@ def eval_overrides(trained, out: Path) -> list[str]:
         "eval.measure_plain=false",
         "eval.baselines=[ngram]",
         "eval.serve_export=never",
+        "eval.reference_proposers=[dspark]",  # the chain is the main job test's; here one row is enough
     ]
 
 
@@ -176,6 +179,8 @@ def uninterrupted(trained, tmp_path_factory):
     got = measured(out)
     assert [d["name"] for d in got["drafters"]] == ["dspark", "ngram"]
     assert got["drafters"][0]["overall"]["num_drafts"] > 0 and got["drafters"][1]["overall"]["num_drafts"] > 0
+    ngram = got["drafters"][1]["overall"]  # the stub's steps without a match are steps, not drafts
+    assert ngram["num_steps"] > ngram["num_drafts"] and ngram["tokens_per_step"] < ngram["tau"]
     return got
 
 
@@ -228,7 +233,7 @@ def test_an_eval_killed_at_any_point_reruns_to_the_uninterrupted_numbers(trained
 
 
 def _drafter(tau_accepted: int) -> DrafterResult:
-    c = AcceptanceCounts(2, 4, 8, tau_accepted, [min(tau_accepted, 4), max(tau_accepted - 4, 0)])
+    c = AcceptanceCounts(2, 4, 8, tau_accepted, [min(tau_accepted, 4), max(tau_accepted - 4, 0)], num_steps=4)
     return DrafterResult("dspark", "reference", "dspark", c.summary(), {"64": {**c.summary(), "num_prompts": 1}})
 
 

@@ -1,14 +1,16 @@
 """The report against hand-computed numbers: the speedup model, the Markdown tables, the JSON
 round trip, the PNGs, the CLI and an offline W&B run. Counts come from ``add_step`` so every
-figure below is derived, not typed in."""
+figure below is derived, not typed in; the hand values are in the comments."""
 
 import json
 import math
 import socket
+from dataclasses import asdict
 
 import pytest
 
 from eval.report import (
+    INSIDE_NOISE,
     Check,
     expected_tokens,
     fit_p,
@@ -19,24 +21,47 @@ from eval.report import (
     speedup_row,
     write_report,
 )
-from eval.results import AcceptanceCounts, Calibration, DrafterResult, EvalConditions, EvalResults
+from eval.results import (
+    STATS,
+    AcceptanceCounts,
+    Calibration,
+    DrafterResult,
+    EvalConditions,
+    EvalResults,
+    bootstrap_interval,
+)
 
 GAMMA = 3
 BINS = [1024, 4096]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# accepted tokens per verification step, per drafter and context bin (4096 empty for ngram)
+# accepted tokens per verification step, per drafter and context bin; None: a step on which the
+# proposer proposed nothing (ngram without a match), a step but not a draft. Each bin's steps are
+# two prompts: the first half and the rest.
 STEPS = {
     "dspark": {"1024": [3, 3, 2, 1, 0], "4096": [3, 2, 2, 0]},
     "dspark-markov-off": {"1024": [2, 1, 0, 1], "4096": [1, 0, 0]},
-    "ngram": {"1024": [1, 0, 0, 0], "4096": []},
+    "ngram": {"1024": [1, 0, None, None, 0, 0], "4096": [None, None]},
 }
 
 
-def counts(accepted: list[int]) -> AcceptanceCounts:
+def counts(accepted: list) -> AcceptanceCounts:
     c = AcceptanceCounts(GAMMA)
     for a in accepted:
-        c.add_step(GAMMA, a)
+        c.add_step(0, 0) if a is None else c.add_step(GAMMA, a)
     return c
+
+
+def prompts_of(steps: list) -> list[list]:
+    half = (len(steps) + 1) // 2
+    return [steps[:half], steps[half:]]
+
+
+def per_prompt(name: str) -> list[dict]:
+    return [
+        {"prompt_id": f"{b}-{i}", "bin": int(b), **asdict(counts(part))}
+        for b, s in STEPS[name].items()
+        for i, part in enumerate(prompts_of(s))
+    ]
 
 
 def overall(name: str) -> AcceptanceCounts:
@@ -49,7 +74,13 @@ def overall(name: str) -> AcceptanceCounts:
 def drafter(name: str, **kw) -> DrafterResult:
     per_bin = {b: {**counts(s).summary(), "num_prompts": 2} for b, s in STEPS[name].items()}
     return DrafterResult(
-        name=name, runner="reference", method=name, overall=overall(name).summary(), per_bin=per_bin, **kw
+        name=name,
+        runner="reference",
+        method=name,
+        overall=overall(name).summary(),
+        per_bin=per_bin,
+        per_prompt=per_prompt(name),
+        **kw,
     )
 
 
@@ -82,8 +113,8 @@ def results() -> EvalResults:
     )
 
 
-def table_rows(md: str, heading: str, nth: int = 0) -> dict[str, list[str]]:
-    """The nth Markdown table under ``## heading``, keyed by its first cell (header row excluded)."""
+def table(md: str, heading: str, nth: int = 0) -> list[list[str]]:
+    """The nth Markdown table under ``## heading``: its header row, then its rows."""
     section = md.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
     tables, current = [], []
     for line in section.splitlines() + [""]:
@@ -93,6 +124,12 @@ def table_rows(md: str, heading: str, nth: int = 0) -> dict[str, list[str]]:
             tables.append(current)
             current = []
     header, _, *rows = tables[nth]
+    return [header, *rows]
+
+
+def table_rows(md: str, heading: str, nth: int = 0) -> dict[str, list[str]]:
+    """The nth Markdown table under ``## heading``, keyed by its first cell (header row excluded)."""
+    header, *rows = table(md, heading, nth)
     return {"__header__": header, **{r[0]: r for r in rows}}
 
 
@@ -109,17 +146,33 @@ def test_expected_tokens_and_fit_p_match_hand_values():
 
 def test_speedup_row_by_hand():
     row = speedup_row(1.875, 3, 0.25)
-    assert row.p == pytest.approx(0.5) and row.tau == 1.875 and row.r == 0.25
+    assert row.p == pytest.approx(0.5) and row.tokens_per_step == 1.875 and row.r == 0.25
     assert row.predicted == pytest.approx(1.5)  # 1.875 / 1.25
 
 
 def test_ratio_check():
     ok = ratio_check("ours over ngram", "dspark tau", 2.4, "ngram tau", 1.6, 1.3)
-    assert ok.measured == pytest.approx(1.5) and ok.target == 1.3 and ok.passed
+    assert ok.measured == pytest.approx(1.5) and ok.target == 1.3 and ok.passed and ok.verdict == "PASS"
     assert "dspark tau 2.400 / ngram tau 1.600 = 1.500" in ok.detail
     assert not ratio_check("x", "a", 1.0, "b", 1.0, 1.3).passed
     no_data = ratio_check("x", "a", 2.0, "b", 0.0, 1.0)
     assert math.isnan(no_data.measured) and not no_data.passed
+
+
+def test_a_check_whose_interval_crosses_its_line_is_inside_the_noise():
+    above = ratio_check("g", "a", 1.5, "b", 1.0, 1.3, interval=(1.35, 1.7))
+    crossing = ratio_check("g", "a", 1.5, "b", 1.0, 1.3, interval=(1.2, 1.7))
+    below = ratio_check("g", "a", 1.1, "b", 1.0, 1.3, interval=(1.0, 1.25))
+    missed_but_close = ratio_check("g", "a", 1.2, "b", 1.0, 1.3, interval=(1.0, 1.4))
+    assert [c.verdict for c in (above, crossing, below, missed_but_close)] == [
+        "PASS",
+        INSIDE_NOISE,
+        "MISS",
+        INSIDE_NOISE,
+    ]
+    assert crossing.passed and not missed_but_close.passed  # the point estimate's side is kept
+    assert "= 1.500 [1.200, 1.700] (need >= 1.3)" in crossing.detail
+    assert ratio_check("g", "a", 1.5, "b", 1.0, 1.3, interval=(math.nan, math.nan)).verdict == "PASS"
 
 
 def test_markdown_tables_carry_the_measured_numbers(results, tmp_path):
@@ -134,14 +187,27 @@ def test_markdown_tables_carry_the_measured_numbers(results, tmp_path):
     assert conditions["context bins"][1] == "1024 (2 prompts), 4096 (2 prompts)"
     assert conditions["checkpoint"][1] == "`/ckpt/step_100`" and conditions["export dir"][1] == "n/a"
 
-    tau = table_rows(md, "Acceptance length tau")
-    assert tau["__header__"] == ["drafter", "runner", "overall", "ctx 1024", "ctx 4096"]
-    for name, bins in STEPS.items():
-        assert tau[name][2] == f"{overall(name).tau:.3f}"
-        for i, b in enumerate(bins):
-            expected = counts(bins[b]).tau
-            assert tau[name][3 + i] == ("n/a" if math.isnan(expected) else f"{expected:.3f}")
-    assert tau["dspark"][3] == "2.800"  # 1 + (3+3+2+1+0)/5, by hand
+    head = ["tokens/step (all steps)", "tau (drafted steps)", "drafted", "pos-1", "steps"]
+    figures = table_rows(md, "Tokens per target step", 0)
+    assert figures["__header__"] == ["drafter", "runner", *head]
+    for name in STEPS:
+        d = next(d for d in results.drafters if d.name == name)
+        lo, hi = bootstrap_interval(
+            [counts(p) for s in STEPS[name].values() for p in prompts_of(s)], STATS["tokens_per_step"]
+        )
+        assert figures[name][2] == f"{overall(name).tokens_per_step:.3f} [{lo:.3f}, {hi:.3f}]"
+        assert lo <= overall(name).tokens_per_step <= hi and (lo, hi) == d.interval("tokens_per_step")
+        assert figures[name][3] == f"{overall(name).tau:.3f}"
+    # ngram: 8 steps, 4 of them drafted, 1 token accepted: 1 + 1/8 per step, 1 + 1/4 per draft
+    assert figures["ngram"][2].startswith("1.125 [") and figures["ngram"][3:5] == ["1.250", "50%"]
+    assert figures["ngram"][6] == "8"
+    # dspark drafts every step: 9 steps, 16 accepted, so both figures are 1 + 16/9
+    assert figures["dspark"][2].startswith("2.778 [") and figures["dspark"][3:5] == ["2.778", "100%"]
+    per_bin = {(r[0], r[1]): r for r in table(md, "Tokens per target step", 1)[1:]}
+    assert per_bin[("dspark", "1024")][3].startswith("2.800 [")  # 1 + (3+3+2+1+0)/5, by hand
+    assert per_bin[("dspark", "1024")][2] == "2"  # prompts
+    # ngram at 4096: two steps without a draft: one token per step, no tau, nothing drafted
+    assert per_bin[("ngram", "4096")][3:6] == ["1.000 [1.000, 1.000]", "n/a", "0%"]
 
     uncond = table_rows(md, "Acceptance per draft position", 0)
     cond = table_rows(md, "Acceptance per draft position", 1)
@@ -151,7 +217,7 @@ def test_markdown_tables_carry_the_measured_numbers(results, tmp_path):
     assert cond["dspark"][1:] == ["0.778", "0.857", "0.500"]  # 7/9, 6/7, 3/6
 
     speed = table_rows(md, "Speedup")
-    dspark_tau = overall("dspark").tau
+    dspark_tau = overall("dspark").tokens_per_step
     assert speed["dspark"][1:] == [
         f"{dspark_tau:.3f}",
         f"{fit_p(dspark_tau, GAMMA):.3f}",
@@ -159,7 +225,7 @@ def test_markdown_tables_carry_the_measured_numbers(results, tmp_path):
         f"{dspark_tau / 1.25:.2f}",
         "1.80",
     ]
-    assert speed["ngram"][3:] == ["n/a", "n/a", "1.20"]  # no r: measured only
+    assert speed["ngram"][1] == "1.125" and speed["ngram"][3:] == ["n/a", "n/a", "1.20"]  # E over every step; no r
 
     cal = table_rows(md, "Confidence calibration")
     assert cal["dspark"][1:] == ["0.050", "10"] and "ngram" not in cal
@@ -167,13 +233,13 @@ def test_markdown_tables_carry_the_measured_numbers(results, tmp_path):
     gates = table_rows(md, "Quality checks")
     assert gates["ours over ngram"][3] == "pass" and gates["markov helps"][3] == "**FAIL**"
     assert gates["ours over ngram"][2] == f"{checks[0].measured:.3f}"
-    for name in ("acceptance_per_position", "tau_per_bin", "calibration"):
+    for name in ("acceptance_per_position", "tokens_per_step_per_bin", "calibration"):
         assert f"![{name}]({name}.png)" in md
 
 
 def test_plots_are_pngs_with_the_expected_names(results, tmp_path):
     paths = write_report(results, tmp_path)
-    assert set(paths.plots) == {"acceptance_per_position", "tau_per_bin", "calibration"}
+    assert set(paths.plots) == {"acceptance_per_position", "tokens_per_step_per_bin", "calibration"}
     for name, p in paths.plots.items():
         assert p == tmp_path / f"{name}.png"
         data = p.read_bytes()
@@ -199,7 +265,13 @@ def test_json_is_strict_writes_nan_as_null_and_round_trips(results, tmp_path):
     data = json.loads(paths.json.read_text(), parse_constant=no_constants)
     ngram = data["drafters"][2]
     assert ngram["per_bin"]["4096"]["tau"] is None and ngram["per_bin"]["4096"]["accept_per_pos"] == [None] * GAMMA
-    assert data["checks"] == [{"name": "gate", "measured": None, "target": 1.0, "passed": False, "detail": "no data"}]
+    assert ngram["per_bin"]["4096"]["tokens_per_step"] == 1.0 and ngram["per_bin"]["4096"]["num_steps"] == 2
+    assert ngram["tokens_per_step"] == pytest.approx(1.125) and ngram["overall"]["draft_share"] == pytest.approx(0.5)
+    lo, hi = ngram["intervals"]["overall"]["tokens_per_step"]
+    assert lo <= 1.125 <= hi and ngram["intervals"]["confidence"] == 0.95
+    assert data["checks"] == [
+        {"name": "gate", "measured": None, "target": 1.0, "passed": False, "detail": "no data", "interval": None}
+    ]
     speed = {row["drafter"]: row for row in data["speedup"]}
     assert set(speed) == {"dspark", "dspark-markov-off", "ngram"}
     assert speed["dspark"]["predicted"] == pytest.approx(overall("dspark").tau / 1.25)
@@ -209,6 +281,7 @@ def test_json_is_strict_writes_nan_as_null_and_round_trips(results, tmp_path):
     assert loaded.conditions == results.conditions
     for got, want in zip(loaded.drafters, results.drafters):
         assert got.name == want.name and got.tau == want.tau and got.calibration == want.calibration
+        assert got.per_prompt == want.per_prompt and got.tokens_per_step == want.tokens_per_step
         for b in want.per_bin:
             assert got.per_bin[b]["num_prompts"] == 2
             assert got.per_bin[b]["tau"] == want.per_bin[b]["tau"] or math.isnan(want.per_bin[b]["tau"])
@@ -254,6 +327,10 @@ def test_wandb_offline_run_gets_scalars_plots_and_tables(results, tmp_path, no_n
         run.finish()
     assert run.offline
     assert summary["eval/dspark/tau"] == pytest.approx(overall("dspark").tau)
+    assert summary["eval/ngram/tokens_per_step"] == pytest.approx(1.125) and summary["eval/ngram/tau"] == 1.25
+    assert summary["eval/ngram/draft_share"] == pytest.approx(0.5)
+    assert summary["eval/ngram/tokens_per_step_lo"] <= 1.125 <= summary["eval/ngram/tokens_per_step_hi"]
+    assert summary["eval/ngram/tokens_per_step_bin_4096"] == 1.0
     assert summary["eval/dspark/tau_bin_1024"] == pytest.approx(2.8)
     assert summary["eval/dspark/accept_pos_1"] == pytest.approx(7 / 9)
     assert summary["eval/dspark/ece"] == pytest.approx(0.05)
@@ -271,7 +348,7 @@ def test_wandb_offline_run_gets_scalars_plots_and_tables(results, tmp_path, no_n
         "eval/plots/acceptance_per_position",
         "eval/plots/calibration",
         "eval/speedup_table",
-        "eval/tau_per_bin_table",
+        "eval/tokens_per_step_per_bin_table",
     ):
         assert key.encode() in record, key
     media = [p.suffix for p in (tmp_path / "wandb").glob("offline-run-*/files/media/**/*") if p.is_file()]
@@ -286,7 +363,31 @@ def test_preset_goals_are_reported_beside_the_measured_tau_and_pos1(results):
     tau, pos1 = ours["tau"], ours["accept_per_pos"][0]
     assert tau == pytest.approx(1 + 16 / 9) and pos1 == pytest.approx(7 / 9)
     checks = {c.name: c for c in quality_checks(results, EvalConfig(target_tau=2.5, target_pos1=0.8))}
-    t, p = checks["tau on the eval set"], checks["first-position acceptance on the eval set"]
+    t, p = checks["tokens per target step on the eval set"], checks["first-position acceptance on the eval set"]
     assert (t.measured, t.target, t.passed) == (pytest.approx(tau), 2.5, True)
     assert (p.measured, p.target, p.passed) == (pytest.approx(pos1), 0.8, False)
-    assert "tau on the eval set" not in {c.name for c in quality_checks(results, EvalConfig())}  # no goal, no check
+    assert t.interval == results.drafters[0].interval("tokens_per_step") and t.interval[0] <= tau <= t.interval[1]
+    assert "tokens per target step on the eval set" not in {c.name for c in quality_checks(results, EvalConfig())}
+
+
+def test_the_ngram_check_compares_tokens_per_step_over_every_step(results):
+    from eval.run import quality_checks
+
+    results.drafters[2].name = "ngram"
+    check = {c.name: c for c in quality_checks(results)}["DSpark over vLLM ngram"]
+    # dspark 1 + 16/9 per step; ngram 1 + 1/8 per step (its tau over drafted steps would be 1.25)
+    assert check.measured == pytest.approx((1 + 16 / 9) / 1.125)
+    assert "tokens/step dspark 2.778 / tokens/step ngram 1.125" in check.detail
+    lo, hi = check.interval
+    assert lo <= check.measured <= hi and lo < hi  # paired over the four prompts both ran
+
+
+def test_summary_lines_put_tokens_per_step_first(results):
+    from eval.report import summary_lines
+
+    check = ratio_check("g", "a", 1.5, "b", 1.0, 1.3, interval=(1.2, 1.7))
+    lines = summary_lines(results, [check])
+    ngram = next(line for line in lines if " ngram " in line)
+    assert ngram.startswith("eval     ngram") and "tokens/step 1.125 [" in ngram
+    assert "(tau 1.250 over drafted steps, 50% drafted; reference)" in ngram
+    assert lines[-1] == f"check    g: inside the noise ({check.detail})"
