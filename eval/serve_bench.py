@@ -8,9 +8,13 @@ vLLM's own benchmark client (``vllm bench serve``, through :mod:`eval.bench_clie
 each level of ``serve_bench.concurrency`` over the eval set or your traffic file. Per
 configuration and level: output tokens/s, requests/s, TTFT p50/p95/p99, TPOT and ITL p50/p95,
 end-to-end latency, the spec-decode counters of the server's ``/metrics`` (drafts, accepted
-tokens, per position; tau = 1 + accepted / drafts) and the server's peak memory (RSS of its
-process tree on CPU, GPU memory on GPUs). Written to ``serve_bench.out_dir``: ``serve_bench.json``,
-``serve_bench.md``, ``tokens_per_s.png``, ``itl_p95.png``, ``speedup.png``; logged to W&B.
+tokens, per position) and the server's peak memory (RSS of its process tree on CPU, GPU memory on
+GPUs). Two acceptance figures: the headline tokens per target step = 1 + accepted / steps over
+**every** verification step, drafted or not (steps = output tokens - requests - accepted: each
+request's first token comes from prefill), and vLLM's tau = 1 + accepted / drafts, over the
+steps with a draft only (ngram drafts only where the last tokens match earlier ones). Written to
+``serve_bench.out_dir``: ``serve_bench.json``, ``serve_bench.md``, ``tokens_per_s.png``,
+``itl_p95.png``, ``speedup.png``; logged to W&B.
 
     python -m eval.serve_bench +experiment=smollm2_cpu_demo                 # the eval set, c = 1, 2, 4
     python -m eval.serve_bench +experiment=... serve_bench.traffic_file=my_traffic.jsonl \\
@@ -582,24 +586,46 @@ def level_record(
     result: dict[str, Any], c: Configuration, gamma: int, concurrency: int, memory: dict, client_log: Path
 ) -> Level:
     """vLLM's result for one level, in serve_bench.json's names; spec counters as AcceptanceCounts
-    (per-position counts from vLLM's per-position rates x drafts; tau 1.0 when nothing was drafted)."""
+    (per-position counts from vLLM's per-position rates x drafts; the verification steps from the
+    output tokens; tau 1.0 when nothing was drafted)."""
     metrics = {ours: float(result.get(theirs, math.nan)) for ours, theirs in METRICS.items()}
     spec = None
     if c.method is not None:
         drafts = int(result.get("spec_decode_num_drafts", 0))
+        accepted = int(result.get("spec_decode_accepted_tokens", 0))
         rates = list(result.get("spec_decode_per_position_acceptance_rates") or [])[:gamma]
         counts = AcceptanceCounts(
             gamma,
             drafts,
             int(result.get("spec_decode_draft_tokens", 0)),
-            int(result.get("spec_decode_accepted_tokens", 0)),
+            accepted,
             [round(r * drafts) for r in rates] + [0] * (gamma - len(rates)),
+            verification_steps(result, accepted),
         )
         spec = counts.summary()
         if not drafts:
-            spec.update(tau=1.0, accept_per_pos=[0.0] * gamma, accept_cond_per_pos=[0.0] * gamma)
+            spec.update(
+                tau=1.0,
+                tokens_per_step=1.0 if counts.num_steps else math.nan,
+                draft_share=0.0,
+                accept_per_pos=[0.0] * gamma,
+                accept_cond_per_pos=[0.0] * gamma,
+            )
         spec["acceptance_rate"] = counts.num_accepted / counts.num_draft_tokens if counts.num_draft_tokens else 0.0
     return Level(concurrency, metrics, spec, memory, str(client_log))
+
+
+def verification_steps(result: dict[str, Any], accepted: int) -> int:
+    """The target's verification steps over the measured requests, drafted or not: each request's
+    first output token comes from prefill, each later step yields 1 + its accepted tokens, so
+    steps = total_output_tokens - completed - accepted. Exact, except that tokens drafted and
+    accepted past the ``max_tokens`` cut on a request's last step are counted by vLLM but not
+    output: it can undercount by at most gamma steps per request. 0 (tokens per step unknown,
+    NaN) when the client's result lacks the keys."""
+    out, done = result.get("total_output_tokens"), result.get("completed")
+    if out is None or done is None or any(isinstance(x, float) and math.isnan(x) for x in (out, done)):
+        return 0
+    return max(int(out) - int(done) - accepted, 0)
 
 
 # --- the benchmark -----------------------------------------------------------------------------
@@ -727,7 +753,7 @@ def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir:
                     conc,
                     lv.metrics["output_tokens_per_s"],
                     lv.metrics["itl_p95_ms"],
-                    f", tau {lv.spec['tau']:.3f}" if lv.spec else "",
+                    f", tok/step {lv.spec['tokens_per_step']:.3f}, tau {lv.spec['tau']:.3f}" if lv.spec else "",
                 )
                 result.levels.append(lv)
         finally:
@@ -780,15 +806,20 @@ class BenchOutcome:
     data: dict[str, Any]
 
     def summary_line(self) -> str:
-        """The main job's closing line: tokens/s per configuration at each level."""
+        """The main job's closing line: tokens/s per configuration at each level, and the first
+        level's tokens per target step over all steps (tau, over the drafted steps, beside it)."""
         levels = self.data["conditions"]["concurrency"]
         parts = []
         for c in self.data["configs"]:
             tps = {lv["concurrency"]: lv["metrics"]["output_tokens_per_s"] for lv in c["levels"]}
-            tau = [lv["spec"]["tau"] for lv in c["levels"] if lv.get("spec")]
+            spec = [lv["spec"] for lv in c["levels"] if lv.get("spec")]
             parts.append(
                 f"{c['label']} {'/'.join(f'{tps[x]:.0f}' if x in tps else '-' for x in levels)}"
-                + (f" (tau {tau[0]:.2f})" if tau else "")
+                + (
+                    f" (tok/step {_fmt(spec[0].get('tokens_per_step'), 2)}, tau {_fmt(spec[0]['tau'], 2)})"
+                    if spec
+                    else ""
+                )
             )
         return f"tokens/s at concurrency {'/'.join(map(str, levels))}: " + ", ".join(parts)
 
@@ -850,6 +881,10 @@ def _fmt(x: Optional[float], digits: int = 1) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _pct(x: Optional[float]) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.0f}%"
+
+
 def _answers(c: dict[str, Any]) -> str:
     n = c["output_len"]
     return f"{n} output tokens each" if n is not None else "each request's own output_tokens"
@@ -867,8 +902,9 @@ def render_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
         "`vllm bench serve` client.",
         "",
         "| config | conc. | out tok/s | req/s | TTFT p50/p95/p99 ms | TPOT p50/p95 ms | ITL p50/p95 ms "
-        "| E2E p50/p95 ms | tau | accept pos 1 | peak mem GiB | speedup vs none |",
-        "|" + "---|" * 12,
+        "| E2E p50/p95 ms | tok/step | tau (drafted steps) | drafted | accept pos 1 | peak mem GiB "
+        "| speedup vs none |",
+        "|" + "---|" * 14,
     ]
     sp = data["speedup_over_none"]
     for cf in data["configs"]:
@@ -885,11 +921,21 @@ def render_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
                 f"{_fmt(m['ttft_p50_ms'], 0)}/{_fmt(m['ttft_p95_ms'], 0)}/{_fmt(m['ttft_p99_ms'], 0)} | "
                 f"{_fmt(m['tpot_p50_ms'])}/{_fmt(m['tpot_p95_ms'])} | "
                 f"{_fmt(m['itl_p50_ms'])}/{_fmt(m['itl_p95_ms'])} | "
-                f"{_fmt(m['e2el_p50_ms'], 0)}/{_fmt(m['e2el_p95_ms'], 0)} | {_fmt(s['tau'], 3) if s else '-'} | "
+                f"{_fmt(m['e2el_p50_ms'], 0)}/{_fmt(m['e2el_p95_ms'], 0)} | "
+                f"{_fmt(s.get('tokens_per_step'), 3) if s else '-'} | {_fmt(s['tau'], 3) if s else '-'} | "
+                f"{_pct(s.get('draft_share')) if s else '-'} | "
                 f"{_fmt(s['accept_per_pos'][0], 3) if s else '-'} | {_fmt(mem, 2)} | "
                 f"{'1.00' if cf['name'] == 'none' else (_fmt(x, 2) + 'x' if x is not None else 'n/a')} |"
             )
-    lines += ["", "peak mem: the server's process tree (RSS on CPU, GPU memory on GPUs) during the level.", ""]
+    lines += [
+        "",
+        "tok/step: 1 + accepted / all verification steps, drafted or not (what a user pays for: target "
+        "forwards); tau (drafted steps): 1 + accepted / drafts, over only the steps with a draft (vLLM's "
+        "counter); drafted: the share of steps with a draft.",
+        "",
+        "peak mem: the server's process tree (RSS on CPU, GPU memory on GPUs) during the level.",
+        "",
+    ]
     lines += [f"![{name}]({p.name})" for name, p in plots.items()]
     lines += ["", "Servers (logs, start time):", ""]
     lines += [
@@ -945,7 +991,8 @@ def wandb_scalars(data: dict[str, Any]) -> dict[str, float]:
             key = f"serve_bench/{cf['name']}/c{lv['concurrency']}"
             out.update({f"{key}/{k}": v for k, v in lv["metrics"].items()})
             if lv.get("spec"):
-                out[f"{key}/tau"] = lv["spec"]["tau"]
+                for k in SPEC_COLUMNS:
+                    out[f"{key}/{k}"] = lv["spec"].get(k)
             out[f"{key}/peak_rss_gib"] = lv["memory"]["peak_rss_gib"]
             if lv["memory"].get("peak_gpu_gib") is not None:
                 out[f"{key}/peak_gpu_gib"] = lv["memory"]["peak_gpu_gib"]
@@ -954,7 +1001,26 @@ def wandb_scalars(data: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in out.items() if v is not None and not math.isnan(float(v))}
 
 
-TABLE_COLUMNS = ["config", "concurrency", *METRICS, "tau", "peak_rss_gib", "peak_gpu_gib"]
+SPEC_COLUMNS = ("tokens_per_step", "tau", "draft_share")
+"""The acceptance figures of a level's spec in the W&B scalars and table: tokens per target step
+over all steps (the headline), tau over the drafted steps, and the share of steps drafted."""
+TABLE_COLUMNS = ["config", "concurrency", *METRICS, *SPEC_COLUMNS, "peak_rss_gib", "peak_gpu_gib"]
+
+
+def table_rows(data: dict[str, Any]) -> list[list[Any]]:
+    """The W&B table's rows, one per configuration and level, in :data:`TABLE_COLUMNS`' order."""
+    return [
+        [
+            cf["label"],
+            lv["concurrency"],
+            *(lv["metrics"].get(k) for k in METRICS),
+            *((lv.get("spec") or {}).get(k) for k in SPEC_COLUMNS),
+            lv["memory"]["peak_rss_gib"],
+            lv["memory"].get("peak_gpu_gib"),
+        ]
+        for cf in data["configs"]
+        for lv in cf["levels"]
+    ]
 
 
 def write_outputs(cfg: Optional[RunConfig], data: dict[str, Any], out_dir: Path) -> BenchOutcome:
@@ -970,18 +1036,7 @@ def write_outputs(cfg: Optional[RunConfig], data: dict[str, Any], out_dir: Path)
         if run is not None:
             import wandb
 
-            rows = [
-                [
-                    cf["label"],
-                    lv["concurrency"],
-                    *lv["metrics"].values(),
-                    (lv.get("spec") or {}).get("tau"),
-                    lv["memory"]["peak_rss_gib"],
-                    lv["memory"].get("peak_gpu_gib"),
-                ]
-                for cf in data["configs"]
-                for lv in cf["levels"]
-            ]
+            rows = table_rows(data)
             run.log(
                 {
                     **wandb_scalars(data),

@@ -18,6 +18,7 @@ import pytest
 
 from eval.serve_bench import (
     METRICS,
+    TABLE_COLUMNS,
     Configuration,
     PortInUseError,
     ServerStartError,
@@ -30,6 +31,8 @@ from eval.serve_bench import (
     port_in_use,
     running_server,
     server_command,
+    table_rows,
+    wandb_scalars,
     write_outputs,
 )
 
@@ -283,6 +286,13 @@ def test_the_json_has_every_metric_the_counters_and_the_speedup(tmp_path):
     ngram = data["configs"][1]["levels"][0]["spec"]
     assert ngram["tau"] == pytest.approx(1 + 17 / 20) and ngram["num_accepted"] <= ngram["num_drafts"] * 4
     assert ngram["accepted_per_pos"] == [10, 5, 2, 0] and ngram["acceptance_rate"] == pytest.approx(17 / 80)
+    # every verification step: 48 output tokens of 4 requests, 4 from prefill, 17 accepted -> 27 steps
+    assert ngram["num_steps"] == 48 - 4 - 17 == 27
+    assert ngram["tokens_per_step"] == pytest.approx(1 + 17 / 27) == pytest.approx(1.6296, abs=1e-4)
+    assert ngram["draft_share"] == pytest.approx(20 / 27)
+    ours = data["configs"][2]["levels"][0]["spec"]  # 10 drafts, nothing accepted: 44 steps of 1 token
+    assert ours["num_steps"] == 44 and ours["tokens_per_step"] == 1.0 and ours["tau"] == 1.0
+    assert ours["draft_share"] == pytest.approx(10 / 44)
     assert data["configs"][0]["levels"][0]["spec"] is None
     for cf in data["configs"]:
         for lv in cf["levels"]:
@@ -296,9 +306,54 @@ def test_the_json_has_every_metric_the_counters_and_the_speedup(tmp_path):
     )
     md = out.markdown.read_text()
     assert "| ours (dflash) | 2 | 36.0 |" in md and "| 1.20x |" in md and "![speedup](speedup.png)" in md
+    assert "| E2E p50/p95 ms | tok/step | tau (drafted steps) | drafted | accept pos 1 |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| ngram | 1 |")]
+    assert len(rows) == 1 and rows[0].split(" | ")[8:12] == ["1.630", "1.850", "74%", "0.500"], rows
+    rows = [line for line in md.splitlines() if line.startswith("| ours (dflash) | 1 |")]
+    assert rows[0].split(" | ")[8:11] == ["1.000", "1.000", "23%"], rows
+    rows = [line for line in md.splitlines() if line.startswith("| none | 1 |")]
+    assert rows[0].split(" | ")[8:12] == ["-", "-", "-", "-"], rows
+    assert all(line.count("|") == 15 for line in md.splitlines() if line.startswith("| ")), md
+    assert "tok/step: 1 + accepted / all verification steps" in md and "vLLM's counter" in md
     assert out.summary_line() == (
-        "tokens/s at concurrency 1/2: none 20/30, ngram 25/33 (tau 1.85), ours (dflash) 30/36 (tau 1.00)"
+        "tokens/s at concurrency 1/2: none 20/30, ngram 25/33 (tok/step 1.63, tau 1.85), "
+        "ours (dflash) 30/36 (tok/step 1.00, tau 1.00)"
     )
+    scalars = wandb_scalars(data)
+    assert scalars["serve_bench/ngram/c1/tokens_per_step"] == pytest.approx(1 + 17 / 27)
+    assert scalars["serve_bench/ngram/c1/tau"] == pytest.approx(1.85)
+    assert scalars["serve_bench/ngram/c1/draft_share"] == pytest.approx(20 / 27)
+    assert not {f"serve_bench/none/c1/{k}" for k in ("tokens_per_step", "tau", "draft_share")} & set(scalars)
+    table = table_rows(data)
+    assert len(table) == 6 and all(len(r) == len(TABLE_COLUMNS) for r in table)
+    ngram_row = dict(zip(TABLE_COLUMNS, table[2]))
+    assert ngram_row["config"] == "ngram" and ngram_row["concurrency"] == 1
+    assert ngram_row["tokens_per_step"] == pytest.approx(1 + 17 / 27) and ngram_row["tau"] == pytest.approx(1.85)
+    assert ngram_row["draft_share"] == pytest.approx(20 / 27) and ngram_row["output_tokens_per_s"] == 25.0
+    assert dict(zip(TABLE_COLUMNS, table[0]))["tokens_per_step"] is None  # no speculation: no spec
+
+
+def test_steps_come_from_the_output_tokens_and_are_unknown_without_them(tmp_path):
+    mem = {"peak_rss_gib": 1.0, "peak_gpu_gib": None}
+    ngram = Configuration("ngram", "ngram")
+    # 4 requests, 400 output tokens, 60 drafts with 90 accepted: 400 - 4 - 90 = 306 steps, 246 undrafted
+    lv = level_record(vllm_result(50.0, drafts=60, accepted=90, tokens=400), ngram, 4, 1, mem, tmp_path / "c.log")
+    assert lv.spec["num_steps"] == 306 and lv.spec["num_drafts"] == 60
+    assert lv.spec["tokens_per_step"] == pytest.approx(1 + 90 / 306) == pytest.approx(1.2941, abs=1e-4)
+    assert lv.spec["tau"] == pytest.approx(2.5) and lv.spec["draft_share"] == pytest.approx(60 / 306)
+    # ngram never matched: every step a plain one, one token each
+    lv = level_record(vllm_result(50.0, tokens=400), ngram, 4, 1, mem, tmp_path / "c.log")
+    assert lv.spec["num_steps"] == 396 and lv.spec["num_drafts"] == 0
+    assert lv.spec["tokens_per_step"] == 1.0 and lv.spec["draft_share"] == 0.0 and lv.spec["tau"] == 1.0
+    # an older client result without the output counts: steps unknown, tokens per step NaN
+    raw = vllm_result(50.0, drafts=60, accepted=90, tokens=400)
+    del raw["total_output_tokens"], raw["completed"]
+    lv = level_record(raw, ngram, 4, 1, mem, tmp_path / "c.log")
+    assert lv.spec["num_steps"] == 0 and math.isnan(lv.spec["tokens_per_step"]) and math.isnan(lv.spec["draft_share"])
+    assert lv.spec["tau"] == pytest.approx(2.5)
+    del raw["spec_decode_num_drafts"], raw["spec_decode_accepted_tokens"]
+    lv = level_record(raw, ngram, 4, 1, mem, tmp_path / "c.log")
+    assert lv.spec["num_steps"] == 0 and math.isnan(lv.spec["tokens_per_step"]) and lv.spec["draft_share"] == 0.0
 
 
 def test_serve_bench_is_not_a_default_stage_and_its_keys_are_checked(compose_config):
