@@ -7,6 +7,18 @@ Markdown table (recipe, steps, training time, predictions per second, val tau, p
 loss) and plots val tau against training predictions and against training time, one line per
 run: the scaling curve.
 
+Each val tau and pos-1 carries its 95 % interval over the validation's ``blocks`` (drafted
+blocks, one per anchor, as the trainer records them). With a_k = P(accepted length >= k), the
+shares the validation records as ``accept_pos_k``, the accepted length L of a block has
+E[L] = sum_k a_k and E[L^2] = sum_k (2k - 1) a_k, so tau = 1 + E[L] has the standard error
+sqrt(Var(L) / blocks) and the interval tau +- 1.96 SE; pos-1 (a share) has the binomial one,
+a_1 +- 1.96 sqrt(a_1 (1 - a_1) / blocks). The blocks of one sequence are correlated (several
+anchors share its context), so this treats them as more independent draws than they are: it
+is a lower bound on the noise, and the seed-to-seed spread that ``--paired`` gives is the
+fuller measure. A run whose interval overlaps the best run's is marked "inside the noise" of
+the best: the table cannot rank the two. Validations recorded before the trainer counted the
+blocks show "n/a".
+
     .venv/bin/python benchmarks/ablation_report.py outputs/checkpoints/smollm2-135m/ablate-* \\
         --plot docs/img/ablation.png [--json outputs/benchmarks/ablation.json]
 
@@ -30,6 +42,8 @@ from pathlib import Path
 
 from dspark.core.files import read_jsonl
 
+Z95 = 1.96  # two-sided 95 % quantile of the normal distribution
+
 
 def runs(paths: list[Path], dirs: dict[str, Path] | None = None) -> dict[str, list[dict]]:
     """Run name -> its validations; ``dirs`` (if given) gets run name -> checkpoint directory."""
@@ -46,17 +60,85 @@ def runs(paths: list[Path], dirs: dict[str, Path] | None = None) -> dict[str, li
     return found
 
 
+def noise(v: dict) -> dict | None:
+    """The 95 % intervals of one validation's tau and pos-1 over its ``blocks`` (module
+    docstring); None when the record has no block count. Keys: blocks, tau_se, tau_lo, tau_hi,
+    pos1_se, pos1_lo, pos1_hi."""
+    n = v.get("blocks")
+    if not n:
+        return None
+    a: list[float] = []  # a_k = accept_pos_k, k = 1 .. block size
+    while f"accept_pos_{len(a) + 1}" in v:
+        a.append(v[f"accept_pos_{len(a) + 1}"])
+    mean = sum(a)
+    second = sum((2 * k - 1) * ak for k, ak in enumerate(a, start=1))
+    tau_se = math.sqrt(max(second - mean**2, 0.0) / n)  # max: rounding may leave -1e-17
+    pos1_se = math.sqrt(max(a[0] * (1.0 - a[0]), 0.0) / n)
+    return {
+        "blocks": n,
+        "tau_se": tau_se,
+        "tau_lo": v["tau"] - Z95 * tau_se,
+        "tau_hi": v["tau"] + Z95 * tau_se,
+        "pos1_se": pos1_se,
+        "pos1_lo": a[0] - Z95 * pos1_se,
+        "pos1_hi": a[0] + Z95 * pos1_se,
+    }
+
+
+def ranking(found: dict[str, list[dict]]) -> list[tuple[str, dict | None, str]]:
+    """(run, its final validation's :func:`noise`, its standing) from the highest val tau down.
+    Standing: "best" for the first, "inside the noise" where a run's tau interval overlaps the
+    best's, "n/a" where either has no interval, "" otherwise."""
+    order = sorted(found, key=lambda name: -found[name][-1]["tau"])
+    ivs = {name: noise(found[name][-1]) for name in order}
+    best = ivs[order[0]]
+    out = []
+    for i, name in enumerate(order):
+        iv = ivs[name]
+        if i == 0:
+            standing = "best"
+        elif iv is None or best is None:
+            standing = "n/a"
+        else:
+            standing = "inside the noise" if iv["tau_lo"] <= best["tau_hi"] and best["tau_lo"] <= iv["tau_hi"] else ""
+        out.append((name, iv, standing))
+    return out
+
+
 def table(found: dict[str, list[dict]]) -> str:
-    head = "| run | steps | train min | predictions | pred/s | val tau | val pos-1 | val loss |\n" + "|---" * 8 + "|"
+    head = (
+        "| run | steps | train min | predictions | pred/s | val tau (95 %) | val pos-1 (95 %) | val loss | blocks "
+        "| vs best |\n" + "|---" * 10 + "|"
+    )
     rows = []
-    for name, vals in sorted(found.items(), key=lambda kv: -kv[1][-1]["tau"]):
-        v = vals[-1]
+    ranked = ranking(found)
+    for name, iv, standing in ranked:
+        v = found[name][-1]
         rate = v["predictions"] / v["train_seconds"] if v["train_seconds"] else float("nan")
+        tau_pm, pos1_pm = (f"{Z95 * iv['tau_se']:.3f}", f"{Z95 * iv['pos1_se']:.3f}") if iv else ("n/a", "n/a")
         rows.append(
             f"| {name} | {v['step']} | {v['train_seconds'] / 60:.1f} | {v['predictions']:,} | {rate:.0f} | "
-            f"{v['tau']:.3f} | {v['accept_pos_1']:.3f} | {v['loss']:.3f} |"
+            f"{v['tau']:.3f} ± {tau_pm} | {v['accept_pos_1']:.3f} ± {pos1_pm} | {v['loss']:.3f} | "
+            f"{iv['blocks'] if iv else 'n/a'} | {standing} |"
         )
-    return "\n".join([head, *rows])
+    best, best_iv, _ = ranked[0]
+    note = (
+        "\n\n± is 1.96 standard errors over the validation blocks, a lower bound on the noise (the blocks of "
+        "one sequence are correlated; the seed-to-seed spread of --paired is the fuller measure). "
+    )
+    if best_iv is None:
+        note += f"The best run, {best}, has no block count in its validation: no run can be placed inside its noise."
+    else:
+        inside = [name for name, _, standing in ranked if standing == "inside the noise"]
+        note += (
+            f"Inside the noise of the best run, {best} (val tau intervals overlap its own): {', '.join(inside)}."
+            if inside
+            else f"No run's val tau interval overlaps the best run's ({best})."
+        )
+        unknown = [name for name, _, standing in ranked if standing == "n/a"]
+        if unknown:
+            note += f" No block count, not compared: {', '.join(unknown)}."
+    return "\n".join([head, *rows]) + note
 
 
 def fit(vals: list[dict], goal: float) -> dict:
@@ -187,7 +269,8 @@ def main() -> None:
         plot(found, args.plot, fits)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"runs": found, "fits": fits}, indent=1))
+        intervals = {name: {**(iv or {}), "standing": standing} for name, iv, standing in ranking(found)}
+        args.json.write_text(json.dumps({"runs": found, "intervals": intervals, "fits": fits}, indent=1))
 
 
 if __name__ == "__main__":

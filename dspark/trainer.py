@@ -819,7 +819,7 @@ class Trainer:
         gen = torch.Generator().manual_seed(12345 + self.rank)
         mine = list(range(self.rank, len(ds), self.world))
         names = self._scalar_names()
-        sums, n = torch.zeros(len(names), dtype=torch.float64), 0.0
+        sums, n, blocks = torch.zeros(len(names), dtype=torch.float64), 0.0, 0.0
         calib = calibration_sums(torch.empty(0), torch.empty(0))
         for i in range(0, len(mine), self.t.micro_batch_size):
             seqs = [ds[j] for j in mine[i : i + self.t.micro_batch_size]]
@@ -833,16 +833,20 @@ class Trainer:
             scalars = self._scalars(out)
             sums += torch.tensor([scalars[k] * out.num_positions for k in names], dtype=torch.float64)
             n += out.num_positions
+            blocks += float(valid.sum())  # drafted blocks: valid anchors (their first label is an answer token)
             calib += calibration_sums(out.confidence, out.confidence_target)
         self.engine.train()
-        flat = torch.cat([sums, torch.tensor([n], dtype=torch.float64), calib.flatten()]).to(self.engine.device)
+        flat = torch.cat([sums, torch.tensor([n, blocks], dtype=torch.float64), calib.flatten()]).to(self.engine.device)
         if self.world > 1:
             dist.all_reduce(flat)
         flat = flat.cpu()
         total = float(flat[len(names)])
         res = {k: float(v) / max(total, 1) for k, v in zip(names, flat[: len(names)])}
         res["tau"] = 1.0 + sum(res[f"accept_pos_{k}"] for k in range(1, self.cfg.drafter.block_size + 1))
-        res["confidence_ece"] = expected_calibration_error(flat[len(names) + 1 :].view(-1, 3))
+        res["confidence_ece"] = expected_calibration_error(flat[len(names) + 2 :].view(-1, 3))
+        # How many drafted blocks (anchors) the acceptance shares are counted over (``total`` above
+        # counts supervised predictions, up to block_size per block): the n of their standard errors.
+        res["blocks"] = int(flat[len(names) + 1])
         log.info(
             "val step %d | loss %.4f | tau %.3f | acceptance %s | confidence ECE %.3f",
             self.state.step,
