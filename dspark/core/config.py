@@ -586,7 +586,8 @@ class EvalConfig:
     confidence_threshold: Optional[float] = None
     """End a draft block at the first position the confidence head puts below this."""
     target_tau: Optional[float] = None
-    """A preset's goal for tau on the eval set, reported by the main job's checks (not enforced)."""
+    """A preset's goal for tokens per target step on the eval set (our drafter drafts every step, so
+    it is its tau), reported by the main job's checks (not enforced)."""
     target_pos1: Optional[float] = None
     """A preset's goal for first-position acceptance on the eval set, reported likewise."""
     checkpoint: Optional[str] = None

@@ -1,6 +1,7 @@
 """End to end against a real vLLM client: a drafter trained here, exported in the fill-in
 (dflash) layout, served by vLLM's ``dflash`` method on CPU, must get the same acceptance as the
-reference loop running the same export. Slow: extraction, training and two vLLM engines."""
+reference loop running the same export, and the served ngram the counts of vLLM's own lookup in
+the reference loop. Slow: extraction, training and three vLLM engines."""
 
 import json
 import subprocess
@@ -85,7 +86,8 @@ def test_dflash_export_served_by_vllm_matches_the_reference_loop(tmp_path, smoll
             f"eval.prompts_file={tmp_path / 'evalset.jsonl'}",
             "eval.gamma=4",
             "eval.max_new_tokens=64",
-            "eval.baselines=[]",
+            "eval.baselines=[ngram]",
+            "eval.reference_proposers=[dspark,ngram]",
             "eval.measure_plain=false",
             f"hydra.run.dir={tmp_path}/run2",
         ]
@@ -99,6 +101,13 @@ def test_dflash_export_served_by_vllm_matches_the_reference_loop(tmp_path, smoll
     assert ref["tau"] > 1.5, ref  # the drafter really drafts (1.79 when this was written)
     assert served["tau"] == pytest.approx(ref["tau"], rel=0.02), (served, ref)
     assert served["num_drafts"] == pytest.approx(ref["num_drafts"], rel=0.02)
+    # vLLM's own lookup in the reference loop counts what the served ngram counts: every step,
+    # drafted or not (they agreed exactly when this was written)
+    ref_ngram, vllm_ngram = by_name["ngram-reference"]["overall"], by_name["ngram"]["overall"]
+    assert vllm_ngram["num_steps"] > vllm_ngram["num_drafts"] > 0  # some steps had no match
+    for key in ("num_steps", "num_drafts", "num_accepted"):
+        assert ref_ngram[key] == pytest.approx(vllm_ngram[key], rel=0.02), (key, ref_ngram, vllm_ngram)
+    assert ref_ngram["tokens_per_step"] == pytest.approx(vllm_ngram["tokens_per_step"], rel=0.02)
     # the export that vLLM served is the one the reference loop read
     cfg = json.loads(
         (
