@@ -320,7 +320,7 @@ def plot_tokens_per_step_per_bin(results: EvalResults, path: Path) -> None:
     c = results.conditions
     bins = [str(b) for b in c.context_bins]
     width = 0.8 / max(len(results.drafters), 1)
-    fig = Figure(figsize=(max(6, 1.5 * len(bins)), 4))
+    fig = Figure(figsize=(max(7.5, 1.8 * len(bins)), 4.2))
     ax = fig.add_subplot()
     for i, d in enumerate(results.drafters):
         xs = [j + (i - (len(results.drafters) - 1) / 2) * width for j in range(len(bins))]
@@ -337,7 +337,7 @@ def plot_tokens_per_step_per_bin(results: EvalResults, path: Path) -> None:
         xlabel="context bin (tokens)",
         ylabel="tokens per target step (all steps)",
         ylim=(0, min(c.gamma + 1, max(2.0, 1.25 * top))),
-        title=f"Tokens per target step per context bin ({CONFIDENCE:.0%} interval over prompts)\n{_conditions_line(c)}",
+        title=f"Tokens per target step per context bin\n{_conditions_line(c)}; bars: {CONFIDENCE:.0%} over prompts",
     )
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
