@@ -173,7 +173,7 @@ def vllm_eval(
     run = run_in_subprocess(spec, out_dir / f"vllm_{name}.json", timeout=e.vllm_timeout_s)
     total, per = AcceptanceCounts(gamma), {}
     for b, d in run.per_bin.items():
-        c = AcceptanceCounts.from_dict(d)
+        c = AcceptanceCounts.from_dict({"gamma": gamma, **d})
         per[b] = {**c.summary(), "num_prompts": d["num_prompts"]}
         total.merge(c)
     return DrafterResult(
@@ -184,7 +184,7 @@ def vllm_eval(
         per,
         notes=f"vLLM {method}{' ' + str(draft) if draft else ''}; engine start {run.engine_start_s:.0f}s; "
         "one prompt at a time, steps from the engine's inter-token-latency count",
-        per_prompt=run.per_prompt,
+        per_prompt=[{"gamma": gamma, **p} for p in run.per_prompt],
     )
 
 
