@@ -21,9 +21,14 @@ Across nodes (``data.online.trainer_addr`` set) the producer is its own job step
 sequences to the trainer's rank 0 over torch.distributed: a two-process gloo group of its own
 (the trainer's DeepSpeed group is untouched) on a TCPStore that the trainer hosts. The store
 carries the control values (the producer's description of its stream, the trainer's cursor,
-the producer's rates); gloo carries each sequence as a header (index, size) and its pickled row.
-A gloo send completes only once the receiver has posted the matching receive, and the trainer's
-receiving thread posts one only when its buffer has room: the back-pressure reaches the engine.
+the producer's rates); gloo carries each sequence as a header (index, size) and its row as a
+frame (:func:`encode_row`): a fixed prefix, a JSON header naming each field's kind, dtype from an
+allow-list, shape and byte count, then the raw buffers. Decoding a frame runs no code of the
+sender's (no pickle): :func:`decode_row` and :meth:`StreamLink.recv` refuse, with a
+:class:`StreamError` naming the message and field, anything but a well-formed frame of the
+messages the stream carries (docs/faults.md, "What trusts its input"). A gloo send completes
+only once the receiver has posted the matching receive, and the trainer's receiving thread posts
+one only when its buffer has room: the back-pressure reaches the engine.
 :class:`RemoteSource` is the trainer's side.
 
 Several producers (``data.online.producers``: data-parallel engines, each its own job step and
@@ -39,16 +44,21 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import pickle
+import math
 import queue
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Protocol
 
+import numpy as np
+import pyarrow as pa
 import torch
 
 from dspark.core.config import ConfigError
+from dspark.core.errors import UserError
+from dspark.core.shard_format import SCHEMA, check_row
 
 log = logging.getLogger(__name__)
 
@@ -280,11 +290,247 @@ def no_prompt_fits(num_prompts: int, skipped: Optional[dict] = None) -> str:
 TRAINER, PRODUCER = 0, 1
 
 
+class StreamError(UserError):
+    """A message on the link that is not one the stream carries (a malformed frame, a row
+    without a shard row's fields, a size out of range): the message names which one, the field
+    and what was expected. Whatever sent it is not this code's producer, or another version."""
+
+
+FRAME_MAGIC = b"DSRW"
+FRAME_VERSION = 1
+FRAME_PREFIX = struct.Struct("<4sHI")
+"""A frame's first bytes: magic, version, header bytes (little-endian). The JSON header follows,
+then each buffer field's raw bytes in the header's order, nothing after the last::
+
+    {"fields": [{"name": "seq_id", "kind": "str", "value": "..."},
+                {"name": "num_tokens", "kind": "int", "value": 12},
+                {"name": "input_ids", "kind": "ints", "count": 12, "bytes": 96},     int64 LE
+                {"name": "hidden_states", "kind": "bytes", "bytes": 4224},
+                {"name": "x", "kind": "array", "dtype": "float32", "shape": [2, 3], "bytes": 24}]}
+"""
+MAX_HEADER_BYTES = 1 << 20
+"""A frame's JSON header (field names, kinds, sizes, ints and strings) is far below this."""
+MAX_FRAME_BYTES = 1 << 36
+"""The largest frame a link receives by default (64 GiB; a Kimi K3 row of 16k tokens in bf16 is
+1.4 GB); a declared size above it is refused before anything is allocated."""
+ARRAY_DTYPES = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
+    + ("float16", "float32", "float64")
+}
+"""The numpy dtypes an ``array`` field may have (stored little-endian)."""
+_INT64 = np.dtype("<i8")
+_INT64_RANGE = (-(2**63), 2**63 - 1)
+_FIELD_KEYS = {
+    "int": {"value"},
+    "str": {"value"},
+    "bytes": {"bytes"},
+    "ints": {"count", "bytes"},
+    "array": {"dtype", "shape", "bytes"},
+}
+"""Each field kind -> its header keys besides ``name`` and ``kind``."""
+
+
+def value_kind(value: Any) -> Optional[str]:
+    """The frame kind of a row value (exact types only, so a decoded row equals the sent one), or None."""
+    if type(value) is int:
+        return "int" if _INT64_RANGE[0] <= value <= _INT64_RANGE[1] else None
+    if type(value) is str:
+        return "str"
+    if type(value) is bytes:
+        return "bytes"
+    if type(value) is list and all(type(v) is int for v in value):
+        return "ints"
+    if type(value) is np.ndarray and value.dtype.name in ARRAY_DTYPES:
+        return "array"
+    return None
+
+
+def encode_row(row: dict[str, Any]) -> bytearray:
+    """A row (field name -> an int64-range int, str, bytes, list of ints or numpy array of
+    :data:`ARRAY_DTYPES`) -> one frame (:data:`FRAME_PREFIX`), mutable so that the link hands it
+    to gloo without another copy."""
+    fields, buffers = [], []
+    for name, value in row.items():
+        kind = value_kind(value) if type(name) is str else None
+        if kind is None:
+            raise TypeError(
+                f"stream row field {name!r}: a {type(value).__name__} cannot travel; expected a str name and an int "
+                f"(int64 range), str, bytes, list of ints or numpy array of {list(ARRAY_DTYPES)}"
+            )
+        if kind in ("int", "str"):
+            fields.append({"name": name, "kind": kind, "value": value})
+            continue
+        if kind == "bytes":
+            buf, extra = value, {}
+        elif kind == "ints":
+            buf, extra = np.asarray(value, dtype=_INT64).tobytes(), {"count": len(value)}
+        else:
+            buf = np.ascontiguousarray(value, dtype=ARRAY_DTYPES[value.dtype.name]).tobytes()
+            extra = {"dtype": value.dtype.name, "shape": list(value.shape)}
+        fields.append({"name": name, "kind": kind, **extra, "bytes": len(buf)})
+        buffers.append(buf)
+    header = json.dumps({"fields": fields}, separators=(",", ":")).encode()
+    return bytearray().join([FRAME_PREFIX.pack(FRAME_MAGIC, FRAME_VERSION, len(header)), header, *buffers])
+
+
+def decode_row(frame: bytes | bytearray | memoryview | np.ndarray, *, what: str = "frame") -> dict[str, Any]:
+    """A frame -> the row :func:`encode_row` was given (same keys in the same order, types and
+    values). Runs no code of the sender's; raises :class:`StreamError` naming ``what`` (the
+    message), the field and what was expected for anything else."""
+    mv = memoryview(frame).cast("B")
+    if len(mv) < FRAME_PREFIX.size:
+        raise StreamError(
+            f"{what}: {len(mv)} bytes, shorter than a frame's {FRAME_PREFIX.size}-byte prefix (magic, version, "
+            "header bytes)"
+        )
+    magic, version, header_bytes = FRAME_PREFIX.unpack_from(mv)
+    if magic != FRAME_MAGIC:
+        hint = " (a pickle: the sender runs an older version of this code?)" if mv[0] == 0x80 else ""
+        raise StreamError(f"{what}: starts with {bytes(mv[:4])!r}, expected a frame's magic {FRAME_MAGIC!r}{hint}")
+    if version != FRAME_VERSION:
+        raise StreamError(
+            f"{what}: frame version {version}, this code reads {FRAME_VERSION} (run the same code on the producer "
+            "and the trainer)"
+        )
+    if header_bytes > MAX_HEADER_BYTES:
+        raise StreamError(f"{what}: declares a header of {header_bytes} bytes, expected at most {MAX_HEADER_BYTES}")
+    offset = FRAME_PREFIX.size + header_bytes
+    if offset > len(mv):
+        raise StreamError(
+            f"{what}: declares a header of {header_bytes} bytes, the frame holds {len(mv) - FRAME_PREFIX.size} after "
+            "its prefix (truncated)"
+        )
+    try:
+        header = json.loads(mv[FRAME_PREFIX.size : offset].tobytes().decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError; nesting too deep
+        raise StreamError(f"{what}: the header is not UTF-8 JSON ({e})") from None
+    if not isinstance(header, dict) or set(header) != {"fields"} or not isinstance(header["fields"], list):
+        raise StreamError(f"{what}: the header is {_short(header)}, expected an object with one key, 'fields' (a list)")
+    row: dict[str, Any] = {}
+    for i, spec in enumerate(header["fields"]):
+        name, kind = _check_field(spec, i, row, what)
+        where = f"{what}, field {name!r}"
+        if kind in ("int", "str"):
+            row[name] = spec["value"]
+            continue
+        size = spec["bytes"]
+        if size > len(mv) - offset:
+            raise StreamError(
+                f"{where}: declares {size} bytes, the frame holds {len(mv) - offset} after the fields before it "
+                "(truncated)"
+            )
+        buf, offset = mv[offset : offset + size], offset + size
+        if kind == "bytes":
+            row[name] = buf.tobytes()
+        elif kind == "ints":
+            row[name] = np.frombuffer(buf, dtype=_INT64).tolist()
+        else:
+            row[name] = np.frombuffer(buf, dtype=ARRAY_DTYPES[spec["dtype"]]).reshape(spec["shape"]).copy()
+    if offset != len(mv):
+        raise StreamError(f"{what}: {len(mv) - offset} bytes after the last field's, expected none")
+    return row
+
+
+def _check_field(spec: Any, i: int, row: dict[str, Any], what: str) -> tuple[str, str]:
+    """(name, kind) of header field ``i`` once its keys and values are what its kind needs."""
+    if not isinstance(spec, dict) or type(spec.get("name")) is not str or spec.get("kind") not in _FIELD_KEYS:
+        raise StreamError(
+            f"{what}: header field {i} is {_short(spec)}, expected an object with a str 'name' and a 'kind' among "
+            f"{list(_FIELD_KEYS)}"
+        )
+    name, kind = spec["name"], spec["kind"]
+    where = f"{what}, field {name!r}"
+    if name in row:
+        raise StreamError(f"{where}: appears twice in the header, expected each name once")
+    want = {"name", "kind"} | _FIELD_KEYS[kind]
+    if set(spec) != want:
+        raise StreamError(f"{where}: a {kind} field with keys {sorted(spec)}, expected {sorted(want)}")
+    value = spec.get("value")
+    if kind == "int" and value_kind(value) != "int":
+        raise StreamError(f"{where}: value {_short(value)}, expected an integer in the int64 range")
+    if kind == "str" and type(value) is not str:
+        raise StreamError(f"{where}: value {_short(value)}, expected a string")
+    if kind in ("int", "str"):
+        return name, kind
+    size = _size(spec["bytes"], f"{where}: 'bytes'")
+    if kind == "ints" and size != 8 * _size(spec["count"], f"{where}: 'count'"):
+        raise StreamError(f"{where}: {spec['count']} int64 values in {size} bytes, expected {8 * spec['count']}")
+    if kind == "array":
+        if spec["dtype"] not in ARRAY_DTYPES:
+            raise StreamError(f"{where}: dtype {_short(spec['dtype'])}, expected one of {list(ARRAY_DTYPES)}")
+        shape = spec["shape"]
+        if not isinstance(shape, list) or len(shape) > 32:
+            raise StreamError(f"{where}: shape {_short(shape)}, expected a list of at most 32 sizes")
+        count = math.prod(_size(n, f"{where}: shape {shape}") for n in shape)
+        itemsize = ARRAY_DTYPES[spec["dtype"]].itemsize
+        if count * itemsize != size:
+            raise StreamError(
+                f"{where}: shape {shape} of {spec['dtype']} is {count * itemsize} bytes, the header declares {size}"
+            )
+    return name, kind
+
+
+def _size(value: Any, where: str) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_FRAME_BYTES:
+        raise StreamError(f"{where} is {_short(value)}, expected an integer in [0, {MAX_FRAME_BYTES}]")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _frame_kind(t: pa.DataType) -> str:
+    if pa.types.is_string(t):
+        return "str"
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_list(t) and pa.types.is_integer(t.value_type):
+        return "ints"
+    assert pa.types.is_large_binary(t), f"no frame kind for the shard column type {t}"
+    return "bytes"
+
+
+MESSAGE_FIELDS = {
+    "row": {f.name: _frame_kind(f.type) for f in SCHEMA},
+    BLOCK_END: {"end": "int"},
+    VAL_END: {},
+    STREAM_END: {},
+}
+"""The fields (name -> frame kind) of each message the link carries: a train (index >= 0) or
+validation (:data:`VAL_ROW`) sequence has a shard row's columns; the others are control messages."""
+
+
+def message_fields(index: int, what: str) -> dict[str, str]:
+    """The fields a message with this index has (:data:`MESSAGE_FIELDS`); refuses an index the
+    stream does not use."""
+    want = MESSAGE_FIELDS.get("row" if index >= 0 or index == VAL_ROW else index)
+    if want is None:
+        raise StreamError(
+            f"{what}: index {index}, expected a prompt index >= 0 or a control index "
+            f"{sorted([VAL_ROW, *(k for k in MESSAGE_FIELDS if k != 'row')])}"
+        )
+    return want
+
+
+def check_message(item: StreamItem, what: str) -> None:
+    """Refuse a decoded message whose fields are not those its index says (:data:`MESSAGE_FIELDS`)."""
+    want = message_fields(item.index, what)
+    got = {name: value_kind(value) for name, value in item.row.items()}
+    if got != want:
+        raise StreamError(f"{what} (index {item.index}): fields {got}, expected {want}")
+
+
 class StreamLink:
     """The trainer's rank 0 (``role="trainer"``, hosts the TCPStore on ``port``) and one producer
-    (``role="producer"``), in a two-process gloo group of their own."""
+    (``role="producer"``), in a two-process gloo group of their own. A message is a header tensor
+    (index, frame bytes) and the frame (:func:`encode_row`); :meth:`recv` refuses one that is not
+    a frame of a message the stream carries, and a declared size above ``max_frame_bytes`` before
+    allocating it."""
 
-    def __init__(self, host: str, port: int, *, role: str, timeout_s: float):
+    def __init__(self, host: str, port: int, *, role: str, timeout_s: float, max_frame_bytes: int = MAX_FRAME_BYTES):
         import torch.distributed as dist
 
         self.rank = {"trainer": TRAINER, "producer": PRODUCER}[role]
@@ -292,23 +538,31 @@ class StreamLink:
         self.store = dist.TCPStore(host, port, 2, self.rank == TRAINER, timeout=timeout)
         self.pg = dist.ProcessGroupGloo(self.store, self.rank, 2, timeout)
         self.peer = 1 - self.rank
+        self.where, self.max_frame_bytes, self.received = f"{host}:{port}", max_frame_bytes, 0
 
     def send(self, item: StreamItem) -> None:
         """Send one item; it completes when the peer has taken it."""
-        payload = pickle.dumps(item.row, protocol=pickle.HIGHEST_PROTOCOL) if item.row else b""
-        self.pg.send([torch.tensor([item.index, len(payload)], dtype=torch.int64)], self.peer, 0).wait()
-        if payload:
-            self.pg.send([torch.frombuffer(bytearray(payload), dtype=torch.uint8)], self.peer, 1).wait()
+        frame = encode_row(item.row)
+        self.pg.send([torch.tensor([item.index, len(frame)], dtype=torch.int64)], self.peer, 0).wait()
+        self.pg.send([torch.frombuffer(frame, dtype=torch.uint8)], self.peer, 1).wait()
 
     def recv(self) -> StreamItem:
         header = torch.zeros(2, dtype=torch.int64)
         self.pg.recv([header], self.peer, 0).wait()
         index, size = (int(v) for v in header)
-        if not size:
-            return StreamItem(index, {})
+        self.received += 1
+        what = f"online: message {self.received} on the link at {self.where}"
+        message_fields(index, what)
+        if not FRAME_PREFIX.size <= size <= self.max_frame_bytes:
+            raise StreamError(
+                f"{what} (index {index}): declares a frame of {size} bytes, expected {FRAME_PREFIX.size} to "
+                f"{self.max_frame_bytes}"
+            )
         payload = torch.empty(size, dtype=torch.uint8)
         self.pg.recv([payload], self.peer, 1).wait()
-        return StreamItem(index, pickle.loads(payload.numpy().tobytes()))
+        item = StreamItem(index, decode_row(payload.numpy(), what=what))
+        check_message(item, what)
+        return item
 
     def set(self, key: str, value: Any) -> None:
         self.store.set(key, json.dumps(value))
@@ -353,15 +607,36 @@ class RemoteSource:
     def val_rows(self) -> list[dict[str, Any]]:
         """Producer 0's validation rows (the others send only the end of the set)."""
         rows = []
-        for k, link in enumerate(self.links):
+        for k in range(len(self.links)):
             while True:
-                item = link.recv()
+                item = self._recv(k, expect=(VAL_ROW, VAL_END))
                 if item.index == VAL_END:
                     break
                 if k:
                     raise RuntimeError(f"online: producer {k} sent a validation row; only producer 0 makes them")
                 rows.append(item.row)
         return rows
+
+    def _recv(self, k: int, *, expect: tuple[int, ...]) -> StreamItem:
+        """Producer k's next message, refused (:class:`StreamError`) unless its index is among
+        ``expect`` (a prompt index >= 0 where ``expect`` holds 0) and a sequence's row has the
+        byte counts of the stream's layers, width and dtype (``shard_format.check_row``)."""
+        item = self.links[k].recv()
+        kind = 0 if item.index >= 0 else item.index
+        if kind not in expect:
+            raise StreamError(
+                f"online: producer {k} sent a message with index {item.index} where the stream has one of {expect} "
+                "(0: a prompt index >= 0)"
+            )
+        if kind in (0, VAL_ROW):
+            n_layers = len(self.layer_ids)
+            bad = check_row(item.row, n_layers=n_layers, hidden_size=self.hidden_size, dtype=self.store_dtype)
+            if bad:
+                raise StreamError(
+                    f"online: producer {k} sent sequence {item.row['seq_id']!r} (index {item.index}) that does not fit "
+                    f"its stream ({n_layers} layers x {self.hidden_size}, {self.store_dtype}): {bad}"
+                )
+        return item
 
     def start(self, cursor: int) -> None:
         self._last = cursor - 1
@@ -379,7 +654,7 @@ class RemoteSource:
         buffer, link = self.buffers[k], self.links[k]
         try:
             while True:
-                item = link.recv()
+                item = self._recv(k, expect=(0, BLOCK_END, STREAM_END))
                 if item.index == STREAM_END:
                     return
                 if not buffer.closed:
@@ -387,6 +662,9 @@ class RemoteSource:
                         buffer.put(item)
                     except StreamClosed:
                         pass
+        except StreamError as e:  # not what this code's producer sends: a rerun would not help
+            if not buffer.closed:
+                buffer.fail(e)
         except BaseException as e:  # the producer died or the link broke: the trainer raises it
             if not buffer.closed:
                 why = f"{type(e).__name__}: {e}"
