@@ -11,23 +11,17 @@ import pytest
 import torch
 
 from dspark.core.errors import UserError
-from dspark.core.shard_format import encode_hidden_states
-from dspark.core.stream import (
-    BLOCK_END,
+from dspark.core.frames import (
     FRAME_MAGIC,
     FRAME_PREFIX,
     FRAME_VERSION,
     MAX_HEADER_BYTES,
-    STREAM_END,
-    VAL_END,
-    VAL_ROW,
     StreamError,
-    StreamItem,
-    StreamLink,
-    check_message,
     decode_row,
     encode_row,
 )
+from dspark.core.shard_format import encode_hidden_states
+from dspark.core.stream import BLOCK_END, STREAM_END, VAL_END, VAL_ROW, StreamItem, StreamLink, check_message
 
 LAYERS, HIDDEN = 3, 8
 
