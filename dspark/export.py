@@ -24,12 +24,12 @@ from dspark.core.config import TORCH_DTYPES, TargetConfig
 from dspark.core.errors import exit_on_user_error
 from dspark.core.files import atomic_path, remove_stale_temporaries, reporting_disk_full
 from dspark.core.layer_ids import CONVENTION
+from dspark.core.serving import BY_LAYOUT, LAYOUTS
 from dspark.core.target_dir import read_text_config
 from dspark.serving_format import (
     ARCHITECTURES,
     CONFIG_FILE,
     EXPORT_FORMAT_VERSION,
-    LAYOUTS,
     PROVENANCE_FILE,
     WEIGHTS_FILE,
     ExportError,
@@ -156,7 +156,7 @@ def _summary(
         out_dir,
         layout,
         ARCHITECTURES[layout],
-        layout,
+        BY_LAYOUT[layout].vllm_method,
         ckpt.path,
         ckpt.step,
         ckpt.zero_stage,

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from dspark.core.files import free_port
+from dspark.core.serving import BY_LAYOUT
 from dspark.core.target_dir import read_text_config
 from dspark.serving_format import ARCHITECTURES, ExportError, read_export
 
@@ -121,13 +122,12 @@ def validate(
             "pass --target-dir"
         )
     check_target(exp, target_dir)
-    method = exp.layout  # the vLLM method name equals the layout name
     n_spec = num_speculative_tokens or exp.drafter.block_size
     rep = ValidationReport(
         exp.path,
         target_dir,
-        method,
-        ARCHITECTURES[method],
+        BY_LAYOUT[exp.layout].vllm_method,
+        ARCHITECTURES[exp.layout],
         [],
         exp.context_layer_ids,
         exp.drafter.sample_from_anchor,
@@ -154,7 +154,7 @@ def _speculative_config(exp: Any, target_dir: Path, n_spec: int, rep: Validation
     pc = ParallelConfig()
     try:
         sc = SpeculativeConfig(
-            method=exp.layout,
+            method=rep.method,
             model=str(exp.path),
             num_speculative_tokens=n_spec,
             target_model_config=mc,
@@ -163,8 +163,8 @@ def _speculative_config(exp: Any, target_dir: Path, n_spec: int, rep: Validation
     except Exception as e:  # noqa: BLE001 - pydantic/vLLM raise many types; the message is what matters
         raise ExportError(f"{exp.path}: vLLM's SpeculativeConfig rejects the export: {e}") from e
     rep.checks.append(f"vLLM SpeculativeConfig accepts it as method {sc.method!r}")
-    if sc.method != exp.layout:
-        raise ExportError(f"{exp.path}: vLLM resolves method {sc.method!r}, expected {exp.layout!r}")
+    if sc.method != rep.method:
+        raise ExportError(f"{exp.path}: vLLM resolves method {sc.method!r}, expected {rep.method!r}")
     return mc, pc, sc
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from safetensors.torch import load_file
@@ -29,12 +29,12 @@ from dspark.checkpoint import SHARED_FROM_TARGET, CheckpointError, TrainingCheck
 from dspark.core.config import DSparkConfig
 from dspark.core.files import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
+from dspark.core.serving import BY_LAYOUT, LAYOUTS
 from dspark.model import DrafterDims
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = ("dspark", "dflash")
-ARCHITECTURES = {"dspark": "Qwen3DSparkModel", "dflash": "DFlashDraftModel"}
+ARCHITECTURES = {layout: m.architecture for layout, m in BY_LAYOUT.items()}
 WEIGHTS_FILE, CONFIG_FILE, PROVENANCE_FILE = "model.safetensors", "config.json", "export.json"
 EXPORT_FORMAT_VERSION = 1
 
@@ -93,29 +93,46 @@ def draft_config(ckpt: TrainingCheckpoint, layout: str, target_config: dict[str,
     }
 
 
-def check_layout(cfg: DSparkConfig, layout: str) -> None:
-    """What each vLLM method can serve; refuse the rest rather than serve something else."""
+def layout_problem(cfg: DSparkConfig, layout: str) -> Optional[str]:
+    """Why ``layout`` cannot serve this drafter (what each vLLM method can serve), or None."""
     if layout not in LAYOUTS:
-        raise ExportError(f"layout {layout!r}: expected one of {LAYOUTS}")
+        return f"layout {layout!r}: expected one of {LAYOUTS}"
     if layout == "dflash":
         if cfg.sample_from_anchor:
-            raise ExportError(
+            return (
                 "layout 'dflash' serves the fill-in (bonus-anchor) block only; this drafter was trained "
                 "with drafter.sample_from_anchor=true. Export it with --layout dspark, or train with "
                 "drafter.sample_from_anchor=false"
             )
         if cfg.markov_rank > 0:
-            raise ExportError(
+            return (
                 f"layout 'dflash' has no Markov head; this drafter has markov_rank={cfg.markov_rank}. "
                 "Export it with --layout dspark, or train the ablation with drafter.markov_rank=0"
             )
-        if cfg.enable_confidence_head:
-            log.info("layout 'dflash' has no confidence head: it is left out of the export")
     elif cfg.markov_rank > 0 and cfg.markov_head_type != "vanilla":
-        raise ExportError(
+        return (
             f"vLLM serves the vanilla Markov head only; this drafter uses markov_head_type="
             f"{cfg.markov_head_type!r} (evaluate it with the reference loop: eval.reference)"
         )
+    return None
+
+
+def check_layout(cfg: DSparkConfig, layout: str) -> None:
+    """Refuse a layout that cannot serve this drafter rather than serve something else."""
+    problem = layout_problem(cfg, layout)
+    if problem is not None:
+        raise ExportError(problem)
+    if layout == "dflash" and cfg.enable_confidence_head:
+        log.info("layout 'dflash' has no confidence head: it is left out of the export")
+
+
+def drafter_layouts(cfg: DSparkConfig) -> list[str]:
+    """The layouts this drafter can be served in (every one :func:`check_layout` accepts), in
+    :data:`LAYOUTS`' order. None fits: the first layout's refusal (:class:`ExportError`)."""
+    fits = [x for x in LAYOUTS if layout_problem(cfg, x) is None]
+    if not fits:
+        check_layout(cfg, LAYOUTS[0])
+    return fits
 
 
 def serving_weights(ckpt: TrainingCheckpoint, layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -10,15 +10,50 @@ module builds the same parser (``vllm.benchmarks.serve.add_cli_args``), calls th
 (throughput, TTFT/TPOT/ITL/E2EL percentiles, the spec-decode counters it reads from the server's
 ``/metrics``) to RESULT_JSON, without the per-request lists. Nothing here measures or computes a
 percentile itself.
+
+The benchmark's side of it is here too: the arguments of one concurrency level
+(:func:`client_argv`), the child run with its log and time bound (:func:`run_client`), and its
+result as a :class:`Level` in serve_bench.json's names (:func:`level_record`).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from dspark.core.config import ServeBenchConfig
 from dspark.core.files import atomic_write_json
+from dspark.core.waits import log_tail
+from eval.results import AcceptanceCounts
+from eval.server import REPO, Configuration, Server
+
+PERCENTILES = (50, 95, 99)
+METRICS = {  # serve_bench.json name -> the key of vLLM's benchmark result
+    "output_tokens_per_s": "output_throughput",
+    "requests_per_s": "request_throughput",
+    "total_tokens_per_s": "total_token_throughput",
+    "ttft_p50_ms": "p50_ttft_ms",
+    "ttft_p95_ms": "p95_ttft_ms",
+    "ttft_p99_ms": "p99_ttft_ms",
+    "tpot_p50_ms": "p50_tpot_ms",
+    "tpot_p95_ms": "p95_tpot_ms",
+    "itl_p50_ms": "p50_itl_ms",
+    "itl_p95_ms": "p95_itl_ms",
+    "e2el_mean_ms": "mean_e2el_ms",
+    "e2el_p50_ms": "p50_e2el_ms",
+    "e2el_p95_ms": "p95_e2el_ms",
+    "e2el_p99_ms": "p99_e2el_ms",
+    "duration_s": "duration",
+    "completed": "completed",
+    "failed": "failed",
+    "total_input_tokens": "total_input_tokens",
+    "total_output_tokens": "total_output_tokens",
+}
 
 PER_REQUEST = (
     "input_lens",
@@ -32,6 +67,140 @@ PER_REQUEST = (
     "errors",
 )
 """The per-request lists of vLLM's result, left out of RESULT_JSON (the summary is what we keep)."""
+
+
+# --- the benchmark's side: one level ----------------------------------------------------------
+
+
+@dataclass
+class Level:
+    """One concurrency level against one server."""
+
+    concurrency: int
+    metrics: dict[str, float]
+    spec: Optional[dict[str, Any]]
+    memory: dict[str, Optional[float]]
+    client_log: str
+
+
+def client_argv(
+    server: Server,
+    *,
+    target: Path,
+    traffic: Path,
+    templated: bool,
+    concurrency: int,
+    num_prompts: int,
+    sb: ServeBenchConfig,
+    seed: int,
+) -> list[str]:
+    """The arguments of ``vllm bench serve`` for one level."""
+    argv = [
+        "--backend",
+        "vllm",
+        "--base-url",
+        server.url,
+        "--model",
+        str(target),
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(traffic),
+        "--num-prompts",
+        str(num_prompts),
+        "--custom-output-len",
+        str(sb.output_len if sb.output_len is not None else -1),  # -1: each request's output_tokens
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        str(sb.request_rate if sb.request_rate is not None else "inf"),
+        "--temperature",
+        str(sb.temperature),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        ",".join(str(p) for p in PERCENTILES),
+        "--num-warmups",
+        str(sb.num_warmups),
+        "--seed",
+        str(seed),
+        "--disable-shuffle",
+        "--disable-tqdm",
+    ]
+    if templated:
+        argv.append("--skip-chat-template")
+    if sb.ignore_eos:
+        argv.append("--ignore-eos")
+    return argv
+
+
+def run_client(argv: list[str], out: Path, *, timeout_s: float, what: str) -> dict[str, Any]:
+    """``python -m eval.bench_client OUT ARGV`` (vLLM's benchmark in its own process); its result."""
+    cmd = [sys.executable, "-m", "eval.bench_client", str(out), *argv]
+    log_path = out.with_suffix(".log")
+    with open(log_path, "w") as fh:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(
+                f"{what}: vLLM's benchmark client ran past {timeout_s:g}s (serve_bench.level_timeout_s); its log: "
+                f"{log_path}"
+            ) from None
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(
+            f"{what}: vLLM's benchmark client failed (exit {proc.returncode}); its log: {log_path}\n"
+            f"{log_tail(log_path)}"
+        )
+    return json.loads(out.read_text())
+
+
+def level_record(
+    result: dict[str, Any], c: Configuration, gamma: int, concurrency: int, memory: dict, client_log: Path
+) -> Level:
+    """vLLM's result for one level, in serve_bench.json's names; spec counters as AcceptanceCounts
+    (per-position counts from vLLM's per-position rates x drafts; the verification steps from the
+    output tokens; tau 1.0 when nothing was drafted)."""
+    metrics = {ours: float(result.get(theirs, math.nan)) for ours, theirs in METRICS.items()}
+    spec = None
+    if c.method is not None:
+        drafts = int(result.get("spec_decode_num_drafts", 0))
+        accepted = int(result.get("spec_decode_accepted_tokens", 0))
+        rates = list(result.get("spec_decode_per_position_acceptance_rates") or [])[:gamma]
+        counts = AcceptanceCounts(
+            gamma,
+            drafts,
+            int(result.get("spec_decode_draft_tokens", 0)),
+            accepted,
+            [round(r * drafts) for r in rates] + [0] * (gamma - len(rates)),
+            verification_steps(result, accepted),
+        )
+        spec = counts.summary()
+        if not drafts:
+            spec.update(
+                tau=1.0,
+                tokens_per_step=1.0 if counts.num_steps else math.nan,
+                draft_share=0.0,
+                accept_per_pos=[0.0] * gamma,
+                accept_cond_per_pos=[0.0] * gamma,
+            )
+        spec["acceptance_rate"] = counts.num_accepted / counts.num_draft_tokens if counts.num_draft_tokens else 0.0
+    return Level(concurrency, metrics, spec, memory, str(client_log))
+
+
+def verification_steps(result: dict[str, Any], accepted: int) -> int:
+    """The target's verification steps over the measured requests, drafted or not: each request's
+    first output token comes from prefill, each later step yields 1 + its accepted tokens, so
+    steps = total_output_tokens - completed - accepted. Exact, except that tokens drafted and
+    accepted past the ``max_tokens`` cut on a request's last step are counted by vLLM but not
+    output: it can undercount by at most gamma steps per request. 0 (tokens per step unknown,
+    NaN) when the client's result lacks the keys."""
+    out, done = result.get("total_output_tokens"), result.get("completed")
+    if out is None or done is None or any(isinstance(x, float) and math.isnan(x) for x in (out, done)):
+        return 0
+    return max(int(out) - int(done) - accepted, 0)
+
+
+# --- the child: vLLM's client -------------------------------------------------------------------
 
 
 def run(argv: list[str]) -> dict[str, Any]:

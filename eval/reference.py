@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from dspark.calibration import NUM_BINS, calibration_sums, expected_calibration_error
+from dspark.core.config import EvalConfig
 from eval.results import AcceptanceCounts, Calibration
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,24 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    gamma: int = 7
+    """How the loop decodes. The eval's values are its config's (:meth:`of`), which holds their
+    defaults (``eval.gamma``, ``eval.max_new_tokens``, ...)."""
+
+    gamma: int
+    max_new_tokens: int
     temperature: float = 0.0  # 0 = greedy
-    max_new_tokens: int = 128
     confidence_threshold: Optional[float] = None  # end a block at the first draft whose confidence is below
     seed: int = 0
+
+    @classmethod
+    def of(cls, e: EvalConfig) -> DecodeConfig:
+        return cls(
+            gamma=e.gamma,
+            max_new_tokens=e.max_new_tokens,
+            temperature=e.temperature,
+            confidence_threshold=e.confidence_threshold,
+            seed=e.seed,
+        )
 
 
 class TargetRunner:

@@ -1,15 +1,12 @@
-"""Turn an ``EvalResults`` into what people read: ``results.json``, ``report.md`` and PNG plots,
-and optionally the same figures on a W&B run.
+"""Turn an ``EvalResults`` into what people read: ``report.md`` and PNG plots beside
+``results.json`` (:mod:`eval.results` writes and reads it), and optionally the same figures on a
+W&B run.
 
 The headline of every method is tokens per target step over every verification step
 (:mod:`eval.results`), with vLLM's tau over the drafted steps and the share of drafted steps
 beside it, and a 95 % bootstrap interval over prompts beside each tokens-per-step and pos-1
-figure. A check whose interval crosses its line says "inside the noise" instead of pass or fail.
-
-The speedup model (Leviathan et al. 2023; README "Glossary"): with measured E = tokens per
-target step and measured draft cost ratio r, the predicted speedup is E / (1 + r). The i.i.d.
-per-token acceptance p that gives the same E under E(p) = (1 - p^(gamma+1)) / (1 - p) is
-reported beside it, so drafters can be compared on one number that does not depend on gamma.
+figure. A check whose interval crosses its line says "inside the noise" instead of pass or fail
+(:mod:`eval.checks`). The speedup table is the model of :mod:`eval.results`.
 
 Usage: ``python -m eval.report RESULTS_JSON --out DIR`` re-renders a report from a results.json.
 """
@@ -17,31 +14,33 @@ Usage: ``python -m eval.report RESULTS_JSON --out DIR`` re-renders a report from
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from matplotlib.figure import Figure
 
 from dspark.core.files import atomic_write_text
+from eval.checks import interval_text
 from eval.results import (
     CONFIDENCE,
-    STATS,
+    INSIDE_NOISE,
     AcceptanceCounts,
-    Calibration,
+    Check,
     DrafterResult,
     EvalConditions,
     EvalResults,
-    ratio_interval,
+    load_checks,
+    load_results,
+    results_json,
+    speedup_table,
 )
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
-_BISECTION_STEPS = 60  # halves [0, 1) down to 2^-60, below float resolution near p = 1
-_NA = "n/a"
+NA = "n/a"
 
 
 @dataclass(frozen=True)
@@ -53,220 +52,14 @@ class ReportPaths:
     plots: dict[str, Path]
 
 
-INSIDE_NOISE = "inside the noise"
+def fmt(x: float | None, digits: int = 3) -> str:
+    """A number for a table: ``digits`` decimals, "n/a" for None or NaN (a figure nothing measured)."""
+    return NA if x is None or math.isnan(x) else f"{x:.{digits}f}"
 
 
-@dataclass(frozen=True)
-class Check:
-    """One quality gate shown as "target vs measured" (e.g. ours beats the ngram baseline).
-    ``passed`` is the point estimate's side of the line; ``interval`` (95 %, over prompts) says
-    whether the eval set can tell: when it crosses the line the verdict is "inside the noise"."""
-
-    name: str
-    measured: float
-    target: float
-    passed: bool
-    detail: str
-    interval: tuple[float, float] | None = None
-
-    @property
-    def inside_noise(self) -> bool:
-        if self.interval is None or any(math.isnan(x) for x in self.interval):
-            return False
-        lo, hi = self.interval
-        return lo < self.target <= hi
-
-    @property
-    def verdict(self) -> str:
-        """PASS, MISS, or "inside the noise" when the interval crosses the line."""
-        return INSIDE_NOISE if self.inside_noise else ("PASS" if self.passed else "MISS")
-
-
-@dataclass(frozen=True)
-class SpeedupRow:
-    """The speedup model (module docstring) evaluated at one drafter's measured tau and r."""
-
-    tokens_per_step: float  # E: measured tokens per target step, every step counted
-    p: float  # i.i.d. per-token acceptance that gives E
-    r: float  # draft cost / target verify cost per step
-    predicted: float  # E / (1 + r)
-
-
-# --- speedup model ---------------------------------------------------------------------------
-
-
-def expected_tokens(p: float, gamma: int) -> float:
-    """E[tokens per step] when each of gamma draft tokens is accepted i.i.d. with probability p
-    (the bonus token included); the limit gamma + 1 at p = 1."""
-    if p >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - p ** (gamma + 1)) / (1.0 - p)
-
-
-def fit_p(tau: float, gamma: int) -> float:
-    """The p with ``expected_tokens(p, gamma) == tau``, by bisection (E is increasing in p).
-
-    tau outside (1, gamma + 1) is clamped to p = 0 or 1: sampling noise can put a measured tau
-    on or past the ends, and the model has no p there."""
-    if math.isnan(tau):
-        return math.nan
-    if tau <= 1.0:
-        return 0.0
-    if tau >= gamma + 1:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(_BISECTION_STEPS):
-        mid = (lo + hi) / 2
-        if expected_tokens(mid, gamma) < tau:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def speedup_row(tokens_per_step: float, gamma: int, r: float) -> SpeedupRow:
-    """Predicted speedup from measured tokens per target step and measured cost ratio (both, not
-    assumed)."""
-    return SpeedupRow(
-        tokens_per_step=tokens_per_step,
-        p=fit_p(tokens_per_step, gamma),
-        r=r,
-        predicted=tokens_per_step / (1.0 + r),
-    )
-
-
-def speedup_table(results: EvalResults) -> list[dict[str, Any]]:
-    """One row per drafter that has a cost ratio or a wall-clock speedup, so the model's
-    prediction and the measurement sit side by side; the prediction is None without r."""
-    rows = []
-    gamma = results.conditions.gamma
-    for d in results.drafters:
-        measured = d.measured_speedup
-        if d.draft_cost_ratio is None and measured is None:
-            continue
-        e = d.tokens_per_step
-        if d.draft_cost_ratio is None:
-            model: dict[str, Any] = {"tokens_per_step": e, "p": fit_p(e, gamma), "r": None, "predicted": None}
-        else:
-            model = asdict(speedup_row(e, gamma, d.draft_cost_ratio))
-        rows.append({"drafter": d.name, **model, "measured": measured})
-    return rows
-
-
-# --- quality checks --------------------------------------------------------------------------
-
-
-def interval_text(interval: tuple[float, float] | None, digits: int = 3) -> str:
-    """The text " [lo, hi]" of a 95 % interval, or "" where there is none."""
-    if interval is None or any(math.isnan(x) for x in interval):
-        return ""
-    return f" [{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"
-
-
-def ratio_check(
-    name: str,
-    numerator_name: str,
-    numerator: float,
-    denominator_name: str,
-    denominator: float,
-    min_ratio: float,
-    interval: tuple[float, float] | None = None,
-) -> Check:
-    """Pass when numerator / denominator >= min_ratio (e.g. tokens per step of ours over ngram's);
-    ``interval``: the ratio's 95 % interval, which decides "inside the noise".
-
-    A zero or NaN denominator gives a NaN ratio, which fails: no evidence is not a pass."""
-    ratio = numerator / denominator if denominator else math.nan
-    detail = (
-        f"{numerator_name} {numerator:.3f} / {denominator_name} {denominator:.3f} = {ratio:.3f}"
-        f"{interval_text(interval)} (need >= {min_ratio:g})"
-    )
-    return Check(
-        name=name, measured=ratio, target=min_ratio, passed=ratio >= min_ratio, detail=detail, interval=interval
-    )
-
-
-def paired_interval(a: DrafterResult, b: DrafterResult, stat: str = "tokens_per_step") -> tuple[float, float]:
-    """The 95 % interval of stat(a) / stat(b) over the prompts both were measured on, resampled
-    together (the same prompts: their own difficulty cancels)."""
-    ca, cb = a.counts_by_prompt(), b.counts_by_prompt()
-    common = [k for k in ca if k in cb]
-    return ratio_interval([ca[k] for k in common], [cb[k] for k in common], STATS[stat], paired=True)
-
-
-def bins_interval(d: DrafterResult, num_bin: str, den_bin: str, stat: str = "tokens_per_step") -> tuple[float, float]:
-    """The 95 % interval of stat(bin a) / stat(bin b) of one drafter: other prompts, resampled apart."""
-    return ratio_interval(d.prompt_counts(num_bin), d.prompt_counts(den_bin), STATS[stat], paired=False)
-
-
-# --- JSON ------------------------------------------------------------------------------------
-
-
-def _nan_to_none(obj: Any) -> Any:
-    """Strict JSON has no NaN/inf; an empty bin's tau is NaN, so it becomes null."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _nan_to_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_nan_to_none(v) for v in obj]
-    return obj
-
-
-def results_payload(results: EvalResults, checks: list[Check] | None = None) -> dict[str, Any]:
-    """What ``results.json`` holds: the records, the speedup table, and the checks if any."""
-    payload = {**results.to_dict(), "speedup": speedup_table(results)}
-    if checks is not None:
-        payload["checks"] = [asdict(c) for c in checks]
-    return _nan_to_none(payload)
-
-
-def _summary_from_counts(summary: dict[str, Any]) -> dict[str, Any]:
-    """Recompute tau and the acceptance rates from the raw counters, which restores the NaNs
-    that JSON stored as null; extra keys (``num_prompts``) are kept."""
-    return {**summary, **AcceptanceCounts.from_dict(summary).summary()}
-
-
-def _drafter_from_dict(d: dict[str, Any]) -> DrafterResult:
-    cal = d.get("calibration")
-    calibration = None
-    if cal is not None:
-        ece = math.nan if cal["ece"] is None else cal["ece"]
-        calibration = Calibration(**{**cal, "ece": ece})
-    return DrafterResult(
-        name=d["name"],
-        runner=d["runner"],
-        method=d["method"],
-        overall=_summary_from_counts(d["overall"]),
-        per_bin={b: _summary_from_counts(s) for b, s in d["per_bin"].items()},
-        calibration=calibration,
-        draft_cost_ratio=d.get("draft_cost_ratio"),
-        tokens_per_s=d.get("tokens_per_s"),
-        baseline_tokens_per_s=d.get("baseline_tokens_per_s"),
-        notes=d.get("notes", ""),
-        per_prompt=list(d.get("per_prompt") or []),
-    )
-
-
-def load_results(path: Path) -> EvalResults:
-    """Rebuild the records from a ``results.json`` (derived keys such as tau are recomputed)."""
-    data = json.loads(Path(path).read_text())
-    return EvalResults(
-        conditions=EvalConditions(**data["conditions"]), drafters=[_drafter_from_dict(d) for d in data["drafters"]]
-    )
-
-
-def load_checks(path: Path) -> list[Check] | None:
-    """The checks stored in a ``results.json``, or None when it has none."""
-    data = json.loads(Path(path).read_text())
-    if "checks" not in data:
-        return None
-    out = []
-    for c in data["checks"]:
-        iv = c.get("interval")
-        iv = None if iv is None else tuple(math.nan if x is None else x for x in iv)
-        out.append(Check(**{**c, "measured": math.nan if c["measured"] is None else c["measured"], "interval": iv}))
-    return out
+def pct(x: float | None) -> str:
+    """A share as a whole percentage, "n/a" for None or NaN."""
+    return NA if x is None or math.isnan(x) else f"{100 * x:.0f}%"
 
 
 def _bin_value(d: DrafterResult, b: str, key: str = "tokens_per_step") -> float:
@@ -279,10 +72,6 @@ def _bin_value(d: DrafterResult, b: str, key: str = "tokens_per_step") -> float:
 
 def _bin_tau(d: DrafterResult, b: str) -> float:
     return _bin_value(d, b, "tau")
-
-
-def _fmt(x: float | None, digits: int = 3) -> str:
-    return _NA if x is None or math.isnan(x) else f"{x:.{digits}f}"
 
 
 # --- plots -----------------------------------------------------------------------------------
@@ -401,8 +190,8 @@ def _conditions_section(c: EvalConditions) -> list[str]:
         ["max_new_tokens", str(c.max_new_tokens)],
         ["prompt source", c.prompt_source],
         ["context bins", bins],
-        ["checkpoint", f"`{c.checkpoint}`" if c.checkpoint else _NA],
-        ["export dir", f"`{c.export_dir}`" if c.export_dir else _NA],
+        ["checkpoint", f"`{c.checkpoint}`" if c.checkpoint else NA],
+        ["export dir", f"`{c.export_dir}`" if c.export_dir else NA],
         ["dtype", c.dtype],
         ["device", c.device],
     ]
@@ -410,18 +199,14 @@ def _conditions_section(c: EvalConditions) -> list[str]:
     return ["## Conditions", ""] + _table(["condition", "value"], rows)
 
 
-def _pct(x: float) -> str:
-    return _NA if math.isnan(x) else f"{100 * x:.0f}%"
-
-
 def _figures_row(d: DrafterResult, counts: dict[str, Any], bin: str | None) -> list[str]:
     c = AcceptanceCounts.from_dict(counts)
     pos1 = c.accept_per_pos[0] if c.accept_per_pos else math.nan
     return [
-        _fmt(c.tokens_per_step) + interval_text(d.interval("tokens_per_step", bin)),
-        _fmt(c.tau),
-        _pct(c.draft_share),
-        _fmt(pos1) + interval_text(d.interval("pos1", bin)),
+        fmt(c.tokens_per_step) + interval_text(d.interval("tokens_per_step", bin)),
+        fmt(c.tau),
+        pct(c.draft_share),
+        fmt(pos1) + interval_text(d.interval("pos1", bin)),
         f"{c.num_steps}",
     ]
 
@@ -453,8 +238,8 @@ def _tau_section(results: EvalResults) -> list[str]:
 
 def _position_section(results: EvalResults) -> list[str]:
     positions = [f"pos {k}" for k in range(1, results.conditions.gamma + 1)]
-    uncond = [[d.name] + [_fmt(a) for a in d.overall["accept_per_pos"]] for d in results.drafters]
-    cond = [[d.name] + [_fmt(a) for a in d.overall["accept_cond_per_pos"]] for d in results.drafters]
+    uncond = [[d.name] + [fmt(a) for a in d.overall["accept_per_pos"]] for d in results.drafters]
+    cond = [[d.name] + [fmt(a) for a in d.overall["accept_cond_per_pos"]] for d in results.drafters]
     return (
         ["## Acceptance per draft position", "", "Unconditional: P(first k draft tokens all accepted).", ""]
         + _table(["drafter"] + positions, uncond)
@@ -475,11 +260,11 @@ def _speedup_section(rows: list[dict[str, Any]]) -> list[str]:
     table = [
         [
             r["drafter"],
-            _fmt(r["tokens_per_step"]),
-            _fmt(r["p"]),
-            _fmt(r["r"]),
-            _fmt(r["predicted"], 2),
-            _fmt(r["measured"], 2),
+            fmt(r["tokens_per_step"]),
+            fmt(r["p"]),
+            fmt(r["r"]),
+            fmt(r["predicted"], 2),
+            fmt(r["measured"], 2),
         ]
         for r in rows
     ]
@@ -488,7 +273,7 @@ def _speedup_section(rows: list[dict[str, Any]]) -> list[str]:
 
 def _calibration_section(results: EvalResults) -> list[str]:
     rows = [
-        [d.name, _fmt(d.calibration.ece), str(sum(d.calibration.bin_count))]
+        [d.name, fmt(d.calibration.ece), str(sum(d.calibration.bin_count))]
         for d in results.drafters
         if d.calibration is not None
     ]
@@ -501,7 +286,7 @@ def _checks_section(checks: list[Check]) -> list[str]:
     def result(c: Check) -> str:
         return INSIDE_NOISE if c.inside_noise else ("pass" if c.passed else "**FAIL**")
 
-    rows = [[c.name, _fmt(c.target), _fmt(c.measured) + interval_text(c.interval), result(c), c.detail] for c in checks]
+    rows = [[c.name, fmt(c.target), fmt(c.measured) + interval_text(c.interval), result(c), c.detail] for c in checks]
     note = (
         f"Brackets: {CONFIDENCE:.0%} bootstrap interval over prompts; a check whose interval crosses its line "
         "is inside the noise: this eval set cannot tell."
@@ -531,10 +316,10 @@ def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
     each check with its verdict."""
     lines = []
     for d in results.drafters:
-        share = _pct(AcceptanceCounts.from_dict(d.overall).draft_share)
+        share = pct(AcceptanceCounts.from_dict(d.overall).draft_share)
         lines.append(
-            f"eval     {d.name:<18} tokens/step {_fmt(d.tokens_per_step)}{interval_text(d.interval('tokens_per_step'))}"
-            f"  (tau {_fmt(d.tau)} over drafted steps, {share} drafted; {d.runner})"
+            f"eval     {d.name:<18} tokens/step {fmt(d.tokens_per_step)}{interval_text(d.interval('tokens_per_step'))}"
+            f"  (tau {fmt(d.tau)} over drafted steps, {share} drafted; {d.runner})"
         )
     return lines + [f"check    {c.name}: {c.verdict} ({c.detail})" for c in checks]
 
@@ -605,7 +390,7 @@ def write_report(
     md_path = out_dir / "report.md"
     atomic_write_text(md_path, render_markdown(results, plots, checks=checks))
     json_path = out_dir / "results.json"
-    atomic_write_text(json_path, json.dumps(results_payload(results, checks), indent=2, allow_nan=False) + "\n")
+    atomic_write_text(json_path, results_json(results, checks))
     if wandb_run is not None:
         log_to_wandb(wandb_run, results, plots)
     return ReportPaths(json=json_path, markdown=md_path, plots=plots)

@@ -18,12 +18,24 @@ is unconditional, per draft.
 Noise: every figure is over a few prompts, so :func:`bootstrap_interval` resamples the prompts
 (seeded) and gives the 95 % interval of any figure of summed counters; :func:`paired_ratio_interval`
 does the same for the ratio of two methods run on the same prompts.
+
+The speedup model (Leviathan et al. 2023; README "Glossary"): with measured E = tokens per
+target step and measured draft cost ratio r, the predicted speedup is E / (1 + r). The i.i.d.
+per-token acceptance p that gives the same E under E(p) = (1 - p^(gamma+1)) / (1 - p) is
+reported beside it, so drafters can be compared on one number that does not depend on gamma.
+
+``results.json`` is written by :func:`results_json` and read back by :func:`load_results` and
+:func:`load_checks`, side by side here; strict JSON has no NaN, so :func:`nan_to_none` writes
+null and the reader recomputes the derived figures from the counters.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 
@@ -305,3 +317,183 @@ class EvalResults:
                 for d in self.drafters
             ],
         }
+
+
+# --- speedup model ---------------------------------------------------------------------------
+
+_BISECTION_STEPS = 60  # halves [0, 1) down to 2^-60, below float resolution near p = 1
+
+
+@dataclass(frozen=True)
+class SpeedupRow:
+    """The speedup model (module docstring) evaluated at one drafter's measured tau and r."""
+
+    tokens_per_step: float  # E: measured tokens per target step, every step counted
+    p: float  # i.i.d. per-token acceptance that gives E
+    r: float  # draft cost / target verify cost per step
+    predicted: float  # E / (1 + r)
+
+
+def expected_tokens(p: float, gamma: int) -> float:
+    """E[tokens per step] when each of gamma draft tokens is accepted i.i.d. with probability p
+    (the bonus token included); the limit gamma + 1 at p = 1."""
+    if p >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - p ** (gamma + 1)) / (1.0 - p)
+
+
+def fit_p(tau: float, gamma: int) -> float:
+    """The p with ``expected_tokens(p, gamma) == tau``, by bisection (E is increasing in p).
+
+    tau outside (1, gamma + 1) is clamped to p = 0 or 1: sampling noise can put a measured tau
+    on or past the ends, and the model has no p there."""
+    if math.isnan(tau):
+        return math.nan
+    if tau <= 1.0:
+        return 0.0
+    if tau >= gamma + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(_BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, gamma) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def speedup_row(tokens_per_step: float, gamma: int, r: float) -> SpeedupRow:
+    """Predicted speedup from measured tokens per target step and measured cost ratio (both, not
+    assumed)."""
+    return SpeedupRow(
+        tokens_per_step=tokens_per_step,
+        p=fit_p(tokens_per_step, gamma),
+        r=r,
+        predicted=tokens_per_step / (1.0 + r),
+    )
+
+
+def speedup_table(results: EvalResults) -> list[dict[str, Any]]:
+    """One row per drafter that has a cost ratio or a wall-clock speedup, so the model's
+    prediction and the measurement sit side by side; the prediction is None without r."""
+    rows = []
+    gamma = results.conditions.gamma
+    for d in results.drafters:
+        measured = d.measured_speedup
+        if d.draft_cost_ratio is None and measured is None:
+            continue
+        e = d.tokens_per_step
+        if d.draft_cost_ratio is None:
+            model: dict[str, Any] = {"tokens_per_step": e, "p": fit_p(e, gamma), "r": None, "predicted": None}
+        else:
+            model = asdict(speedup_row(e, gamma, d.draft_cost_ratio))
+        rows.append({"drafter": d.name, **model, "measured": measured})
+    return rows
+
+
+# --- quality checks --------------------------------------------------------------------------
+
+INSIDE_NOISE = "inside the noise"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One quality gate shown as "target vs measured" (e.g. ours beats the ngram baseline).
+    ``passed`` is the point estimate's side of the line; ``interval`` (95 %, over prompts) says
+    whether the eval set can tell: when it crosses the line the verdict is "inside the noise"."""
+
+    name: str
+    measured: float
+    target: float
+    passed: bool
+    detail: str
+    interval: tuple[float, float] | None = None
+
+    @property
+    def inside_noise(self) -> bool:
+        if self.interval is None or any(math.isnan(x) for x in self.interval):
+            return False
+        lo, hi = self.interval
+        return lo < self.target <= hi
+
+    @property
+    def verdict(self) -> str:
+        """PASS, MISS, or "inside the noise" when the interval crosses the line."""
+        return INSIDE_NOISE if self.inside_noise else ("PASS" if self.passed else "MISS")
+
+
+# --- results.json ----------------------------------------------------------------------------
+
+
+def nan_to_none(obj: Any) -> Any:
+    """Strict JSON has no NaN/inf; an empty bin's tau is NaN, so it becomes null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [nan_to_none(v) for v in obj]
+    return obj
+
+
+def results_payload(results: EvalResults, checks: list[Check] | None = None) -> dict[str, Any]:
+    """What ``results.json`` holds: the records, the speedup table, and the checks if any."""
+    payload = {**results.to_dict(), "speedup": speedup_table(results)}
+    if checks is not None:
+        payload["checks"] = [asdict(c) for c in checks]
+    return nan_to_none(payload)
+
+
+def results_json(results: EvalResults, checks: list[Check] | None = None) -> str:
+    """The text of ``results.json`` (strict JSON), which :func:`load_results` reads back."""
+    return json.dumps(results_payload(results, checks), indent=2, allow_nan=False) + "\n"
+
+
+def _summary_from_counts(summary: dict[str, Any]) -> dict[str, Any]:
+    """Recompute tau and the acceptance rates from the raw counters, which restores the NaNs
+    that JSON stored as null; extra keys (``num_prompts``) are kept."""
+    return {**summary, **AcceptanceCounts.from_dict(summary).summary()}
+
+
+def drafter_from_dict(d: dict[str, Any]) -> DrafterResult:
+    """A :class:`DrafterResult` from its ``asdict`` as JSON stored it (derived keys recomputed)."""
+    cal = d.get("calibration")
+    calibration = None
+    if cal is not None:
+        ece = math.nan if cal["ece"] is None else cal["ece"]
+        calibration = Calibration(**{**cal, "ece": ece})
+    return DrafterResult(
+        name=d["name"],
+        runner=d["runner"],
+        method=d["method"],
+        overall=_summary_from_counts(d["overall"]),
+        per_bin={b: _summary_from_counts(s) for b, s in d["per_bin"].items()},
+        calibration=calibration,
+        draft_cost_ratio=d.get("draft_cost_ratio"),
+        tokens_per_s=d.get("tokens_per_s"),
+        baseline_tokens_per_s=d.get("baseline_tokens_per_s"),
+        notes=d.get("notes", ""),
+        per_prompt=list(d.get("per_prompt") or []),
+    )
+
+
+def load_results(path: Path) -> EvalResults:
+    """Rebuild the records from a ``results.json`` (derived keys such as tau are recomputed)."""
+    data = json.loads(Path(path).read_text())
+    return EvalResults(
+        conditions=EvalConditions(**data["conditions"]), drafters=[drafter_from_dict(d) for d in data["drafters"]]
+    )
+
+
+def load_checks(path: Path) -> list[Check] | None:
+    """The checks stored in a ``results.json``, or None when it has none."""
+    data = json.loads(Path(path).read_text())
+    if "checks" not in data:
+        return None
+    out = []
+    for c in data["checks"]:
+        iv = c.get("interval")
+        iv = None if iv is None else tuple(math.nan if x is None else x for x in iv)
+        out.append(Check(**{**c, "measured": math.nan if c["measured"] is None else c["measured"], "interval": iv}))
+    return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,13 +17,28 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from dspark.checkpoint import checkpoint_model_file, latest_tag, load_training_checkpoint
-from dspark.core.config import EvalConfig, RunConfig, config_fingerprint, load_config
+from dspark.checkpoint import checkpoint_model_file, latest_tag
+from dspark.core.config import RunConfig, config_fingerprint, load_config
 from dspark.core.errors import exit_on_user_error
 from dspark.core.files import atomic_write_json
-from dspark.export import ExportSummary, export
+from dspark.core.serving import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_method
+from dspark.export import ExportSummary
 from dspark.serving_format import load_drafter, read_export
-from eval.results import AcceptanceCounts, DrafterResult, EvalConditions, EvalResults
+from eval.checks import quality_checks
+from eval.inputs import engine_kwargs, eval_set, export_all, vllm_max_model_len
+from eval.prompts import eval_set_sha256
+from eval.results import (
+    AcceptanceCounts,
+    Check,
+    DrafterResult,
+    EvalConditions,
+    EvalResults,
+    drafter_from_dict,
+    load_checks,
+    load_results,
+    nan_to_none,
+)
+from eval.serve import ServeSpec, run_in_subprocess
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +49,7 @@ class EvalOutcome:
     report_dir: Path
     exports: dict[str, Path] = field(default_factory=dict)
     report: Any = None
-    checks: list = field(default_factory=list)  # eval.report.Check: the quality targets, measured
+    checks: list[Check] = field(default_factory=list)  # the quality targets, measured
 
 
 def _per_bin(prompt_bins: list[int], counts: list[AcceptanceCounts], gamma: int) -> tuple[dict, dict]:
@@ -77,18 +91,10 @@ def reference_eval(
         speculative_generate,
     )
 
-    dcfg = DecodeConfig(
-        gamma=cfg.eval.gamma,
-        temperature=cfg.eval.temperature,
-        max_new_tokens=cfg.eval.max_new_tokens,
-        confidence_threshold=cfg.eval.confidence_threshold,
-        seed=cfg.eval.seed,
-    )
+    dcfg = DecodeConfig.of(cfg.eval)
     dr, layers, method = None, [], "ngram"
-    if export_dir is not None:
+    if export_dir is not None:  # its block holds eval.gamma drafts: export_all validated it at that many
         exp = read_export(export_dir)
-        if dcfg.gamma > exp.drafter.block_size:
-            raise ValueError(f"eval.gamma={dcfg.gamma} exceeds the drafter's block_size {exp.drafter.block_size}")
         dr, layers = DraftRunner(load_drafter(exp, heads)), exp.context_layer_ids
         method = "dspark" if exp.drafter.sample_from_anchor else "dflash-layout"
         method = f"ngram-then-{method}" if lookup is not None else method
@@ -135,7 +141,7 @@ def plain_tokens_per_s(heads: Any, target_model: torch.nn.Module, prompts: list,
     from eval.reference import DecodeConfig, TargetRunner, plain_generate
 
     tr = TargetRunner(target_model, [])
-    dcfg = DecodeConfig(temperature=cfg.eval.temperature, max_new_tokens=cfg.eval.max_new_tokens)
+    dcfg = DecodeConfig.of(cfg.eval)
     tokens, secs, eos = 0, 0.0, _eos_ids(heads)
     for p in tqdm(prompts, desc="plain decoding", unit="prompt"):
         g = plain_generate(tr, p.prompt_token_ids, dcfg, eos, torch.Generator().manual_seed(0))
@@ -153,8 +159,6 @@ def vllm_eval(
     out_dir: Path,
     max_model_len: int,
 ) -> DrafterResult:
-    from eval.serve import ServeSpec, run_in_subprocess
-
     gamma, e = cfg.eval.gamma, cfg.eval
     spec = ServeSpec(
         target_dir,
@@ -188,51 +192,6 @@ def vllm_eval(
     )
 
 
-def vllm_max_model_len(cfg: RunConfig, prompts: Optional[list] = None) -> int:
-    """The engine window: the longest prompt (or bin) + answer + one draft block. Headless
-    workers of a multi-node engine compute it from the config alone, so it must not depend on
-    the prompts unless a prepared set is given."""
-    e = cfg.eval
-    if e.vllm_max_model_len:
-        return e.vllm_max_model_len
-    longest = max(p.num_tokens for p in prompts) if (e.prompts_file and prompts) else max(e.context_bins)
-    return longest + e.max_new_tokens + e.gamma + 1
-
-
-def engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """The target's parallel layout plus eval.vllm_engine_kwargs (multi-node: nnodes, master_addr...)."""
-    kw: dict[str, Any] = {}
-    if cfg.target.tensor_parallel_size > 1:
-        kw["tensor_parallel_size"] = cfg.target.tensor_parallel_size
-    if cfg.target.pipeline_parallel_size > 1:
-        kw["pipeline_parallel_size"] = cfg.target.pipeline_parallel_size
-    if cfg.target.trust_remote_code:
-        kw["trust_remote_code"] = True
-    return {**kw, **cfg.eval.vllm_engine_kwargs}
-
-
-def export_path(cfg: RunConfig, prefix: str, layout: str) -> Path:
-    """Where ``export_all`` writes the ``layout`` export of ``prefix`` ("dspark": this run's
-    drafter, "ablation": its Markov-off ablation); multi-node serving nodes wait for it."""
-    return Path(cfg.eval.export_dir).expanduser() / f"{prefix}-{layout}"
-
-
-def export_all(cfg: RunConfig, ckpt_path: Path, target_dir: Path, prefix: str) -> dict[str, ExportSummary]:
-    """The dspark export always; the dflash export too when the drafter has that layout."""
-    from dspark.export_validate import validate
-
-    ckpt = load_training_checkpoint(ckpt_path)
-    layouts = ["dspark"] + (["dflash"] if not ckpt.drafter.sample_from_anchor and ckpt.drafter.markov_rank == 0 else [])
-    out = {}
-    for layout in layouts:
-        d = export_path(cfg, prefix, layout)
-        s = export(ckpt, d, layout=layout, dtype=cfg.eval.export_dtype, target_dir=target_dir)
-        log.info("%s", s.render())
-        log.info("%s", validate(d, target_dir=target_dir, num_speculative_tokens=cfg.eval.gamma).render())
-        out[layout] = s
-    return out
-
-
 def ablation_checkpoint(cfg: RunConfig) -> Optional[Path]:
     """``eval.ablation_checkpoint``: a path, null, or auto = the Markov-off run of this very
     config (``RunConfig.ablation_dir``: what ``python train.py +experiment=...
@@ -246,88 +205,6 @@ def ablation_checkpoint(cfg: RunConfig) -> Optional[Path]:
         return None  # this run is the ablation
     path = Path(cfg.ablation_dir).expanduser()
     return path if latest_tag(path) is not None else None
-
-
-def quality_checks(results: EvalResults, e: Optional[EvalConfig] = None) -> list:
-    """The targets of the demo (issue #6) and the preset's own goals (``eval.target_tau``,
-    ``eval.target_pos1``), each beside its measured value and its 95 % interval over prompts.
-    Every method is compared on tokens per target step over all steps (``eval.results``); for
-    our drafter, which drafts every step, that equals its tau."""
-    from eval.report import Check, bins_interval, interval_text, paired_interval, ratio_check, speedup_row
-
-    by = {d.name: d for d in results.drafters}
-    ours = by.get("dspark")
-    if ours is None:
-        return []
-    checks = []
-    tps = ours.tokens_per_step
-    if e is not None and e.target_tau is not None:
-        iv = ours.interval("tokens_per_step")
-        checks.append(
-            Check(
-                "tokens per target step on the eval set",
-                tps,
-                e.target_tau,
-                tps >= e.target_tau,
-                f"tokens/step dspark {tps:.3f}{interval_text(iv)} (need >= {e.target_tau:g})",
-                iv,
-            )
-        )
-    pos1 = float((ours.overall or {}).get("accept_per_pos", [math.nan])[0])
-    if e is not None and e.target_pos1 is not None:
-        iv = ours.interval("pos1")
-        checks.append(
-            Check(
-                "first-position acceptance on the eval set",
-                pos1,
-                e.target_pos1,
-                pos1 >= e.target_pos1,
-                f"pos-1 acceptance {pos1:.3f}{interval_text(iv)} (need >= {e.target_pos1:g})",
-                iv,
-            )
-        )
-    for other, label, line in (("markov-off", "its Markov-off ablation", 1.15), ("ngram", "vLLM ngram", 1.3)):
-        if other in by:
-            checks.append(
-                ratio_check(
-                    f"DSpark over {label}",
-                    "tokens/step dspark",
-                    tps,
-                    f"tokens/step {other}",
-                    by[other].tokens_per_step,
-                    line,
-                    paired_interval(ours, by[other]),
-                )
-            )
-    bins = sorted(ours.per_bin, key=int)
-    if len(bins) > 1:
-        checks.append(
-            ratio_check(
-                "no long-context collapse",
-                f"tokens/step @{bins[-1]}",
-                float(ours.per_bin[bins[-1]]["tokens_per_step"]),
-                f"tokens/step @{bins[0]}",
-                float(ours.per_bin[bins[0]]["tokens_per_step"]),
-                0.9,
-                bins_interval(ours, bins[-1], bins[0]),
-            )
-        )
-    if ours.measured_speedup is not None:
-        pred = (
-            speedup_row(tps, results.conditions.gamma, ours.draft_cost_ratio).predicted
-            if ours.draft_cost_ratio is not None
-            else float("nan")
-        )
-        checks.append(
-            Check(
-                "wall-clock speedup over plain decoding (bs=1)",
-                ours.measured_speedup,
-                1.0,
-                ours.measured_speedup >= 1.0,
-                f"measured {ours.measured_speedup:.2f}x, cost model predicts {pred:.2f}x",
-            )
-        )
-    return checks
 
 
 def fingerprint(cfg: RunConfig, checkpoints: list[Path]) -> str:
@@ -408,8 +285,6 @@ class Parts:
         return drafters
 
     def get(self, name: str) -> Optional[list[DrafterResult]]:
-        from eval.report import _drafter_from_dict
-
         path = self.dir / f"{name}.json"
         if not self.reuse or not path.is_file():
             return None
@@ -418,7 +293,7 @@ class Parts:
             if data.get("key") != self.key:
                 log.info("eval: %s is from other checkpoints, settings or prompts: measured again", path)
                 return None
-            drafters = [_drafter_from_dict(d) for d in data["drafters"]]
+            drafters = [drafter_from_dict(d) for d in data["drafters"]]
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             log.warning("eval: %s is unreadable (%s): measured again", path, err)
             return None
@@ -426,48 +301,12 @@ class Parts:
         return drafters
 
     def put(self, name: str, drafters: list[DrafterResult]) -> None:
-        from eval.report import _nan_to_none
-
         payload = {"key": self.key, "drafters": [asdict(d) for d in drafters]}
-        atomic_write_json(self.dir / f"{name}.json", _nan_to_none(payload), indent=1, allow_nan=False)
+        atomic_write_json(self.dir / f"{name}.json", nan_to_none(payload), indent=1, allow_nan=False)
 
 
 def _parts_key(fp: str, prompts: list) -> str:
-    from eval.prompts import eval_set_sha256
-
     return config_fingerprint({"fingerprint": fp, "eval_set_sha256": eval_set_sha256(prompts)})
-
-
-def eval_set(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[list, Path]:
-    """The prompts (a prepared set, e.g. your own traffic, or one built per context bin), saved
-    as ``out_dir/eval_set.jsonl`` for the vLLM engines."""
-    from eval.prompts import build_eval_set, eval_set_sha256, load_eval_set, save_eval_set
-
-    e = cfg.eval
-    if e.prompts_file:
-        prompts = load_eval_set(Path(e.prompts_file).expanduser())
-    else:
-        prompts = build_eval_set(
-            heads.tokenizer,
-            context_bins=e.context_bins,
-            prompts_per_bin=e.prompts_per_bin,
-            max_new_tokens=e.max_new_tokens,
-            window=int(heads.config.get("max_position_embeddings") or 0),
-            source=e.source,
-            aa_lcr_csv=e.aa_lcr_csv,
-            aa_lcr_texts=e.aa_lcr_texts,
-            seed=e.seed,
-        )
-    prompts_file = out_dir / "eval_set.jsonl"
-    save_eval_set(prompts, prompts_file)
-    log.info(
-        "eval set: %d prompts in bins %s -> %s (sha256 %s)",
-        len(prompts),
-        sorted({p.bin for p in prompts}),
-        prompts_file,
-        eval_set_sha256(prompts)[:12],
-    )
-    return prompts, prompts_file
 
 
 def reference_results(
@@ -491,7 +330,6 @@ def reference_results(
     chained = [r for r in wanted if r.startswith("ngram")]
     if chained:
         from eval.reference import PromptLookup
-        from eval.serve import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
 
         lookup = PromptLookup(PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX, vllm_max_model_len(cfg, prompts))
         for r in chained:
@@ -516,10 +354,9 @@ def vllm_results(
     max_len = vllm_max_model_len(cfg, prompts)
     runs: list[tuple[str, str, Optional[Path]]] = [(m, m, None) for m in cfg.eval.baselines]
     for who, ex in exports.items() if cfg.eval.serve_export != "never" else ():
-        if torch.cuda.is_available():
-            runs.append((f"vllm-dspark-{who}", "dspark", ex["dspark"].out_dir))
-        elif "dflash" in ex:
-            runs.append((f"vllm-dflash-{who}", "dflash", ex["dflash"].out_dir))
+        served = export_method(gpu=torch.cuda.is_available(), has_layout=ex.__contains__)
+        if served is not None:
+            runs.append((f"vllm-{served.name}-{who}", served.name, ex[served.layout].out_dir))
         else:
             log.info(
                 "vLLM on CPU serves only the dflash layout; the %s export is measured by the reference loop "
@@ -540,8 +377,6 @@ def vllm_results(
 def _conditions(
     cfg: RunConfig, target_dir: Path, prompts: list, ckpt: Path, exports: dict, extra: dict
 ) -> EvalConditions:
-    from eval.prompts import eval_set_sha256
-
     e, bins = cfg.eval, sorted({p.bin for p in prompts})
     return EvalConditions(
         target=cfg.target.name,
@@ -576,8 +411,6 @@ def _report(cfg: RunConfig, results: EvalResults, out_dir: Path, exports: dict) 
 
 
 def _up_to_date(out_dir: Path, fp: str) -> Optional[EvalOutcome]:
-    from eval.report import load_checks, load_results
-
     path = out_dir / "results.json"
     if not path.is_file():
         return None

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 
 from omegaconf import DictConfig
+
+from dspark.core.config import load_or_exit
+from dspark.core.errors import exit_on_user_error
+from dspark.core.target import resolve_target
+from eval.inputs import engine_kwargs, export_path, vllm_max_model_len, wait_for_export
+from eval.serve import main as serve_main
 
 log = logging.getLogger(__name__)
 
@@ -17,22 +22,13 @@ log = logging.getLogger(__name__)
 def main() -> None:
     import hydra
 
-    from dspark.core.config import load_or_exit
-
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(raw: DictConfig) -> None:
-        from dspark.core.target import resolve_target
-        from eval.run import engine_kwargs, export_path, vllm_max_model_len
-        from eval.serve import main as serve_main
-
         cfg = load_or_exit(raw)
         target_dir = resolve_target(cfg.target, cache_dir=Path(cfg.paths.cache_dir).expanduser()).path
         export = export_path(cfg, "dspark", "dspark")
-        deadline = time.time() + 3600
-        while not (export / "export.json").is_file():  # node 0 exports (and validates) first
-            if time.time() > deadline:
-                raise SystemExit(f"error: {export} did not appear within an hour; did node 0 fail?")
-            time.sleep(10)
+        with exit_on_user_error():
+            wait_for_export(export)  # node 0 exports (and validates) first
         serve_main(
             [
                 "--headless",

@@ -31,12 +31,12 @@ from typing import Any, Optional
 
 from dspark.core.config import EvalConfig, ExtractEngineConfig, TargetConfig
 from dspark.core.files import atomic_write_json
+from dspark.core.serving import BY_NAME, SPECULATIVE, speculative_config
 from dspark.core.vllm_engine import generate, make_llm
 from eval.results import AcceptanceCounts
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ngram", "dflash", "dspark")
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -44,8 +44,6 @@ COUNTERS = {
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 STEPS = "vllm:inter_token_latency_seconds"  # a histogram: one observation per decode step per request
-PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX = 2, 4
-"""vLLM ``ngram``'s n-gram lengths, for the served baseline and the reference loop's lookup alike."""
 
 
 @dataclass
@@ -83,21 +81,6 @@ def steps_from_outputs(num_generated: int, num_accepted: int) -> int:
     token comes from prefill, each later step gives 1 + its accepted tokens. Lower than the true
     count by the accepted tokens a stop (EOS, max_tokens) cut from the last step."""
     return max(num_generated - 1 - num_accepted, 0)
-
-
-def speculative_config(method: str, draft: Optional[Path], gamma: int) -> dict[str, Any]:
-    if method not in METHODS:
-        raise ValueError(f"method {method!r}: expected one of {METHODS}")
-    if method == "ngram":
-        return {
-            "method": "ngram",
-            "num_speculative_tokens": gamma,
-            "prompt_lookup_max": PROMPT_LOOKUP_MAX,
-            "prompt_lookup_min": PROMPT_LOOKUP_MIN,
-        }
-    if draft is None:
-        raise ValueError(f"method {method!r} needs --draft (an export directory from dspark.export)")
-    return {"method": method, "model": str(draft), "num_speculative_tokens": gamma}
 
 
 @dataclass
@@ -266,7 +249,7 @@ def input_problem(target: Path, method: str, draft: Optional[Path], prompts: Opt
 
     if not (target / "config.json").is_file():
         return f"--target {target}: no config.json there, expected the target's model directory"
-    if method != "ngram" and draft is None:
+    if BY_NAME[method].layout is not None and draft is None:
         return f"--method {method} needs --draft, an export directory (python -m dspark.export export CKPT --out DIR)"
     if draft is not None and not (draft / "config.json").is_file():
         return (
@@ -291,13 +274,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     defaults = EvalConfig()  # the CLI defaults are the eval stage's
     p = argparse.ArgumentParser(prog="python -m eval.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", type=Path, required=True, help="target model directory")
-    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--method", choices=SPECULATIVE, required=True)
     p.add_argument("--draft", type=Path, default=None, help="export directory (dflash/dspark)")
     p.add_argument("--prompts", type=Path, required=True, help="eval set JSONL (eval.prompts.save_eval_set)")
     p.add_argument("--gamma", type=int, required=True, help="num_speculative_tokens (eval.gamma)")
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     p.add_argument("--temperature", type=float, default=defaults.temperature)
-    p.add_argument("--max-model-len", type=int, required=True, help="the engine window (eval.run.vllm_max_model_len)")
+    p.add_argument(
+        "--max-model-len", type=int, required=True, help="the engine window (eval.inputs.vllm_max_model_len)"
+    )
     p.add_argument(
         "--cpu-kvcache-gib",
         type=int,

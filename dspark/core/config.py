@@ -5,6 +5,11 @@ typo or a wrong type fails when Hydra composes, naming the key. Ranges and choic
 by :func:`load_config`, which every entry point calls right after composing and before any
 stage starts; it returns the typed :class:`RunConfig` that the stages receive. The yaml files
 in ``conf/`` list only what a preset changes.
+
+Why this file is over 600 lines: it is the schema, read as a reference (every key of every group
+with its default, its docstring and its check, in the order of ``conf/config.yaml``), and
+:class:`RunConfig`'s checks across groups need all of them. Most of its length is field
+docstrings; the logic is the checks beside each field and :func:`load_config`.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, DictConfig, OmegaConf
 
+from dspark.core import fp8
 from dspark.core.errors import UserError, exit_on_user_error
 from dspark.core.layer_ids import spread_layer_ids
+from dspark.core.serving import BASELINES, BENCH_CONFIGS
 from dspark.core.target_dir import TargetError, check_field, hf_target_dir, read_config
 
 log = logging.getLogger(__name__)
@@ -32,9 +39,12 @@ TARGET_SOURCES = ("embedded_smollm2", "hf_dir")
 DTYPES = ("float32", "bfloat16", "float16")
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 """Config dtype names (target, train, export, shard storage) -> torch dtypes."""
-FP8_STORE_DTYPES = ("float8_e4m3", "float8_e5m2")
+FP8_STORE_DTYPES = tuple(fp8.FORMATS)
 """Shard storage only (``data.store_dtype``): values with a scale per token and layer,
-dequantized by the reader (:mod:`dspark.core.fp8`); nothing computes in them."""
+dequantized by the reader (:mod:`dspark.core.fp8`, whose ``FORMATS`` declares them); nothing
+computes in them."""
+STORE_DTYPES = DTYPES + FP8_STORE_DTYPES
+"""Every ``data.store_dtype``; :data:`dspark.core.shard_format.STORE_DTYPES` maps them to bytes."""
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 COMPRESSIONS = ("none", "zstd")
 ON_OVERLONG = ("skip", "truncate")
@@ -43,11 +53,10 @@ STAGES = ("extract", "train", "eval", "serve_bench")
 DEFAULT_STAGES = ("extract", "train", "eval")
 """What ``python train.py`` runs unless told: the serving benchmark (minutes per configuration
 and concurrency level) is asked for by name."""
-SERVE_BENCH_CONFIGS = ("none", "ngram", "ours", "dspark", "dflash")
 EVAL_SOURCES = ("offline", "aa_lcr")
 SERVE_EXPORT = ("auto", "never")
 SUPERVISE = ("answer", "all")
-BASELINES = ("ngram",)
+"""``train.supervise``: the tokens the loss supervises, and the positions :mod:`dspark.target_topk` caches."""
 REFERENCE_PROPOSERS = ("dspark", "ngram-then-dspark", "ngram")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 DATA_MODES = ("offline", "online")
@@ -411,7 +420,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         _choice("data.mode", self.mode, DATA_MODES)
         _choice("data.on_overlong", self.on_overlong, ON_OVERLONG)
-        _choice("data.store_dtype", self.store_dtype, DTYPES + FP8_STORE_DTYPES)
+        _choice("data.store_dtype", self.store_dtype, STORE_DTYPES)
         _choice("data.compression", self.compression, COMPRESSIONS)
         _check(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction, "expected a fraction in [0, 1)")
         for key in ("num_prompts", "max_new_tokens", "rows_per_shard", "batch_size", "world_size"):
@@ -706,7 +715,7 @@ class ServeBenchConfig:
     def __post_init__(self) -> None:
         _check(bool(self.configs), "serve_bench.configs", self.configs, "expected a non-empty list")
         for c in self.configs:
-            _choice("serve_bench.configs[]", c, SERVE_BENCH_CONFIGS)
+            _choice("serve_bench.configs[]", c, BENCH_CONFIGS)
         _check(
             bool(self.concurrency) and all(c >= 1 for c in self.concurrency),
             "serve_bench.concurrency",

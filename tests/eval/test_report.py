@@ -9,26 +9,23 @@ from dataclasses import asdict
 
 import pytest
 
-from eval.report import (
-    INSIDE_NOISE,
-    Check,
-    expected_tokens,
-    fit_p,
-    load_checks,
-    load_results,
-    main,
-    ratio_check,
-    speedup_row,
-    write_report,
-)
+from eval.checks import quality_checks, ratio_check
+from eval.report import main, summary_lines, write_report
 from eval.results import (
+    INSIDE_NOISE,
     STATS,
     AcceptanceCounts,
     Calibration,
+    Check,
     DrafterResult,
     EvalConditions,
     EvalResults,
     bootstrap_interval,
+    expected_tokens,
+    fit_p,
+    load_checks,
+    load_results,
+    speedup_row,
 )
 
 GAMMA = 3
@@ -357,7 +354,6 @@ def test_wandb_offline_run_gets_scalars_plots_and_tables(results, tmp_path, no_n
 
 def test_preset_goals_are_reported_beside_the_measured_tau_and_pos1(results):
     from dspark.core.config import EvalConfig
-    from eval.run import quality_checks
 
     ours = overall("dspark").summary()  # 9 steps: tau = 1 + 16/9, pos-1 = 7/9
     tau, pos1 = ours["tau"], ours["accept_per_pos"][0]
@@ -371,8 +367,6 @@ def test_preset_goals_are_reported_beside_the_measured_tau_and_pos1(results):
 
 
 def test_the_ngram_check_compares_tokens_per_step_over_every_step(results):
-    from eval.run import quality_checks
-
     results.drafters[2].name = "ngram"
     check = {c.name: c for c in quality_checks(results)}["DSpark over vLLM ngram"]
     # dspark 1 + 16/9 per step; ngram 1 + 1/8 per step (its tau over drafted steps would be 1.25)
@@ -383,8 +377,6 @@ def test_the_ngram_check_compares_tokens_per_step_over_every_step(results):
 
 
 def test_summary_lines_put_tokens_per_step_first(results):
-    from eval.report import summary_lines
-
     check = ratio_check("g", "a", 1.5, "b", 1.0, 1.3, interval=(1.2, 1.7))
     lines = summary_lines(results, [check])
     ngram = next(line for line in lines if " ngram " in line)

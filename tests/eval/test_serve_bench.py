@@ -16,24 +16,26 @@ from pathlib import Path
 import psutil
 import pytest
 
+from eval.bench_client import METRICS, client_argv, level_record
+from eval.bench_report import TABLE_COLUMNS, assemble, table_rows, wandb_scalars, write_outputs
 from eval.serve_bench import (
-    METRICS,
-    TABLE_COLUMNS,
+    BenchSetup,
+    ServeBenchError,
+    TrafficFileError,
+    load_traffic,
+    resolve_configs,
+    server_max_model_len,
+)
+from eval.server import (
     Configuration,
     PortInUseError,
+    Server,
     ServerStartError,
-    TrafficFileError,
-    assemble,
     choose_port,
     engine_flags,
-    level_record,
-    load_traffic,
     port_in_use,
     running_server,
     server_command,
-    table_rows,
-    wandb_scalars,
-    write_outputs,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -382,8 +384,6 @@ def test_the_command_help_says_what_it_runs():
 
 
 def test_configurations_resolve_and_a_missing_drafter_is_named(compose_config, tmp_path):
-    from eval.serve_bench import ServeBenchError, resolve_configs
-
     base = ("+experiment=smollm2_cpu_smoke", f"paths.output_dir={tmp_path}")
     cfg = compose_config(*base, "serve_bench.configs=[none,ngram]")
     assert resolve_configs(cfg, tmp_path, gpu=False) == [Configuration("none"), Configuration("ngram", "ngram")]
@@ -395,8 +395,6 @@ def test_configurations_resolve_and_a_missing_drafter_is_named(compose_config, t
 
 
 def test_output_len_null_takes_each_requests_own_length(tmp_path, compose_config):
-    from eval.serve_bench import Server, client_argv, server_max_model_len
-
     path = tmp_path / "t.jsonl"
     path.write_text('{"prompt": "a", "output_tokens": 300}\n{"prompt": "b"}\n')
     with pytest.raises(TrafficFileError) as e:
@@ -413,8 +411,6 @@ def test_output_len_null_takes_each_requests_own_length(tmp_path, compose_config
 
 
 def test_the_configurations_of_one_multi_node_job_share_their_conditions(tmp_path, compose_config):
-    from eval.serve_bench import BenchSetup
-
     cfg = compose_config("+experiment=smollm2_cpu_smoke")
     traffic = tmp_path / "t.jsonl"
     traffic.write_text('{"prompt": "a"}\n')
@@ -430,7 +426,7 @@ def test_the_configurations_of_one_multi_node_job_share_their_conditions(tmp_pat
 DRIVER = """
 import sys, time
 from pathlib import Path
-from eval.serve_bench import running_server
+from eval.server import running_server
 port, log = int(sys.argv[1]), Path(sys.argv[2])
 cmd = [sys.executable, "-c", sys.argv[3], str(port)]
 with running_server(cmd, host="127.0.0.1", port=port, log_path=log, timeout_s=60, env={"PATH": "/usr/bin:/bin"},

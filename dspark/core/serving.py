@@ -1,0 +1,89 @@
+"""The serving methods, declared once: what vLLM can serve a target with, which export layout
+(:mod:`dspark.serving_format`) its draft model is, and whether it needs a GPU.
+
+Read by the config's choices (``serve_bench.configs``), the export (``--layout``, the
+architecture written into config.json), the export check, the eval's vLLM runs, ``python -m
+eval.serve --method`` and the serving benchmark. A new method or drafter family is one line of
+:data:`METHODS` (plus its export layout and the vLLM class that loads it).
+
+:func:`export_method` decides how this run's export is served on this machine (``dspark`` on a
+GPU, the ``dflash`` export on CPU); the eval and the serving benchmark both ask it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class ServingMethod:
+    name: str
+    """What configs and command lines call it."""
+    vllm_method: Optional[str]
+    """vLLM's ``speculative_config["method"]``; None: no speculation."""
+    layout: Optional[str] = None
+    """The export layout its draft model is; None: it serves no drafter of ours."""
+    architecture: Optional[str] = None
+    """``architectures[0]`` of that layout's config.json: the vLLM model class that loads it."""
+    needs_gpu: bool = False
+    """vLLM serves it on GPUs only (its runner needs Triton)."""
+
+
+METHODS = (
+    ServingMethod("none", None),
+    ServingMethod("ngram", "ngram"),
+    ServingMethod("dflash", "dflash", layout="dflash", architecture="DFlashDraftModel"),
+    ServingMethod("dspark", "dspark", layout="dspark", architecture="Qwen3DSparkModel", needs_gpu=True),
+)
+"""Every method, in the order reports list them."""
+
+BY_NAME = {m.name: m for m in METHODS}
+SPECULATIVE = tuple(m.name for m in METHODS if m.vllm_method is not None)
+"""The methods that speculate (``python -m eval.serve --method``)."""
+BY_LAYOUT = {m.layout: m for m in METHODS if m.layout is not None}
+LAYOUTS = ("dspark", "dflash")
+"""The export layouts by preference: this run's export is written in this order and served in the
+first one the machine can serve and the drafter fits (:func:`export_method`; dspark fits every
+drafter vLLM can serve at all). ``python -m dspark.export export --layout`` offers them."""
+assert set(LAYOUTS) == set(BY_LAYOUT), "LAYOUTS orders the layouts of METHODS"
+OURS = "ours"
+"""The serving benchmark's name for this run's export, served as :func:`export_method` says."""
+BASELINES = tuple(m.name for m in METHODS if m.vllm_method is not None and m.layout is None)
+"""``eval.baselines`` choices: the methods that speculate without a drafter of ours."""
+BENCH_CONFIGS = (*(m.name for m in METHODS if m.layout is None), OURS, *(m.name for m in METHODS if m.layout))
+"""``serve_bench.configs`` choices, in the report's order: the methods without a drafter, ours,
+then each method with a drafter by name."""
+
+PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX = 2, 4
+"""vLLM ``ngram``'s n-gram lengths, for the served baseline and the reference loop's lookup alike."""
+
+
+def export_method(*, gpu: bool, has_layout: Callable[[str], bool]) -> Optional[ServingMethod]:
+    """How this run's export is served here: ``dspark`` on a GPU, on CPU the ``dflash`` export
+    when the drafter has that layout (``has_layout``); None when vLLM can serve it neither way."""
+    for layout in LAYOUTS:
+        m = BY_LAYOUT[layout]
+        if (gpu or not m.needs_gpu) and has_layout(layout):
+            return m
+    return None
+
+
+def speculative_config(method: Optional[str], draft: Optional[Path], gamma: int) -> Optional[dict[str, Any]]:
+    """vLLM's ``speculative_config`` for one of :data:`SPECULATIVE` (None: no speculation)."""
+    if method is None:
+        return None
+    if method not in SPECULATIVE:
+        raise ValueError(f"method {method!r}: expected one of {SPECULATIVE}")
+    m = BY_NAME[method]
+    if m.name == "ngram":
+        return {
+            "method": m.vllm_method,
+            "num_speculative_tokens": gamma,
+            "prompt_lookup_max": PROMPT_LOOKUP_MAX,
+            "prompt_lookup_min": PROMPT_LOOKUP_MIN,
+        }
+    if draft is None:
+        raise ValueError(f"method {method!r} needs --draft (an export directory from dspark.export)")
+    return {"method": m.vllm_method, "model": str(draft), "num_speculative_tokens": gamma}

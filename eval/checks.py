@@ -1,0 +1,142 @@
+"""The quality checks of an eval: the demo's targets (issue #6) and a preset's own goals, each a
+:class:`~eval.results.Check` beside its measured value and its 95 % interval over prompts. A
+check whose interval crosses its line is "inside the noise" instead of pass or fail."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from dspark.core.config import EvalConfig
+from eval.results import STATS, Check, DrafterResult, EvalResults, ratio_interval, speedup_row
+
+
+def interval_text(interval: tuple[float, float] | None, digits: int = 3) -> str:
+    """The text " [lo, hi]" of a 95 % interval, or "" where there is none."""
+    if interval is None or any(math.isnan(x) for x in interval):
+        return ""
+    return f" [{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"
+
+
+def ratio_check(
+    name: str,
+    numerator_name: str,
+    numerator: float,
+    denominator_name: str,
+    denominator: float,
+    min_ratio: float,
+    interval: tuple[float, float] | None = None,
+) -> Check:
+    """Pass when numerator / denominator >= min_ratio (e.g. tokens per step of ours over ngram's);
+    ``interval``: the ratio's 95 % interval, which decides "inside the noise".
+
+    A zero or NaN denominator gives a NaN ratio, which fails: no evidence is not a pass."""
+    ratio = numerator / denominator if denominator else math.nan
+    detail = (
+        f"{numerator_name} {numerator:.3f} / {denominator_name} {denominator:.3f} = {ratio:.3f}"
+        f"{interval_text(interval)} (need >= {min_ratio:g})"
+    )
+    return Check(
+        name=name, measured=ratio, target=min_ratio, passed=ratio >= min_ratio, detail=detail, interval=interval
+    )
+
+
+def goal_check(name: str, label: str, measured: float, goal: float, interval: tuple[float, float]) -> Check:
+    """Pass when ``measured`` reaches a preset's ``goal`` (``eval.target_tau``, ``eval.target_pos1``)."""
+    return Check(
+        name,
+        measured,
+        goal,
+        measured >= goal,
+        f"{label} {measured:.3f}{interval_text(interval)} (need >= {goal:g})",
+        interval,
+    )
+
+
+def paired_interval(a: DrafterResult, b: DrafterResult, stat: str = "tokens_per_step") -> tuple[float, float]:
+    """The 95 % interval of stat(a) / stat(b) over the prompts both were measured on, resampled
+    together (the same prompts: their own difficulty cancels)."""
+    ca, cb = a.counts_by_prompt(), b.counts_by_prompt()
+    common = [k for k in ca if k in cb]
+    return ratio_interval([ca[k] for k in common], [cb[k] for k in common], STATS[stat], paired=True)
+
+
+def bins_interval(d: DrafterResult, num_bin: str, den_bin: str, stat: str = "tokens_per_step") -> tuple[float, float]:
+    """The 95 % interval of stat(bin a) / stat(bin b) of one drafter: other prompts, resampled apart."""
+    return ratio_interval(d.prompt_counts(num_bin), d.prompt_counts(den_bin), STATS[stat], paired=False)
+
+
+def quality_checks(results: EvalResults, e: Optional[EvalConfig] = None) -> list[Check]:
+    """The targets of the demo (issue #6) and the preset's own goals (``eval.target_tau``,
+    ``eval.target_pos1``), each beside its measured value and its 95 % interval over prompts.
+    Every method is compared on tokens per target step over all steps (``eval.results``); for
+    our drafter, which drafts every step, that equals its tau."""
+    by = {d.name: d for d in results.drafters}
+    ours = by.get("dspark")
+    if ours is None:
+        return []
+    checks = []
+    tps = ours.tokens_per_step
+    if e is not None and e.target_tau is not None:
+        checks.append(
+            goal_check(
+                "tokens per target step on the eval set",
+                "tokens/step dspark",
+                tps,
+                e.target_tau,
+                ours.interval("tokens_per_step"),
+            )
+        )
+    pos1 = float((ours.overall or {}).get("accept_per_pos", [math.nan])[0])
+    if e is not None and e.target_pos1 is not None:
+        checks.append(
+            goal_check(
+                "first-position acceptance on the eval set",
+                "pos-1 acceptance",
+                pos1,
+                e.target_pos1,
+                ours.interval("pos1"),
+            )
+        )
+    for other, label, line in (("markov-off", "its Markov-off ablation", 1.15), ("ngram", "vLLM ngram", 1.3)):
+        if other in by:
+            checks.append(
+                ratio_check(
+                    f"DSpark over {label}",
+                    "tokens/step dspark",
+                    tps,
+                    f"tokens/step {other}",
+                    by[other].tokens_per_step,
+                    line,
+                    paired_interval(ours, by[other]),
+                )
+            )
+    bins = sorted(ours.per_bin, key=int)
+    if len(bins) > 1:
+        checks.append(
+            ratio_check(
+                "no long-context collapse",
+                f"tokens/step @{bins[-1]}",
+                float(ours.per_bin[bins[-1]]["tokens_per_step"]),
+                f"tokens/step @{bins[0]}",
+                float(ours.per_bin[bins[0]]["tokens_per_step"]),
+                0.9,
+                bins_interval(ours, bins[-1], bins[0]),
+            )
+        )
+    if ours.measured_speedup is not None:
+        pred = (
+            speedup_row(tps, results.conditions.gamma, ours.draft_cost_ratio).predicted
+            if ours.draft_cost_ratio is not None
+            else float("nan")
+        )
+        checks.append(
+            Check(
+                "wall-clock speedup over plain decoding (bs=1)",
+                ours.measured_speedup,
+                1.0,
+                ours.measured_speedup >= 1.0,
+                f"measured {ours.measured_speedup:.2f}x, cost model predicts {pred:.2f}x",
+            )
+        )
+    return checks

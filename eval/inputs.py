@@ -1,0 +1,113 @@
+"""What every vLLM run of stage 3 starts from, built from the run's config: this run's exports
+(where they are, writing and validating them, waiting for them on the other nodes), the eval set,
+and the engine's arguments and window. ``eval.run`` (the eval), ``eval.serve_bench`` (the
+serving benchmark) and ``eval.run_headless`` (nodes 1..n-1) read them here, so no stage imports
+another."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from dspark.checkpoint import load_training_checkpoint
+from dspark.core.config import RunConfig
+from dspark.core.waits import WaitTimedOut
+from dspark.export import ExportSummary, export
+from dspark.export_validate import validate
+from dspark.serving_format import drafter_layouts
+from eval.prompts import EvalPrompt, build_eval_set, eval_set_sha256, load_eval_set, save_eval_set
+
+log = logging.getLogger(__name__)
+
+EXPORT_WAIT_S = 3600
+"""How long the other nodes of a multi-node engine wait for node 0's export."""
+
+
+def export_path(cfg: RunConfig, prefix: str, layout: str) -> Path:
+    """Where ``export_all`` writes the ``layout`` export of ``prefix`` ("dspark": this run's
+    drafter, "ablation": its Markov-off ablation); multi-node serving nodes wait for it."""
+    return Path(cfg.eval.export_dir).expanduser() / f"{prefix}-{layout}"
+
+
+def export_all(cfg: RunConfig, ckpt_path: Path, target_dir: Path, prefix: str) -> dict[str, ExportSummary]:
+    """Every layout the drafter can be served in (the dspark one always, the dflash one where the
+    drafter has it), each validated with vLLM's own classes at ``eval.gamma`` draft tokens."""
+    ckpt = load_training_checkpoint(ckpt_path)
+    out = {}
+    for layout in drafter_layouts(ckpt.drafter):
+        d = export_path(cfg, prefix, layout)
+        s = export(ckpt, d, layout=layout, dtype=cfg.eval.export_dtype, target_dir=target_dir)
+        log.info("%s", s.render())
+        log.info("%s", validate(d, target_dir=target_dir, num_speculative_tokens=cfg.eval.gamma).render())
+        out[layout] = s
+    return out
+
+
+def wait_for_export(path: Path, *, poll_s: float = 10.0) -> None:
+    """Nodes 1..n-1: wait until node 0 has written (and validated) the export at ``path``."""
+    deadline = time.time() + EXPORT_WAIT_S
+    while not (path / "export.json").is_file():
+        if time.time() > deadline:
+            raise WaitTimedOut(f"{path} did not appear within an hour; did node 0 fail?")
+        time.sleep(poll_s)
+
+
+def eval_set(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[list[EvalPrompt], Path]:
+    """The prompts (a prepared set, e.g. your own traffic, or one built per context bin), saved
+    as ``out_dir/eval_set.jsonl`` for the vLLM engines."""
+    e = cfg.eval
+    if e.prompts_file:
+        prompts = load_eval_set(Path(e.prompts_file).expanduser())
+    else:
+        prompts = build_eval_set(
+            heads.tokenizer,
+            context_bins=e.context_bins,
+            prompts_per_bin=e.prompts_per_bin,
+            max_new_tokens=e.max_new_tokens,
+            window=int(heads.config.get("max_position_embeddings") or 0),
+            source=e.source,
+            aa_lcr_csv=e.aa_lcr_csv,
+            aa_lcr_texts=e.aa_lcr_texts,
+            seed=e.seed,
+        )
+    prompts_file = out_dir / "eval_set.jsonl"
+    save_eval_set(prompts, prompts_file)
+    log.info(
+        "eval set: %d prompts in bins %s -> %s (sha256 %s)",
+        len(prompts),
+        sorted({p.bin for p in prompts}),
+        prompts_file,
+        eval_set_sha256(prompts)[:12],
+    )
+    return prompts, prompts_file
+
+
+def engine_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """The target's parallel layout plus eval.vllm_engine_kwargs (multi-node: nnodes, master_addr...)."""
+    kw: dict[str, Any] = {}
+    if cfg.target.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = cfg.target.tensor_parallel_size
+    if cfg.target.pipeline_parallel_size > 1:
+        kw["pipeline_parallel_size"] = cfg.target.pipeline_parallel_size
+    if cfg.target.trust_remote_code:
+        kw["trust_remote_code"] = True
+    return {**kw, **cfg.eval.vllm_engine_kwargs}
+
+
+def engine_window(longest_prompt: int, answer: int, gamma: int) -> int:
+    """An engine's window: the longest prompt, the answer, and one draft block on top (a last
+    step verifies up to gamma + 1 tokens)."""
+    return longest_prompt + answer + gamma + 1
+
+
+def vllm_max_model_len(cfg: RunConfig, prompts: Optional[list[EvalPrompt]] = None) -> int:
+    """The eval engines' window: eval.vllm_max_model_len, or the longest prompt (or bin) + answer
+    + one draft block. Headless workers of a multi-node engine compute it from the config alone,
+    so it must not depend on the prompts unless a prepared set is given."""
+    e = cfg.eval
+    if e.vllm_max_model_len:
+        return e.vllm_max_model_len
+    longest = max(p.num_tokens for p in prompts) if (e.prompts_file and prompts) else max(e.context_bins)
+    return engine_window(longest, e.max_new_tokens, e.gamma)
