@@ -35,7 +35,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import torch
 
-from dspark.core import fp8
+from dspark.core import config, fp8
 from dspark.core.config import TORCH_DTYPES
 from dspark.core.errors import UserError
 from dspark.core.files import atomic_write_text, read_json
@@ -43,11 +43,14 @@ from dspark.core.files import atomic_write_text, read_json
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
-STORE_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3": 1, "float8_e5m2": 1}
-"""Bytes per stored value."""
+STORE_DTYPES = {
+    name: (fp8.FORMATS[name].torch_dtype if name in fp8.FORMATS else TORCH_DTYPES[name]).itemsize
+    for name in config.STORE_DTYPES
+}
+"""Store dtype (:data:`dspark.core.config.STORE_DTYPES`) -> bytes per stored value."""
 SCALE_GRANULARITIES = {"none": 0, "token_layer": fp8.SCALE_BYTES}
 """Scale layout -> scale bytes per (token, captured layer); fp8 dtypes need ``token_layer``."""
-COMPRESSIONS = ("none", "zstd")
+COMPRESSIONS = config.COMPRESSIONS
 
 SCHEMA = pa.schema(
     [
