@@ -56,7 +56,7 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         lines.append(f"extract  {what} -> {cfg.data.shards_dir}")
     if "train" in cfg.stages:
         from dspark.checkpoint import finished_checkpoint
-        from dspark.trainer import train
+        from dspark.recipe import train
 
         done = finished_checkpoint(cfg)
         if done is not None:

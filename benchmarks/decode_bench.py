@@ -53,7 +53,7 @@ def main() -> None:
 
     from dspark.core.config import load_config
     from dspark.core.target import prepare_target
-    from dspark.trainer import build_drafter
+    from dspark.recipe import build_drafter
     from eval.reference import DraftRunner, TargetRunner
 
     conf = Path(__file__).resolve().parents[1] / "conf"

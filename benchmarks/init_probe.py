@@ -30,7 +30,7 @@ def main() -> None:
 
     from dspark.core.config import load_config
     from dspark.core.target import prepare_target
-    from dspark.trainer import Trainer
+    from dspark.recipe import build_trainer
 
     report = {}
     heads = None
@@ -48,7 +48,7 @@ def main() -> None:
             )
             if heads is None:
                 heads, _ = prepare_target(cfg)
-            tr = Trainer(cfg, heads)
+            tr = build_trainer(cfg, heads)
             res = tr.evaluate()
             tr.close()
         report[choice] = {k: res[k] for k in ("tau", "accept_pos_1", "loss", "ce", "tv")}

@@ -43,7 +43,7 @@ class SyntheticStep:
         return SyntheticStep(self.model.to(device, dtype), batch, self.loss_cfg)
 
     def loss(self) -> LossOutput:
-        """The trainer's forward and loss (:class:`dspark.trainer.DrafterWithLoss`) on the batch."""
+        """The trainer's forward and loss (:class:`dspark.recipe.DrafterWithLoss`) on the batch."""
         b = self.batch
         out = self.model(b["input_ids"], b["context_states"], b["anchor_positions"])
         return dspark_loss(

@@ -37,20 +37,22 @@ def main() -> None:
     from dspark.core.target import prepare_target
     from dspark.loss import _targets, topk_tv
     from dspark.model import sample_anchors
-    from dspark.trainer import Trainer
+    from dspark.recipe import build_trainer
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = load_config(compose(config_name="config", overrides=[*args.overrides, "logging.wandb=false"]))
     heads, _ = prepare_target(cfg)
-    tr = Trainer(cfg, heads)  # resumes the run's latest checkpoint; trains nothing
-    model, ds = tr.model.eval(), tr.val_ds
+    tr = build_trainer(cfg, heads)  # resumes the run's latest checkpoint; trains nothing
+    model, ds = tr.model.eval(), tr.parts.val
     gen = torch.Generator().manual_seed(12345)
     exact_all, approx = [], {k: [] for k in args.k}
     tail = {k: [] for k in args.k}
     with torch.no_grad():
         for i in range(0, len(ds), tr.t.micro_batch_size):
             seqs = [ds[j] for j in range(i, min(len(ds), i + tr.t.micro_batch_size))]
-            b = collate(seqs, context_index=tr.ctx_index, final_index=tr.final_index, max_len=tr.t.max_seq_len)
+            b = collate(
+                seqs, context_index=tr.parts.context_index, final_index=tr.parts.final_index, max_len=tr.t.max_seq_len
+            )
             b = b.to("cpu", torch.float32)
             anchors, valid = sample_anchors(b.loss_mask, b.lengths, tr.t.anchors_per_seq, gen)
             out = model(b.input_ids, b.context_states, anchors)

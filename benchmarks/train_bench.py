@@ -75,7 +75,7 @@ def main() -> None:
     from dspark.core.config import TargetConfig
     from dspark.core.target import load_target_heads, resolve_target
     from dspark.model import sample_anchors
-    from dspark.trainer import Trainer
+    from dspark.recipe import build_trainer
 
     heads = load_target_heads(resolve_target(TargetConfig()).path)
     work = Path(tempfile.mkdtemp(prefix="dspark-train-bench-"))
@@ -96,7 +96,7 @@ def main() -> None:
                 "stages=[train]",
             ],
         )
-    tr = Trainer(cfg, heads)
+    tr = build_trainer(cfg, heads)
     plain_model = copy.deepcopy(tr.engine.module)  # same weights, no DeepSpeed
     results: dict = {
         "seq_len": args.seq_len,

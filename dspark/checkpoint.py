@@ -5,29 +5,48 @@ DeepSpeed's ``latest`` file naming the newest. Inside a tag, beside DeepSpeed's 
 
 * the model-states file's client state: ``step``, the data position, RNG states, ``drafter``
   (:class:`DSparkConfig` as a dict) and ``dims`` (:class:`DrafterDims`);
-* ``run.json``: the provenance (:func:`dspark.trainer.provenance`): resolved config, git SHA,
-  versions, argv. It is written inside the tag *before* ``latest`` moves to it.
+* ``run.json``: the provenance (:func:`provenance`): resolved config, git SHA, versions, argv.
+  It is written inside the tag *before* ``latest`` moves to it.
 
-The trainer writes and resumes checkpoints; export and eval read them through this module.
+The trainer's :class:`Checkpointer` saves (with the disk check and the clean-up of a save that did
+not finish), resumes and keeps ``validation.jsonl``; export and eval read checkpoints through
+:func:`load_training_checkpoint`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
+import platform
+import random
 import shutil
 import socket
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from dspark.batching import DataPosition
 from dspark.core.config import DSparkConfig, RunConfig
 from dspark.core.errors import UserError
-from dspark.core.files import atomic_write_json, atomic_write_text
+from dspark.core.files import (
+    DiskFullError,
+    atomic_write_json,
+    atomic_write_text,
+    disk_full_message,
+    free_bytes,
+    is_disk_full,
+    reporting_disk_full,
+)
 from dspark.model import DrafterDims, trainable_parameter_shapes
+
+log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 LATEST_FILE = "latest"
@@ -269,3 +288,239 @@ def finished_checkpoint(cfg: RunConfig) -> Optional[Path]:
     if not (tag / RUN_FILE).is_file() or checkpoint_config_differences(tag, cfg):
         return None
     return tag if tag_step(tag) >= cfg.train.max_steps else None
+
+
+HISTORY_WINDOW = 1000
+"""Steps of per-step history (loss, sequence ids) a checkpoint keeps: an audit trail of bounded
+size (the K3 preset consumes about 1.9M sequences); the whole data order is in ``data_digest``."""
+
+VALIDATION_FILE = "validation.jsonl"
+
+
+@dataclass
+class TrainState:
+    """What a run has done so far; everything here goes into the checkpoint's client state."""
+
+    step: int = 0
+    data: DataPosition = field(default_factory=DataPosition)
+    history: list[dict] = field(default_factory=list)
+    """The last HISTORY_WINDOW steps: {"step", "loss", "seq_ids"}."""
+    data_digest: str = ""
+    """Hash chain over every consumed sequence id in order: equal digests, equal data order."""
+    predictions: int = 0
+    """Supervised predictions consumed so far, all ranks (the x axis of a scaling curve)."""
+    tokens: int = 0
+    """Sequence tokens consumed by training steps so far, all ranks (padding excluded)."""
+    train_seconds: float = 0.0
+    """Wall-clock seconds spent in training steps (validation and checkpoints excluded)."""
+    validations: list[dict] = field(default_factory=list)
+    """Every validation: {"step", "predictions", "train_seconds", **metrics}; also written to
+    ``<checkpoint_dir>/validation.jsonl`` for plots without W&B."""
+
+    def record(self, loss: float, seq_ids: list[str]) -> None:
+        self.history = [*self.history[-(HISTORY_WINDOW - 1) :], {"step": self.step, "loss": loss, "seq_ids": seq_ids}]
+        self.data_digest = hashlib.sha256((self.data_digest + "|" + ",".join(seq_ids)).encode()).hexdigest()
+
+    @classmethod
+    def from_client(cls, client: dict[str, Any]) -> TrainState:
+        """The state a checkpoint's client state holds (fields added later default)."""
+        return cls(
+            step=client["step"],
+            data=DataPosition(**client["data"]),
+            history=client["history"],
+            data_digest=client.get("data_digest", ""),
+            predictions=client.get("predictions", 0),
+            tokens=client.get("tokens", 0),
+            train_seconds=client.get("train_seconds", 0.0),
+            validations=client.get("validations", []),
+        )
+
+
+def provenance(cfg: RunConfig) -> dict[str, Any]:
+    """What a checkpoint was made by (its ``run.json``): resolved config, git SHA, versions, argv."""
+    import deepspeed
+    import transformers
+
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        sha = ""
+    return {
+        "config": cfg.to_dict(),
+        "git_sha": sha,
+        "argv": sys.argv,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
+
+
+class Checkpointer:
+    """One run's ``train.checkpoint_dir``: held for the run (rank 0 takes the directory's lock,
+    :func:`lock_checkpoint_dir`), saved to, resumed from, and the home of ``validation.jsonl``.
+
+    ``engine`` below is the DeepSpeed engine wrapping the drafter (``engine.module.drafter``);
+    collectives (the disk check's numbers, the barriers around a save) run on every rank."""
+
+    def __init__(self, cfg: RunConfig, *, rank: int, world: int):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.directory = Path(cfg.train.checkpoint_dir).expanduser()
+        self._lock = lock_checkpoint_dir(self.directory) if rank == 0 else None
+
+    def close(self) -> None:
+        """Release the directory (the OS would at process exit anyway)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # --- save ---------------------------------------------------------------------------------
+    def save(self, engine: Any, state: TrainState, anchor_gen: torch.Generator) -> Path:
+        """Save tag ``stepNNNNNNNN`` of ``state.step`` and move ``latest`` to it once complete."""
+        import torch.distributed as dist
+
+        tag = tag_name(state.step)
+        drafter = engine.module.drafter
+        client = {
+            "context_layer_ids": self.cfg.context_layer_ids(),
+            "step": state.step,
+            "data": asdict(state.data),
+            "anchor_rng": anchor_gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "history": state.history,
+            "data_digest": state.data_digest,
+            "predictions": state.predictions,
+            "tokens": state.tokens,
+            "train_seconds": state.train_seconds,
+            "validations": state.validations,
+            "drafter": asdict(drafter.cfg),
+            "dims": asdict(drafter.dims),
+        }
+        self._write_tag(engine, tag, client, needed=self._make_room_for(engine, tag))
+        dist.barrier()  # every rank's shards are written
+        if self.rank == 0:
+            self._publish(tag)
+        dist.barrier()
+        log.info("saved checkpoint %s", self.directory / tag)
+        return self.directory / tag
+
+    def _write_tag(self, engine: Any, tag: str, client: dict[str, Any], *, needed: int) -> None:
+        """DeepSpeed's save of ``tag`` (not yet named by ``latest``); when it fails, what it wrote
+        is removed, and a full disk is said so (DeepSpeed's torch.save reports only
+        ``unexpected pos ...``)."""
+        try:
+            engine.save_checkpoint(str(self.directory), tag=tag, client_state=client, save_latest=False)
+        except Exception as e:
+            full = is_disk_full(e, self.directory)  # before the half tag, which filled the disk, is removed
+            written = tag_bytes(self.directory / tag)
+            if self.rank == 0:
+                remove_unpublished_tag(self.directory, tag)
+            if full:
+                raise DiskFullError(self._disk_full(tag, max(needed, written))) from e
+            raise
+
+    def _publish(self, tag: str) -> None:
+        run = provenance(self.cfg)
+        size = len(json.dumps(run, indent=2, default=str))
+        with reporting_disk_full(self.directory, what=f"{tag}/{RUN_FILE}", needed=size, todo=self.disk_full_todo()):
+            publish_tag(self.directory, tag, run)
+
+    def _make_room_for(self, engine: Any, tag: str) -> int:
+        """Before DeepSpeed writes ``tag``: remove what a killed or failed save of it left, and
+        refuse the save (every rank, on rank 0's numbers) when the checkpoint directory has less
+        room than the tag needs. Returns that estimate, in bytes."""
+        import torch.distributed as dist
+
+        if self.rank == 0:
+            freed = remove_unpublished_tag(self.directory, tag)
+            if freed:
+                log.warning("removed %s: %d bytes left by a save that did not finish", self.directory / tag, freed)
+        numbers = torch.tensor([self._checkpoint_bytes(engine), free_bytes(self.directory)], dtype=torch.int64)
+        if self.world > 1:
+            numbers = numbers.to(engine.device)
+            dist.broadcast(numbers, src=0)
+        needed, free = (int(n) for n in numbers.cpu())
+        if free < needed:
+            raise DiskFullError(self._disk_full(tag, needed))
+        return needed
+
+    def _checkpoint_bytes(self, engine: Any) -> int:
+        """About what a tag takes: the last complete one's size, or before there is one the
+        module's tensors plus AdamW's two moments (a lower bound: ZeRO adds fp32 master copies)."""
+        last = latest_tag(self.directory)
+        if last is not None and last.is_dir():
+            return tag_bytes(last)
+        module = {t.data_ptr(): t.numel() * t.element_size() for t in engine.module.state_dict().values()}
+        trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+        return sum(module.values()) + 2 * 4 * trainable
+
+    def _disk_full(self, tag: str, needed: int) -> str:
+        return disk_full_message(self.directory, f"checkpoint {tag}", needed, self.disk_full_todo())
+
+    def disk_full_todo(self) -> str:
+        """What to do when this directory's disk is full (said by every disk-full error here)."""
+        last = latest_tag(self.directory)
+        resume = f"resume from {last.name}, the last complete tag" if last else "start (no tag is complete yet)"
+        return (
+            f"free space there (tags older than the one 'latest' names can go) or set train.checkpoint_dir "
+            f"elsewhere, then rerun the same command to {resume}"
+        )
+
+    # --- resume -------------------------------------------------------------------------------
+    def resume(self, engine: Any, anchor_gen: torch.Generator) -> Optional[TrainState]:
+        """Load the tag ``train.resume`` names (``auto``: the one ``latest`` names, if any) into
+        ``engine`` and restore the RNGs (``anchor_gen``, torch's, Python's); the run's state, or
+        None when there is nothing to resume."""
+        mode = self.cfg.train.resume
+        if mode == "never":
+            return None
+        if mode == "auto":
+            tag_dir = latest_tag(self.directory)
+            if tag_dir is None:
+                return None
+            path, tag = self.directory, None  # DeepSpeed reads latest itself
+        else:
+            tag_dir = Path(mode)
+            path, tag = tag_dir.parent, tag_dir.name
+        self._check_resume_config(tag_dir)
+        loaded, client = engine.load_checkpoint(str(path), tag=tag)
+        if loaded is None:
+            raise CheckpointError(
+                f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from, expected a "
+                "tag directory written by the trainer; pass train.resume=never to start over"
+            )
+        state = TrainState.from_client(client)
+        anchor_gen.set_state(client["anchor_rng"])
+        torch.set_rng_state(client["torch_rng"])
+        random.setstate(client["python_rng"])
+        log.info(
+            "resumed from %s at step %d (epoch %d, position %d)", loaded, state.step, state.data.epoch, state.data.index
+        )
+        return state
+
+    def _check_resume_config(self, tag_dir: Path) -> None:
+        """Refuse to resume a checkpoint of a different drafter (DeepSpeed would fail later on a
+        tensor shape, or not at all): name the fields and the way out."""
+        diffs = checkpoint_config_differences(tag_dir, self.cfg)
+        if diffs:
+            raise CheckpointError(
+                f"{tag_dir}: this checkpoint is of another drafter ({'; '.join(diffs)}). Train this one "
+                f"under its own name (train.run_name=...), start over with train.resume=never, or "
+                f"point train.checkpoint_dir elsewhere"
+            )
+
+    # --- validation record --------------------------------------------------------------------
+    def write_validations(self, validations: list[dict]) -> None:
+        """Rank 0 writes ``validation.jsonl``: the whole list each time, so a resumed run rewrites
+        what its checkpoint knows."""
+        if self.rank != 0:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps(v) + "\n" for v in validations)
+        with reporting_disk_full(self.directory, what=VALIDATION_FILE, needed=len(text), todo=self.disk_full_todo()):
+            atomic_write_text(self.directory / VALIDATION_FILE, text)

@@ -68,6 +68,37 @@ class LossOutput:
         """Expected accepted length per draft step incl. the bonus token (greedy, teacher-forced)."""
         return 1.0 + float(self.accept_per_position.sum())
 
+    def scalars(self) -> dict[str, float]:
+        """The logged scalars (:func:`scalar_names`' keys, in their order): the loss terms and
+        acceptance per position. ``accept_pos_k``: the first k drafts all match (unconditional, as
+        vLLM counts acceptance; tau = 1 + their sum); ``accept_cond_pos_k``: draft k matches given
+        a correct prefix (teacher-forced); ``accept_prob_pos_k``: 1 - TV."""
+        d = {name: _scalar(getattr(self, name)) for name in LOSS_TERMS}
+        for k in range(len(self.accept_per_position)):
+            for prefix, per_position in POSITION_RATES.items():
+                d[f"{prefix}_pos_{k + 1}"] = float(getattr(self, per_position)[k])
+        return d
+
+
+#: The scalars of a :class:`LossOutput` that training logs and validation averages.
+LOSS_TERMS = ("loss", "ce", "tv", "confidence_bce", "tau")
+#: Per-position rates: metric prefix -> the LossOutput field holding them.
+POSITION_RATES = {
+    "accept": "accept_per_position",
+    "accept_cond": "accept_cond_per_position",
+    "accept_prob": "accept_prob_per_position",
+}
+
+
+def _scalar(value: torch.Tensor | float) -> float:
+    return value.item() if isinstance(value, torch.Tensor) else float(value)  # .item(): no grad warning
+
+
+def scalar_names(block_size: int) -> list[str]:
+    """The keys of :meth:`LossOutput.scalars` for ``block_size`` positions, in order: what every
+    rank all-reduces in the same order, whether or not it had a batch to compute them on."""
+    return [*LOSS_TERMS, *(f"{p}_pos_{k}" for k in range(1, block_size + 1) for p in POSITION_RATES)]
+
 
 def _chunk_terms(model: DSparkDrafter, hidden, markov, target_final, labels):  # noqa: ANN001 - internal
     """Per-row CE, TV, greedy match. hidden [P, H], markov [P, R] or None, target_final [P, Ht], labels [P]."""

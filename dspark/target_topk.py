@@ -27,12 +27,11 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dspark.core import fp8
+from dspark.core.config import SUPERVISE
 from dspark.core.files import atomic_path
 from dspark.core.shard_format import ShardInfo
 
 log = logging.getLogger(__name__)
-
-POSITION_RULES = ("answer", "all")
 
 
 @dataclass(frozen=True)
@@ -44,12 +43,22 @@ class SequenceTopK:
     probs: torch.Tensor  # [N, K] float32
 
 
+def supervised_tokens(loss_mask: torch.Tensor, lengths: torch.Tensor, rule: str) -> torch.Tensor:
+    """[B, T] bool: the tokens the loss supervises under ``train.supervise``: the answer tokens
+    (``answer``: the shards' loss mask as it is) or every token after the first within each
+    sequence's length (``all``: padding excluded)."""
+    if rule != "all":
+        return loss_mask
+    mask = torch.arange(loss_mask.shape[-1])[None, :] < lengths[:, None]
+    mask[:, 0] = False
+    return mask
+
+
 def cached_positions(loss_mask: torch.Tensor, rule: str) -> torch.Tensor:
     """State rows whose distribution the loss can read: t in [0, T-2] with token t+1 supervised
-    (``answer``) or every row (``all``)."""
-    if rule == "all":
-        return torch.arange(len(loss_mask) - 1)
-    return torch.nonzero(loss_mask[1:], as_tuple=False).flatten()
+    under ``rule`` (:func:`supervised_tokens` of the one unpadded sequence)."""
+    supervised = supervised_tokens(loss_mask[None], torch.tensor([len(loss_mask)]), rule)[0]
+    return torch.nonzero(supervised[1:], as_tuple=False).flatten()
 
 
 def head_fingerprint(lm_head: torch.Tensor, final_norm: torch.Tensor) -> str:
@@ -109,8 +118,8 @@ class TargetTopK:
         world_size: int = 1,
         rows_per_call: int = 256,
     ):
-        if rule not in POSITION_RULES:
-            raise ValueError(f"position rule must be one of {POSITION_RULES}, got {rule!r}")
+        if rule not in SUPERVISE:
+            raise ValueError(f"position rule (train.supervise) must be one of {SUPERVISE}, got {rule!r}")
         self.ds, self.k, self.rule = ds, k, rule
         self.target_logits, self.head_id, self.final_index = target_logits, head_id, final_index
         self.rows_per_call = rows_per_call

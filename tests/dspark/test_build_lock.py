@@ -10,7 +10,7 @@ import pytest
 from deepspeed.accelerator import get_accelerator
 from torch.utils.cpp_extension import _get_build_directory
 
-from dspark.trainer import prepare_deepspeed_cpu_ops
+from dspark.distributed import prepare_deepspeed_cpu_ops
 
 SHM = get_accelerator().create_op_builder("ShareMemCommBuilder")
 
@@ -41,7 +41,7 @@ def test_several_ranks_remove_a_lock_older_than_any_build(ext_dir, caplog):
     ext_dir.touch()
     old = time.time() - 3600
     os.utime(ext_dir, (old, old))
-    with caplog.at_level(logging.WARNING, logger="dspark.trainer"):
+    with caplog.at_level(logging.WARNING, logger="dspark.distributed"):
         prepare_deepspeed_cpu_ops(world_size=2)
     assert not ext_dir.exists()
     assert f"removed {ext_dir}: a build lock 3600 s old" in caplog.text
@@ -50,7 +50,7 @@ def test_several_ranks_remove_a_lock_older_than_any_build(ext_dir, caplog):
 
 def test_several_ranks_wait_for_a_live_build_then_give_up_at_the_bound(ext_dir, caplog):
     ext_dir.touch()
-    with caplog.at_level(logging.INFO, logger="dspark.trainer"):
+    with caplog.at_level(logging.INFO, logger="dspark.distributed"):
         t0 = time.monotonic()
         prepare_deepspeed_cpu_ops(world_size=2, stale_after_s=1.0, poll_s=0.1)
         waited = time.monotonic() - t0

@@ -21,8 +21,8 @@ from dspark.core.stream import (
 )
 from dspark.core.target import load_target_heads
 from dspark.online import PROMPT_LOG, OnlineBatches, read_prompt_log, stream_meta
+from dspark.recipe import build_trainer
 from dspark.shards import ShardDataset
-from dspark.trainer import Trainer
 from tests.dspark.test_trainer import make_trainer, overrides, tiny  # noqa: F401 - tiny: the module fixture
 from tests.toy import torchrun
 
@@ -351,7 +351,7 @@ def test_online_trainer_trains_validates_resumes_at_the_cursor_and_writes_only_c
     def trainer(out, *extra):
         src = shard_source(data, [1, 2, 4], 64)
         cfg = compose_config(*overrides(target, data, out, *run, *extra))
-        return Trainer(cfg, load_target_heads(target), src), src
+        return build_trainer(cfg, load_target_heads(target), src), src
 
     tr, _ = trainer(tmp_path / "full")
     full = tr.train()

@@ -22,6 +22,7 @@ from dspark.core.files import file_sha256
 from dspark.core.layer_ids import reference_hidden_states
 from dspark.core.shard_format import Manifest
 from dspark.core.target import load_target_heads
+from dspark.recipe import build_trainer
 from dspark.trainer import Preempted, Trainer
 from tests.toy import torchrun
 
@@ -125,7 +126,7 @@ def overrides(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
 def make_trainer(compose_config, tiny, out, *extra) -> Trainer:
     target, data = tiny
     cfg = compose_config(*overrides(target, data, out, *extra))
-    return Trainer(cfg, load_target_heads(target))
+    return build_trainer(cfg, load_target_heads(target))
 
 
 def test_frozen_pieces_stay_frozen(compose_config, tiny, tmp_path):
@@ -165,7 +166,7 @@ def test_tiny_run_overfits_to_near_full_acceptance(compose_config, tiny, tmp_pat
         "train.anchors_per_seq=16",
     )
     tr.train()
-    res = tr.evaluate(tr.train_ds)  # acceptance on the sequences it was fitted to
+    res = tr.evaluate(tr.batches.ds)  # acceptance on the sequences it was fitted to
     assert res["accept_pos_1"] > 0.9 and res["accept_prob_pos_1"] > 0.85 and res["tau"] > 4.3, (
         res
     )  # tau <= 1 + gamma = 5
@@ -235,10 +236,12 @@ def test_fp8_shards_train_bit_for_bit_like_their_host_dequantized_copy(compose_c
     runs = {}
     for name, shards in (("fp8", q8), ("fp32", f32)):
         extra = ("train.max_steps=3", "train.target_topk=8", "train.eval_every=3")
-        tr = Trainer(compose_config(*overrides(target, shards, tmp_path / name, *extra)), load_target_heads(target))
-        kept = tr.train_ds[0].scales is not None  # fp8 reaches the batch as stored
-        assert (tr.train_ds.manifest.dtype, kept) == {"fp8": ("float8_e4m3", True), "fp32": ("float32", False)}[name]
-        runs[name] = (tr.train(), tr.evaluate(tr.val_ds))
+        tr = build_trainer(
+            compose_config(*overrides(target, shards, tmp_path / name, *extra)), load_target_heads(target)
+        )
+        kept = tr.batches.ds[0].scales is not None  # fp8 reaches the batch as stored
+        assert (tr.batches.ds.manifest.dtype, kept) == {"fp8": ("float8_e4m3", True), "fp32": ("float32", False)}[name]
+        runs[name] = (tr.train(), tr.evaluate())
     (a, va), (b, vb) = runs["fp8"], runs["fp32"]
     assert [h["seq_ids"] for h in a.history] == [h["seq_ids"] for h in b.history]
     assert [h["loss"] for h in a.history] == [h["loss"] for h in b.history]
@@ -280,9 +283,11 @@ def test_shards_for_another_target_are_refused(compose_config, tiny, tmp_path):
     with pytest.raises(
         ValueError, match=r"field 'tokenizer_sha256' is 000000000000\.\.\., the target's tokenizer.json hashes to"
     ):
-        Trainer(compose_config(*overrides(target, bad, tmp_path)), load_target_heads(target))
+        build_trainer(compose_config(*overrides(target, bad, tmp_path)), load_target_heads(target))
     with pytest.raises(ValueError, match=r"field 'layer_ids' is \[1, 2, 4\], the config expects \[1, 3, 4\]"):
-        Trainer(compose_config(*overrides(target, data, tmp_path), "target.layer_ids=[1,3]"), load_target_heads(target))
+        build_trainer(
+            compose_config(*overrides(target, data, tmp_path), "target.layer_ids=[1,3]"), load_target_heads(target)
+        )
 
 
 def test_training_without_a_dataset_says_to_extract_first_and_writes_nothing(compose_config, tiny, tmp_path):
@@ -292,13 +297,15 @@ def test_training_without_a_dataset_says_to_extract_first_and_writes_nothing(com
     with pytest.raises(
         DatasetError, match=r"data.shards_dir=.*/empty: no dataset there \(no manifest.json\), .*; run "
     ):
-        Trainer(compose_config(*overrides(target, tmp_path / "empty", tmp_path)), load_target_heads(target))
+        build_trainer(compose_config(*overrides(target, tmp_path / "empty", tmp_path)), load_target_heads(target))
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "empty").exists()
 
 
 def test_nan_loss_names_step_and_sequences(compose_config, tmp_path, smollm2_dir):
     target, data = build_target_and_shards(tmp_path, smollm2_dir, n_train=4, n_val=0, nan_in=("train", 2))
-    tr = Trainer(compose_config(*overrides(target, data, tmp_path, "train.max_steps=3")), load_target_heads(target))
+    tr = build_trainer(
+        compose_config(*overrides(target, data, tmp_path, "train.max_steps=3")), load_target_heads(target)
+    )
     with pytest.raises(FloatingPointError, match=r"non-finite loss nan at step 1, sequences \[.*'train-02'.*\]"):
         tr.train()
 
@@ -502,12 +509,14 @@ def test_validate_refuses_an_export_for_another_target(compose_config, tiny, tmp
         validate(tmp_path / "e", target_dir=smollm2_dir)
 
 
-def test_logged_loss_is_the_mean_over_the_steps_micro_batches(compose_config, tiny, tmp_path):
+def test_logged_loss_is_the_mean_over_the_steps_micro_batches(compose_config, tiny, tmp_path, monkeypatch):
+    from dspark.loss import LossOutput
+
     tr = make_trainer(
         compose_config, tiny, tmp_path, "train.grad_accum_steps=2", "train.micro_batch_size=2", "train.max_steps=2"
     )
-    seen, scalars = [], tr._scalars
-    tr._scalars = lambda out: seen.append(scalars(out)) or seen[-1]
+    seen, scalars = [], LossOutput.scalars
+    monkeypatch.setattr(LossOutput, "scalars", lambda out: seen.append(scalars(out)) or seen[-1])
     m, seq_ids = tr.train_step()
     tr.close()
     assert len(seen) == 2 and seen[0]["loss"] != seen[1]["loss"] and len(seq_ids) == 4
@@ -516,7 +525,7 @@ def test_logged_loss_is_the_mean_over_the_steps_micro_batches(compose_config, ti
 
 
 def test_checkpoint_history_is_bounded_and_the_digest_covers_all_steps():
-    from dspark.trainer import HISTORY_WINDOW, TrainState
+    from dspark.checkpoint import HISTORY_WINDOW, TrainState
 
     a, b = TrainState(), TrainState()
     for step in range(HISTORY_WINDOW + 5):
@@ -575,20 +584,22 @@ def test_cached_target_topk_is_computed_once_and_trains(compose_config, tiny, tm
         "train.recompute_vocab_chunks=false",
         "train.max_steps=3",
     )
-    tr = Trainer(compose_config(*overrides(target, shards, tmp_path / "a", *levers)), load_target_heads(target))
+    tr = build_trainer(compose_config(*overrides(target, shards, tmp_path / "a", *levers)), load_target_heads(target))
     files = sorted((shards / ".target_topk" / "train").glob("*-k8-all-*.safetensors"))
     assert len(files) == 1 and not (shards / ".target_topk" / "val").exists()  # validation uses the full distribution
-    seq = tr.train_ds[0]
+    seq = tr.batches.ds[0]
     tk = seq.target_topk
     assert tk.positions.tolist() == list(range(len(seq.input_ids) - 1))  # supervise=all: every state row
     with torch.no_grad():
-        logits = tr.model.target_logits(seq.hidden_states[tk.positions, tr.final_index].float())
+        logits = tr.model.target_logits(seq.hidden_states[tk.positions, tr.parts.final_index].float())
     assert torch.equal(tk.ids[:, 0], logits.argmax(-1))
     torch.testing.assert_close(tk.probs, torch.softmax(logits, -1).topk(8, -1).values)
     state = tr.train()
     assert state.step == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in state.history)
     stamp = files[0].stat().st_mtime_ns
-    Trainer(compose_config(*overrides(target, shards, tmp_path / "b", *levers)), load_target_heads(target)).close()
+    build_trainer(
+        compose_config(*overrides(target, shards, tmp_path / "b", *levers)), load_target_heads(target)
+    ).close()
     assert files[0].stat().st_mtime_ns == stamp  # read, not recomputed
 
 
@@ -646,7 +657,7 @@ def test_each_training_log_line_has_step_elapsed_eta_and_tokens_per_s(caplog):
 
     tr = Trainer.__new__(Trainer)  # only what _log_train reads
     tr.state, tr.t = SimpleNamespace(step=20, predictions=0), SimpleNamespace(max_steps=200)
-    tr.world, tr.wandb, tr._start_step, tr.batches = 1, None, 0, None
+    tr.world, tr.logger, tr._start_step, tr.batches = 1, None, 0, None
     m = dict(loss=1.0, ce=1.0, tv=0.5, confidence_bce=0.1, tau=1.5, lr=1e-3, grad_norm=0.2)
     m.update(tokens=1000.0, step_s=2.0, predictions=100.0, data_s=0.1)
     with caplog.at_level("INFO", logger="dspark.trainer"):
@@ -673,7 +684,7 @@ def test_a_full_disk_stops_the_save_keeps_latest_and_the_rerun_completes_the_run
     disk = small_disk.mount(2 * tag_size + tag_size // 2)
     tr = make_trainer(compose_config, tiny, disk, *run)
     if when == "during":
-        monkeypatch.setattr("dspark.trainer.free_bytes", lambda _: 1 << 50)
+        monkeypatch.setattr("dspark.checkpoint.free_bytes", lambda _: 1 << 50)
     with pytest.raises(DiskFullError) as err:
         tr.train()
     ckpt = disk / "ckpt"
@@ -711,7 +722,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 from hydra import compose, initialize_config_dir
 from dspark.core.config import load_config
 from dspark.core.target import load_target_heads
-from dspark.trainer import Trainer
+from dspark.recipe import build_trainer
 
 repo, target, kill_tag, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 real_save, files = TorchCheckpointEngine.save, []
@@ -730,7 +741,7 @@ def save(self, state_dict, path):  # kill_tag's first file whole, half of its se
 TorchCheckpointEngine.save = save
 with initialize_config_dir(config_dir=f"{repo}/conf", version_base="1.3"):
     cfg = load_config(compose(config_name="config", overrides=overrides))
-Trainer(cfg, load_target_heads(target)).train()
+build_trainer(cfg, load_target_heads(target)).train()
 """
 
 
@@ -854,7 +865,7 @@ def test_deepspeed_starts_in_a_process_where_vllm_left_a_one_process_group():
     code = """
 import datetime, torch, torch.distributed as dist, deepspeed
 from dspark.core.files import free_port
-from dspark.trainer import init_distributed
+from dspark.distributed import init_distributed
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)  # as vLLM does
 print("group", init_distributed(60))
 model = torch.nn.Linear(4, 2)
@@ -875,7 +886,7 @@ def test_a_rendezvous_nobody_joins_ends_within_train_dist_timeout_s_naming_it():
 
     port = free_port()
     env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
-    code = "from dspark.core.errors import exit_on_user_error\nfrom dspark.trainer import init_distributed\n"
+    code = "from dspark.core.errors import exit_on_user_error\nfrom dspark.distributed import init_distributed\n"
     code += "with exit_on_user_error():\n    init_distributed(3)\n"
     t0 = time.monotonic()
     out = subprocess.run(

@@ -110,12 +110,12 @@ eval.run.run_eval(cfg, load_target_heads(Path(target)), Path(target))
 def trained(tmp_path_factory, smollm2_dir):
     """The tiny target and a drafter trained on it for 2 steps (a checkpoint to evaluate)."""
     from dspark.core.target import load_target_heads
-    from dspark.trainer import Trainer
+    from dspark.recipe import build_trainer
 
     root = tmp_path_factory.mktemp("evalfaults")
     target, data = build_target_and_shards(root, smollm2_dir)
     cfg = load_config(compose_raw(*overrides(target, data, root, "train.max_steps=2", "train.save_every=2")))
-    Trainer(cfg, load_target_heads(target)).train()
+    build_trainer(cfg, load_target_heads(target)).train()
     stub = root / "stub_serve.py"
     stub.write_text(STUB_SERVE)
     python = root / "python"  # what eval.serve's child is started with: the stub, in this venv

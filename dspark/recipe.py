@@ -1,0 +1,411 @@
+"""The training recipe: the trainer's parts, built from the config in one place.
+
+:func:`build_trainer` reads the resolved config once and hands :class:`dspark.trainer.Trainer`
+what its loop runs on: the batches and validation set (shards or the online stream), the drafter
+wrapped with its loss in a DeepSpeed engine (AdamW, warmup-cosine schedule, the ZeRO preset), the
+run's state (fresh or resumed), the checkpointer and the W&B run. Single process
+(``python train.py ...``), ``torchrun``/``deepspeed`` launchers and Slurm all go through
+:func:`train`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from dspark.batching import Batch, RankBatches
+from dspark.checkpoint import Checkpointer, TrainState
+from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
+from dspark.core.files import file_sha256
+from dspark.core.shard_format import DatasetError
+from dspark.core.stream import SequenceSource
+from dspark.core.target import TargetHeads, load_target_layer
+from dspark.core.wandb_run import init_wandb
+from dspark.distributed import init_distributed
+from dspark.loss import LossConfig, LossOutput, dspark_loss
+from dspark.model import DSparkDrafter, resolve_dims
+from dspark.online import (
+    OnlineBatches,
+    SequenceList,
+    StreamMeta,
+    check_source,
+    row_to_sequence,
+    shared_val_rows,
+    stream_meta,
+)
+from dspark.shards import ShardDataset, ShardSequence, check_dataset, require_dataset
+from dspark.target_topk import SequenceTopK, TargetTopK, head_fingerprint, sequence_topk
+from dspark.trainer import Trainer, TrainParts
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: RunConfig, heads: TargetHeads, source: Optional[SequenceSource] = None) -> TrainState:
+    """Stage 2: train to ``train.max_steps`` (resuming what the checkpoint directory holds)."""
+    return build_trainer(cfg, heads, source).train()
+
+
+def build_trainer(cfg: RunConfig | DictConfig, heads: TargetHeads, source: Optional[SequenceSource] = None) -> Trainer:
+    """The trainer for ``cfg``. ``source``: where ``data.mode=online`` reads sequences from
+    (``data_tools.online``); the trainer closes it. Joins the process group and holds
+    ``train.checkpoint_dir`` (rank 0) from here on: a build that fails releases both."""
+    cfg = load_config(cfg)
+    rank, world = init_distributed(cfg.train.dist_timeout_s)
+    if cfg.data.mode == "online":
+        check_online_ranks(source, rank)
+    else:
+        require_dataset(cfg.data.shards_dir)  # before the lock: a run without data writes nothing
+    checkpointer = Checkpointer(cfg, rank=rank, world=world)
+    try:
+        return Trainer(_build_parts(cfg, heads, source, checkpointer, rank, world))
+    except BaseException:
+        checkpointer.close()
+        if source is not None:
+            source.close()
+        raise
+
+
+def _build_parts(
+    cfg: RunConfig,
+    heads: TargetHeads,
+    source: Optional[SequenceSource],
+    checkpointer: Checkpointer,
+    rank: int,
+    world: int,
+) -> TrainParts:
+    import deepspeed
+
+    t = cfg.train
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    dtype = TORCH_DTYPES[t.dtype]  # what states reach the drafter in (fp8: on the device)
+    online = cfg.data.mode == "online"
+    train_ds = meta = None
+    if online:
+        meta = stream_meta(source, rank, world)
+        check_source(
+            meta,
+            expect_layer_ids=cfg.target.capture_layer_ids(int(heads.config["num_hidden_layers"])),
+            expect_hidden_size=heads.hidden_size,
+        )
+        val_ds = online_val(source, meta, rank, world, dtype)
+    else:
+        train_ds, val_ds = shard_datasets(cfg, heads, dtype)
+    drafter, ctx_index, final_index = build_drafter(cfg, heads)
+    if t.init_from_target_layers is not None:
+        init_from_target(drafter, cfg, heads)
+    if t.target_topk and not online:
+        attach_target_topk(train_ds, drafter, cfg, heads, final_index, rank=rank, world=world)
+    lcfg = loss_config(cfg)
+    model = DrafterWithLoss(drafter, lcfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95), fused=t.fused_optimizer or None
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, warmup=t.warmup_steps, total=t.max_steps, min_ratio=t.min_lr_ratio)
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=sched, model_parameters=params, config=deepspeed_config(cfg)
+    )
+    anchor_gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
+    state = checkpointer.resume(engine, anchor_gen) or TrainState()
+    if online:
+        batches = online_batches(
+            cfg, source, meta, drafter, ctx_index, final_index, state, checkpointer.directory, rank=rank, world=world
+        )
+    else:
+        batches = RankBatches(
+            train_ds,
+            rank=rank,
+            world_size=world,
+            micro_batch=t.micro_batch_size,
+            seed=cfg.seed,
+            context_index=ctx_index,
+            final_index=final_index,
+            max_len=t.max_seq_len,
+            position=state.data,
+        )
+    logger = init_wandb(cfg, Path(cfg.paths.output_dir), job_type="train") if rank == 0 else None
+    log.info(
+        "drafter: %.2fM trainable parameters, %s train / %d val sequences, %d rank(s), ZeRO %d, %s",
+        drafter.num_trainable_parameters() / 1e6,
+        "streamed" if online else len(train_ds),
+        len(val_ds or []),
+        world,
+        cfg.deepspeed.zero_optimization.stage,
+        t.dtype,
+    )
+    return TrainParts(
+        cfg=cfg,
+        engine=engine,
+        loss=lcfg,
+        batches=batches,
+        val=val_ds,
+        context_index=ctx_index,
+        final_index=final_index,
+        state=state,
+        anchor_gen=anchor_gen,
+        checkpointer=checkpointer,
+        logger=logger,
+        rank=rank,
+        world=world,
+        source=source,
+    )
+
+
+# --- data ----------------------------------------------------------------------------------------
+def shard_datasets(
+    cfg: RunConfig, heads: TargetHeads, dtype: torch.dtype
+) -> tuple[ShardDataset, Optional[ShardDataset]]:
+    """``data.shards_dir``'s train split (checked against the target) and its val split, if any."""
+    shards = Path(cfg.data.shards_dir).expanduser()
+    train_ds = ShardDataset(shards, "train", states_dtype=dtype, keep_fp8=True)
+    check_shards_match_target(train_ds, cfg.target, heads)
+    has_val = any(s.split == "val" and s.rows for s in train_ds.manifest.shards)
+    return train_ds, ShardDataset(shards, "val", states_dtype=dtype, keep_fp8=True) if has_val else None
+
+
+def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: TargetHeads) -> None:
+    """Refuse shards made for another target before the first step."""
+    m, where = ds.manifest, ds.directory / "manifest.json"
+    expected = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
+    check_dataset(ds, expect_layer_ids=expected, expect_hidden_size=heads.hidden_size)
+    tok = heads.path / "tokenizer.json"
+    tok_sha = file_sha256(tok) if tok.is_file() else None
+    if tok_sha is not None and m.tokenizer_sha256 != tok_sha:
+        raise DatasetError(
+            f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes "
+            f"to {tok_sha[:12]}..., expected the same tokenizer; extract with this target into a new data.shards_dir "
+            "(stages=[extract,train])"
+        )
+
+
+def attach_target_topk(
+    train_ds: ShardDataset,
+    drafter: DSparkDrafter,
+    cfg: RunConfig,
+    heads: TargetHeads,
+    final_index: int,
+    *,
+    rank: int,
+    world: int,
+) -> None:
+    """``train.target_topk``: the training split's target distributions, computed once (each
+    rank a share of the missing shards) and attached to every sequence the dataset reads."""
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():  # the frozen head on the GPU (DeepSpeed puts the model there anyway)
+        drafter.to(torch.device("cuda", torch.cuda.current_device()))
+    device = drafter.lm_head.weight.device
+
+    def target_logits(rows: torch.Tensor) -> torch.Tensor:
+        return drafter.target_logits(rows.to(device)).cpu()
+
+    cache = TargetTopK(
+        train_ds,
+        k=cfg.train.target_topk,
+        rule=cfg.train.supervise,
+        target_logits=target_logits,
+        head_id=head_fingerprint(heads.lm_head, heads.final_norm),
+        final_index=final_index,
+        rank=rank,
+        world_size=world,
+    )
+    dist.barrier()
+    train_ds.target_topk = cache.load()
+
+
+def check_online_ranks(source: Optional[SequenceSource], rank: int) -> None:
+    """``data.mode=online``: rank 0 reads the stream (the engine train.py starts, or the link to
+    the producer on other nodes) and hands the other ranks their share."""
+    if rank == 0 and source is None:
+        raise ConfigError(
+            "data.mode=online: no sequence source on rank 0, expected the engine or link that train.py starts "
+            "(python train.py data.mode=online stages=[train])"
+        )
+
+
+def online_val(
+    source: Optional[SequenceSource], meta: StreamMeta, rank: int, world: int, dtype: torch.dtype
+) -> Optional[SequenceList]:
+    """The online run's validation set: the val split's sequences, generated once, in memory on
+    every rank (validation shards them)."""
+    kw = dict(store_dtype=meta.store_dtype, n_layers=len(meta.layer_ids), hidden=meta.hidden_size, dtype=dtype)
+    seqs = [row_to_sequence(r, **kw) for r in shared_val_rows(source, rank, world)]
+    return SequenceList(seqs) if seqs else None
+
+
+def online_batches(
+    cfg: RunConfig,
+    source: Optional[SequenceSource],
+    meta: StreamMeta,
+    drafter: DSparkDrafter,
+    context_index: list[int],
+    final_index: int,
+    state: TrainState,
+    log_dir: Path,
+    *,
+    rank: int,
+    world: int,
+) -> OnlineBatches:
+    """``data.mode=online``: micro-batches from the source's rolling window, from the resumed
+    position's prompt cursor; ``train.target_topk`` is computed as each sequence arrives."""
+    t = cfg.train
+    topk = None
+    if t.target_topk:
+        device = drafter.lm_head.weight.device
+
+        def topk(seq: ShardSequence) -> SequenceTopK:
+            return sequence_topk(
+                seq.loss_mask,
+                seq.hidden_states,
+                scales=seq.scales,
+                k=t.target_topk,
+                rule=t.supervise,
+                target_logits=lambda rows: drafter.target_logits(rows.to(device)).cpu(),
+                final_index=final_index,
+            )
+
+    return OnlineBatches(
+        source,
+        meta=meta,
+        micro_batch=t.micro_batch_size,
+        new_per_batch=cfg.new_per_micro_batch(),
+        window_size=cfg.data.online.window_size,
+        seed=cfg.seed,
+        context_index=context_index,
+        final_index=final_index,
+        max_len=t.max_seq_len,
+        dtype=TORCH_DTYPES[t.dtype],
+        position=state.data,
+        log_dir=log_dir,
+        target_topk=topk,
+        rank=rank,
+        world_size=world,
+    )
+
+
+# --- model, loss, optimizer ----------------------------------------------------------------------
+def build_drafter(cfg: RunConfig, heads: TargetHeads) -> tuple[DSparkDrafter, list[int], int]:
+    """The model plus, for the shard layout, the context-layer indices and the final-state index."""
+    dcfg = cfg.drafter
+    captured = cfg.target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
+    ctx_ids = cfg.context_layer_ids()  # a subset of target.layer_ids: load_config checked it
+    tok = heads.tokenizer
+    mask_id = (
+        dcfg.mask_token_id
+        if dcfg.mask_token_id is not None
+        else (tok.unk_token_id if tok.unk_token_id is not None else tok.eos_token_id)
+    )
+    dims = resolve_dims(
+        dcfg,
+        target_config=heads.config,
+        vocab_size=heads.vocab_size,
+        num_context_layers=len(ctx_ids),
+        mask_token_id=int(mask_id),
+    )
+    model = DSparkDrafter(
+        dcfg,
+        dims,
+        embed_tokens=heads.embed_tokens,
+        lm_head=heads.lm_head,
+        target_norm=heads.final_norm,
+        target_norm_eps=heads.rms_norm_eps,
+    )
+    return model, [captured.index(i) for i in ctx_ids], len(captured) - 1
+
+
+def init_from_target(model: DSparkDrafter, cfg: RunConfig, heads: TargetHeads) -> None:
+    """``train.init_from_target_layers``: copy those target layers into the drafter, after
+    checking that the drafter has the target's layer shape and RoPE base."""
+    ids = cfg.train.init_from_target_layers
+    assert ids is not None
+    tc, d = heads.config, model.dims
+    n_layers = int(tc["num_hidden_layers"])
+    if max(ids) >= n_layers:
+        raise ConfigError(f"train.init_from_target_layers={ids}: expected ids < the target's {n_layers} layers")
+    theta = tc.get("rope_theta", (tc.get("rope_parameters") or {}).get("rope_theta"))
+    for key, ours, theirs in (
+        ("drafter.intermediate_size", d.intermediate_size, tc.get("intermediate_size")),
+        ("drafter.rope_theta", cfg.drafter.rope_theta, theta),
+        ("drafter.num_attention_heads", d.num_heads, tc.get("num_attention_heads")),
+        ("drafter.num_key_value_heads", d.num_kv_heads, tc.get("num_key_value_heads", tc.get("num_attention_heads"))),
+    ):
+        if theirs is not None and float(ours) != float(theirs):
+            raise ConfigError(
+                f"{key}={ours}: expected the target's {theirs} to initialise from its layers "
+                f"(train.init_from_target_layers={ids}); set {key}={theirs}"
+            )
+    model.init_layers_from([load_target_layer(heads.path, i) for i in ids])
+    log.info("drafter layers initialised from target layers %s", ids)
+
+
+def loss_config(cfg: RunConfig) -> LossConfig:
+    t = cfg.train
+    zero3 = cfg.deepspeed.zero_optimization.stage == 3
+    return LossConfig(
+        ce_weight=t.ce_weight,
+        tv_weight=t.tv_weight,
+        confidence_weight=t.confidence_weight,
+        position_decay=t.position_decay,
+        recompute_chunks=t.recompute_vocab_chunks and not zero3,
+    )
+
+
+class DrafterWithLoss(torch.nn.Module):
+    """What DeepSpeed wraps: drafter forward and loss in one ``forward``, so every parameter
+    use (LM head and Markov head inside the loss included) happens inside the engine's forward,
+    where ZeRO-3 gathers partitioned weights. ``lcfg`` may change between steps (the CE schedule)."""
+
+    def __init__(self, drafter: DSparkDrafter, lcfg: LossConfig):
+        super().__init__()
+        self.drafter, self.lcfg = drafter, lcfg
+
+    def forward(self, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor) -> LossOutput:
+        out = self.drafter(batch.input_ids, batch.context_states, anchors)
+        return dspark_loss(
+            self.drafter,
+            out,
+            input_ids=batch.input_ids,
+            final_states=batch.final_states,
+            anchor_positions=anchors,
+            valid_anchors=valid,
+            loss_mask=batch.loss_mask,
+            lengths=batch.lengths,
+            cfg=self.lcfg,
+            topk_ids=batch.topk_ids,
+            topk_probs=batch.topk_probs,
+        )
+
+
+def deepspeed_config(cfg: RunConfig) -> dict[str, Any]:
+    """The dict for ``deepspeed.initialize``: ZeRO preset + batch, clipping and precision."""
+    ds = cfg.deepspeed.to_dict()
+    t = cfg.train
+    ds.update(
+        {
+            "train_micro_batch_size_per_gpu": t.micro_batch_size,
+            "gradient_accumulation_steps": t.grad_accum_steps,
+            "gradient_clipping": t.grad_clip,
+            "bf16": {"enabled": t.dtype == "bfloat16"},
+            "fp16": {"enabled": t.dtype == "float16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+    )
+    return ds
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup then cosine decay to ``min_ratio`` of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
