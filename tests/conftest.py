@@ -3,7 +3,6 @@
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -26,36 +25,20 @@ def smollm2_dir() -> Path:
     return resolve_target(TargetConfig()).path
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-TINY_QWEN3 = dict(  # head_dim 32: vLLM's CPU attention takes head sizes 32, 64, 80, ... only
-    vocab_size=49152,  # SmolLM2's tokenizer, saved beside the weights
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=8,  # more than the 5 spread layers, so the spread rule has to choose
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-)
 TINY_QWEN3_SEED = 0
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(smollm2_dir) -> Path:
-    """A second architecture: a tiny Qwen3 target with random weights (Qwen3ForCausalLM, 8 layers,
-    hidden 64) and SmolLM2's tokenizer and chat template, built offline once per machine under
-    ``$DSPARK_CACHE/targets/tiny-qwen3-<hash of its recipe>`` (written to a temporary name,
-    renamed when complete)."""
-    import torch
+    """A second architecture: a tiny Qwen3 target with random weights (tests/toy.py TINY_QWEN3:
+    Qwen3ForCausalLM, 8 layers, hidden 64) and SmolLM2's tokenizer and chat template, built offline
+    once per machine under ``$DSPARK_CACHE/targets/tiny-qwen3-<hash of its recipe>`` (written to a
+    temporary name, renamed when complete)."""
     from filelock import FileLock
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dspark.core.files import atomic_path
     from dspark.core.target import cache_root
+    from tests.toy import TINY_QWEN3, TOKENIZER_FILES, save_target, tiny_qwen3_target
 
     recipe = json.dumps({"config": TINY_QWEN3, "seed": TINY_QWEN3_SEED, "tokenizer": TOKENIZER_FILES}, sort_keys=True)
     out = cache_root() / "targets" / f"tiny-qwen3-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
@@ -63,13 +46,36 @@ def tiny_qwen3_dir(smollm2_dir) -> Path:
     with FileLock(f"{out}.lock"):
         if not (out / "config.json").is_file():
             with atomic_path(out) as tmp:
-                torch.manual_seed(TINY_QWEN3_SEED)
-                model = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3)).float()
-                model.save_pretrained(str(tmp), safe_serialization=True)
-                for name in TOKENIZER_FILES:
-                    if (smollm2_dir / name).exists():
-                        shutil.copy(smollm2_dir / name, tmp / name)
+                save_target(tiny_qwen3_target(seed=TINY_QWEN3_SEED), tmp, smollm2_dir, safe_serialization=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target_and_shards(tmp_path_factory, smollm2_dir) -> tuple[Path, Path]:
+    """(target dir, shards dir): tests/toy.py's tiny target and its 12 train + 3 val rows
+    (``build_target_and_shards``), built once per session. Shared: a test may read them (the
+    trainer's Arrow cache beside the shards is a cache) but one that changes them works on a copy
+    (``shutil.copytree``), as test_trainer's fp8, top-k and wrong-target tests do."""
+    from tests.toy import build_target_and_shards
+
+    return build_target_and_shards(tmp_path_factory.mktemp("tiny"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_drafter(tmp_path_factory, tiny_target_and_shards) -> tuple[Path, Path, Path]:
+    """(target dir, shards dir, checkpoint dir): a drafter trained in this process for 2 steps
+    (``tests.toy.overrides(..., "train.max_steps=2", "train.save_every=2")``, one checkpoint,
+    step00000002) on :func:`tiny_target_and_shards`, once per session. Read-only: a test that writes
+    into the checkpoint copies the directory first."""
+    from dspark.core.config import load_config
+    from dspark.core.target import load_target_heads
+    from tests.toy import overrides, train_drafter
+
+    target, data = tiny_target_and_shards
+    out = tmp_path_factory.mktemp("tiny_drafter")
+    cfg = load_config(compose_raw(*overrides(target, data, out, "train.max_steps=2", "train.save_every=2")))
+    train_drafter(cfg, load_target_heads(target))
+    return target, data, out / "ckpt"
 
 
 def compose_raw(*overrides: str):

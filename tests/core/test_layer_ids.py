@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark.core.config import TargetConfig
 from dspark.core.layer_ids import (
@@ -11,20 +10,11 @@ from dspark.core.layer_ids import (
     vllm_aux_layer_ids,
     vllm_draft_target_layer_ids,
 )
+from tests.toy import tiny_llama_target
 
 
 def test_reference_states_follow_output_hidden_states():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).eval()
+    model = tiny_llama_target()  # 3 layers, hidden 32, vocab 64
     ids = torch.randint(0, 64, (9,))
     with torch.no_grad():
         hs = model(input_ids=ids[None], output_hidden_states=True).hidden_states  # 4 entries

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from dspark.core.config import TargetConfig
 from dspark.core.target import COMPLETE_MARKER, TargetError, load_target_heads, resolve_target
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+from tests.toy import copy_tokenizer, save_target, tiny_llama_target
 
 
 def test_partial_loader_equals_full_model(smollm2_dir):
@@ -72,21 +71,10 @@ def test_concurrent_conversions_produce_one_valid_dir(tmp_path):
 
 
 def _tiny_llama(path: Path, smollm2_dir: Path, *, tie: bool = False) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
+    model = tiny_llama_target(
+        vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=4, tie_word_embeddings=tie
     )
-    model = LlamaForCausalLM(cfg).float()
-    model.save_pretrained(str(path), max_shard_size="100KB", safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, path / name)
+    save_target(model, path, smollm2_dir, max_shard_size="100KB", safe_serialization=True)
     return model
 
 
@@ -108,9 +96,7 @@ def test_sharded_target_reads_only_the_needed_shards(tmp_path, smollm2_dir):
 
 def test_kimi_k3_wrapper_layout(tmp_path, smollm2_dir):
     """K3 checkpoints nest the text model under language_model. and text_config."""
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, tmp_path / name)
+    copy_tokenizer(smollm2_dir, tmp_path)
     torch.manual_seed(0)
     tensors = {
         "language_model.embed_tokens.weight": torch.randn(49152, 16),

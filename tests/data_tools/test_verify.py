@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from data_tools.shard_writer import finalize, write_shard
 from data_tools.verify import main
 from dspark.core import fp8
 from dspark.core.layer_ids import reference_hidden_states
 from dspark.core.shard_format import encode_hidden_states
-from tests.toy import toy_manifest
+from tests.toy import save_target, tiny_llama_target, toy_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,18 +84,8 @@ def test_a_damaged_sidecar_is_a_problem_not_a_crash(tmp_path, capsys):
 def fp8_dataset(directory: Path, dtype: str, cells: list[bytes] | None = None) -> Path:
     """A tiny transformers target saved beside an fp8 dataset of its own states (through the
     extractor's encoder and writer); ``cells`` replaces the rows' hidden_states bytes."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).eval()
-    model.save_pretrained(directory / "target")
+    model = tiny_llama_target()  # 3 layers, hidden 32, vocab 64
+    save_target(model, directory / "target")
     layers = [1, 3]
     toy_manifest(
         target_path=str(directory / "target"), layer_ids=layers, num_hidden_layers=3, hidden_size=32, dtype=dtype

@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from dspark.batching import collate
-from dspark.core.config import DSparkConfig, TrainConfig
+from dspark.core.config import TrainConfig
 from dspark.loss import LossConfig, dspark_loss, topk_tv
-from dspark.model import DSparkDrafter, copy_continuations, resolve_dims, sample_anchors
+from dspark.model import copy_continuations, sample_anchors
 from dspark.shards import ShardSequence
 from dspark.target_topk import SequenceTopK, cached_positions
 from dspark.trainer import ce_weight_at
+from tests.toy import tiny_drafter, tiny_drafter_config
 
 
 def _tv(p, q):
@@ -39,25 +40,10 @@ def test_topk_tv_is_a_lower_bound_exact_on_the_whole_support_and_for_a_target_in
 
 
 def _tiny_drafter(V=40, H=8):
-    cfg = DSparkConfig(
-        num_layers=1,
-        hidden_size=H,
-        intermediate_size=16,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        markov_rank=4,
-        block_size=3,
-    )
-    dims = resolve_dims(cfg, target_config={"hidden_size": H}, vocab_size=V, num_context_layers=1, mask_token_id=0)
-    torch.manual_seed(0)
-    return DSparkDrafter(
-        cfg,
-        dims,
-        embed_tokens=torch.randn(V, H),
-        lm_head=torch.randn(V, H),
-        target_norm=torch.ones(H),
-        target_norm_eps=1e-6,
-    )
+    cfg = tiny_drafter_config(
+        hidden_size=H, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, block_size=3
+    )  # one layer, Markov rank 4
+    return tiny_drafter(cfg, vocab_size=V)  # seed 0, random embedding and LM head
 
 
 def test_loss_on_the_cached_full_support_equals_the_loss_on_final_states():

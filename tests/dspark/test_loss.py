@@ -4,29 +4,25 @@ import math
 
 import torch
 
-from dspark.core.config import DSparkConfig
 from dspark.loss import LossConfig, dspark_loss
-from dspark.model import DraftOutput, DSparkDrafter, resolve_dims
+from dspark.model import DraftOutput, DSparkDrafter
+from tests.toy import tiny_drafter, tiny_drafter_config
+
+
+def one_head_drafter(V: int, H: int, fields: dict, **kw) -> DSparkDrafter:
+    """A one-layer drafter of width ``H`` (one attention head, MLP 2H, no Markov head) with
+    ``fields``, on a made-up target of ``V`` tokens (tests/toy.py ``tiny_drafter``: seed 0, ``kw``)."""
+    cfg = tiny_drafter_config(
+        hidden_size=H, intermediate_size=2 * H, num_attention_heads=1, num_key_value_heads=1, markov_rank=0, **fields
+    )
+    return tiny_drafter(cfg, vocab_size=V, **kw)
 
 
 def test_loss_matches_hand_computation():
-    torch.manual_seed(0)
     V, H = 5, 2
-    cfg = DSparkConfig(
-        num_layers=1,
-        hidden_size=H,
-        intermediate_size=4,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        markov_rank=0,
-        block_size=2,
-        confidence_head_with_markov=False,
-    )
-    dims = resolve_dims(cfg, target_config={"hidden_size": H}, vocab_size=V, num_context_layers=1, mask_token_id=0)
     lm_head = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
-    m = DSparkDrafter(
-        cfg, dims, embed_tokens=torch.zeros(V, H), lm_head=lm_head, target_norm=torch.ones(H), target_norm_eps=0.0
-    )
+    fields = dict(block_size=2, confidence_head_with_markov=False)
+    m = one_head_drafter(V, H, fields, embed_tokens=torch.zeros(V, H), lm_head=lm_head, target_norm_eps=0.0)
     # one sequence x = [4, 2, 1, 3], anchor a=1: predictions for x_2=1 (k=1) and x_3=3 (k=2)
     ids = torch.tensor([[4, 2, 1, 3]])
     hidden = torch.tensor([[[[2.0, 0.0], [0.0, 1.0]]]])  # [B=1, A=1, K=2, H]
@@ -82,27 +78,8 @@ def test_loss_matches_hand_computation():
 
 
 def test_positions_outside_the_answer_do_not_count():
-    torch.manual_seed(0)
     V, H = 7, 4
-    cfg = DSparkConfig(
-        num_layers=1,
-        hidden_size=H,
-        intermediate_size=8,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        markov_rank=0,
-        block_size=3,
-        enable_confidence_head=False,
-    )
-    dims = resolve_dims(cfg, target_config={"hidden_size": H}, vocab_size=V, num_context_layers=1, mask_token_id=0)
-    m = DSparkDrafter(
-        cfg,
-        dims,
-        embed_tokens=torch.randn(V, H),
-        lm_head=torch.randn(V, H),
-        target_norm=torch.ones(H),
-        target_norm_eps=1e-6,
-    )
+    m = one_head_drafter(V, H, dict(block_size=3, enable_confidence_head=False))  # random embedding and LM head
     ids = torch.randint(0, V, (1, 8))
     out = DraftOutput(hidden=torch.randn(1, 1, 3, H), markov_embed=None, confidence_logits=None)
     mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)  # labels x_3, x_4 in the answer, x_5 not

@@ -3,34 +3,21 @@
 import pytest
 import torch
 
-from dspark.core.config import DSparkConfig
-from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
+from dspark.model import DSparkDrafter, sample_anchors
+from tests.toy import tiny_drafter, tiny_drafter_config
 
 V, HT, NCTX = 97, 32, 2
 
 
 def make_model(**overrides) -> DSparkDrafter:
     torch.manual_seed(0)
-    cfg = DSparkConfig(
-        **{
-            "num_layers": 2,
-            "hidden_size": HT,
-            "intermediate_size": 64,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "markov_rank": 8,
-            "block_size": 4,
-            **overrides,
-        }
-    )
-    dims = resolve_dims(cfg, target_config={"hidden_size": HT}, vocab_size=V, num_context_layers=NCTX, mask_token_id=3)
-    m = DSparkDrafter(
-        cfg,
-        dims,
-        embed_tokens=torch.randn(V, HT),
-        lm_head=torch.randn(V, HT) / 4,
-        target_norm=torch.ones(HT),
-        target_norm_eps=1e-6,
+    cfg = tiny_drafter_config(
+        **{"num_layers": 2, "hidden_size": HT, "num_attention_heads": 4, "num_key_value_heads": 2, "markov_rank": 8}
+        | overrides
+    )  # gamma 4, MLP 64
+    embed, head = torch.randn(V, HT), torch.randn(V, HT) / 4
+    m = tiny_drafter(
+        cfg, vocab_size=V, num_context_layers=NCTX, mask_token_id=3, embed_tokens=embed, lm_head=head, seed=None
     )
     for p in m.parameters():  # make heads non-trivial (zero-initialised at construction)
         if p.requires_grad:

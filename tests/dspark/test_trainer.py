@@ -15,112 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from data_tools.shard_writer import finalize, write_shard
 from dspark.core.files import file_sha256
-from dspark.core.layer_ids import reference_hidden_states
 from dspark.core.shard_format import Manifest
 from dspark.core.target import load_target_heads
 from dspark.recipe import build_trainer
 from dspark.trainer import Preempted, Trainer
-from tests.toy import torchrun
+from tests.toy import TINY_LAYERS as LAYERS  # + final state 4
+from tests.toy import build_target_and_shards, overrides, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
-LAYERS = [1, 2]  # + final state 4
 
 
-def build_target_and_shards(root: Path, smollm2_dir: Path, *, n_train=12, n_val=3, nan_in=None) -> tuple[Path, Path]:
-    torch.manual_seed(0)
-    target = root / "target"
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=49152,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        )
-    ).eval()
-    model.model.norm.weight.data.fill_(8.0)  # peaked next-token distributions, like a trained LM's
-    model.save_pretrained(str(target))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / f).exists():
-            shutil.copy(smollm2_dir / f, target / f)
-    data = root / "shards"
-    Manifest(
-        target="tiny",
-        target_path=str(target),
-        revision=None,
-        architecture="LlamaForCausalLM",
-        tokenizer_sha256=file_sha256(target / "tokenizer.json"),
-        chat_template_sha256="",
-        layer_ids=LAYERS + [4],
-        num_hidden_layers=4,
-        hidden_size=64,
-        dtype="float32",
-        compression="none",
-    ).save(data)
-    g = torch.Generator().manual_seed(1)
-    for split, n in (("train", n_train), ("val", n_val)):
-        rows = []
-        for i in range(n):
-            prompt = torch.randint(100, 2000, (6,), generator=g)
-            with torch.no_grad():  # on-policy: the target's own greedy answer
-                ids = model.generate(
-                    prompt[None], max_new_tokens=26, do_sample=False, min_new_tokens=26, pad_token_id=0
-                )[0]
-            hs = reference_hidden_states(model, ids[:-1], LAYERS + [4])
-            if nan_in == (split, i):
-                hs[3, 0, 0] = float("nan")
-            rows.append(
-                {
-                    "seq_id": f"{split}-{i:02d}",
-                    "num_tokens": len(ids),
-                    "input_ids": ids.tolist(),
-                    "loss_mask": [0] * 6 + [1] * (len(ids) - 6),
-                    "hidden_states": hs.numpy().tobytes(),
-                }
-            )
-        write_shard(rows, data, split, 0, "none", Counter())
-    finalize(data, [("train", 0), ("val", 0)])
-    return target, data
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, smollm2_dir):
-    return build_target_and_shards(tmp_path_factory.mktemp("tiny"), smollm2_dir)
-
-
-def overrides(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "target.source=hf_dir",
-        f"target.path={target}",
-        "target.name=tiny",
-        "target.hidden_size=64",
-        "target.num_hidden_layers=4",
-        f"target.layer_ids={LAYERS}",
-        "drafter.num_layers=1",
-        "drafter.intermediate_size=128",
-        "drafter.markov_rank=16",
-        "drafter.block_size=4",
-        f"data.shards_dir={data}",
-        f"train.checkpoint_dir={out}/ckpt",
-        f"paths.output_dir={out}",
-        "logging.wandb=false",
-        "train.micro_batch_size=4",
-        "train.anchors_per_seq=8",
-        "train.max_seq_len=64",
-        "train.lr=3e-3",
-        "train.warmup_steps=2",
-        "train.log_every=1",
-        "train.eval_every=1000",
-        "train.save_every=1000",
-        "stages=[train]",
-        *extra,
-    ]
+@pytest.fixture
+def tiny(tiny_target_and_shards):
+    """The session's tiny target and its shards (tests/conftest.py; test_online.py imports this)."""
+    return tiny_target_and_shards
 
 
 def make_trainer(compose_config, tiny, out, *extra) -> Trainer:

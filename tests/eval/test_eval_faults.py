@@ -1,7 +1,7 @@
 """Issue #17 for the eval stage: killed at any moment, the rerun finishes with the numbers of an
 uninterrupted eval, and no half-written file (a part, results.json) is ever taken as complete.
 
-The eval runs a tiny drafter (trained here for 2 steps on the tiny target of test_trainer) in
+The eval runs a tiny drafter (conftest.py tiny_trained_drafter: 2 steps on the tiny target) in
 the reference loop, and one vLLM method (``ngram``) through the real child-process path of
 ``eval.serve.run_in_subprocess``; the child is a stub that writes counters computed from the
 prompts (vLLM itself on this tiny target would take minutes per engine; serving is tested in
@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from dspark.core.config import load_config
 from eval.results import AcceptanceCounts, DrafterResult
 from eval.run import Parts
-from tests.conftest import compose_raw
-from tests.dspark.test_trainer import build_target_and_shards, overrides
+from tests.toy import overrides
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,21 +105,17 @@ eval.run.run_eval(cfg, load_target_heads(Path(target)), Path(target))
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, smollm2_dir):
-    """The tiny target and a drafter trained on it for 2 steps (a checkpoint to evaluate)."""
-    from dspark.core.target import load_target_heads
-    from dspark.recipe import build_trainer
-
+def trained(tmp_path_factory, tiny_trained_drafter):
+    """The tiny target and the session's drafter trained on it for 2 steps (a checkpoint to
+    evaluate; the eval only reads it), and the stub that eval.serve's child is started as."""
+    target, data, ckpt = tiny_trained_drafter
     root = tmp_path_factory.mktemp("evalfaults")
-    target, data = build_target_and_shards(root, smollm2_dir)
-    cfg = load_config(compose_raw(*overrides(target, data, root, "train.max_steps=2", "train.save_every=2")))
-    build_trainer(cfg, load_target_heads(target)).train()
     stub = root / "stub_serve.py"
     stub.write_text(STUB_SERVE)
     python = root / "python"  # what eval.serve's child is started with: the stub, in this venv
     python.write_text(f'#!/bin/sh\nexec {sys.executable} {stub} "$@"\n')
     python.chmod(0o755)
-    return target, data, root / "ckpt", python
+    return target, data, ckpt, python
 
 
 def eval_overrides(trained, out: Path) -> list[str]:

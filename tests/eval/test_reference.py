@@ -3,10 +3,7 @@ the way vLLM counts, and the cached-context drafter equal to the training forwar
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from dspark.core.config import DSparkConfig
-from dspark.model import DSparkDrafter, resolve_dims
 from eval.reference import (
     DecodeConfig,
     DraftRunner,
@@ -17,42 +14,15 @@ from eval.reference import (
     verify,
 )
 from eval.results import AcceptanceCounts
+from tests.toy import tiny_drafter, tiny_drafter_config, tiny_llama_target
 
 LAYERS = [1, 2]  # 2 = the final pre-norm state of the 2-layer target
 
 
 def tiny_pair(vocab: int, *, sample_from_anchor: bool = True, markov_rank: int = 4, seed: int = 0):
-    torch.manual_seed(seed)
-    target = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        )
-    ).eval()
-    cfg = DSparkConfig(
-        num_layers=1,
-        block_size=4,
-        intermediate_size=64,
-        markov_rank=markov_rank,
-        sample_from_anchor=sample_from_anchor,
-        enable_confidence_head=True,
-    )
-    dims = resolve_dims(
-        cfg, target_config=target.config.to_dict(), vocab_size=vocab, num_context_layers=len(LAYERS), mask_token_id=0
-    )
-    drafter = DSparkDrafter(
-        cfg,
-        dims,
-        embed_tokens=target.model.embed_tokens.weight.detach(),
-        lm_head=target.lm_head.weight.detach(),
-        target_norm=target.model.norm.weight.detach(),
-        target_norm_eps=1e-6,
-    )
+    target = tiny_llama_target(seed=seed, vocab_size=vocab, num_hidden_layers=2, tie_word_embeddings=False)
+    cfg = tiny_drafter_config(markov_rank=markov_rank, sample_from_anchor=sample_from_anchor)  # with confidence head
+    drafter = tiny_drafter(cfg, target=target, num_context_layers=len(LAYERS), seed=None)
     with torch.no_grad():  # a drafter that is neither useless nor perfect
         drafter.markov_head.markov_w2.weight.normal_(0, 0.5) if drafter.markov_head is not None else None
         drafter.confidence_head["proj"].weight.normal_(0, 0.3)
