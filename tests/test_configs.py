@@ -156,6 +156,14 @@ def test_smollm2_quality_preset_keeps_its_own_data_and_checkpoints():
     assert quality.eval.context_bins == demo.eval.context_bins  # the demo's own eval set
 
 
+def test_a_fixed_run_name_has_no_markov_off_ablation_of_itself():
+    """train.run_name=X names the Markov-off config's directory X too: the eval must not take the
+    run's own checkpoint for its ablation (it reported 'markov-off' equal to dspark, ratio 1.000)."""
+    named = _load("+experiment=smollm2_cpu_demo", "train.run_name=mine")
+    assert named.ablation_dir is None
+    assert _load("+experiment=smollm2_cpu_demo").ablation_dir.endswith("/markov0")
+
+
 def test_run_names_tell_drafters_apart():
     names = {
         o: _load(*o).train.run_name

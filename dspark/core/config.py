@@ -845,7 +845,8 @@ def load_config(cfg: DictConfig | RunConfig) -> RunConfig:
     assert isinstance(run, RunConfig)
     if run.drafter.markov_rank > 0:
         off = OmegaConf.merge(cfg, {"drafter": {"markov_rank": 0}})
-        run.ablation_dir = str(off.train.checkpoint_dir)
+        if off.train.checkpoint_dir != run.train.checkpoint_dir:  # a fixed train.run_name names both alike
+            run.ablation_dir = str(off.train.checkpoint_dir)
     return run
 
 
