@@ -96,7 +96,7 @@ class RecordingCheckpointer:
         self.saved, self.validations, self.closed = [], None, False
 
     def save(self, engine, state, anchor_gen):
-        self.saved.append((state.step, state.data.index, float(engine.module.w)))
+        self.saved.append((state.step, state.data.index, engine.module.w.item()))
         return self.directory / f"step{state.step:08d}"
 
     def write_validations(self, validations):
@@ -140,7 +140,7 @@ def test_the_loop_steps_logs_and_saves_through_the_parts_it_is_given(compose_con
     state = Trainer(parts).train()
     # 4 optimizer steps of 2 micro batches: 8 batches drawn, w -> 1 by (1 - 0.5)^8 per SGD step on (w-1)^2
     assert state.step == 4 and parts.engine.calls == 8 and state.data == DataPosition(0, 8)
-    assert float(parts.engine.module.w) == pytest.approx(1 - 0.5**8)
+    assert parts.engine.module.w.item() == pytest.approx(1 - 0.5**8)
     assert [h["seq_ids"] for h in state.history] == [["s0", "s1"], ["s2", "s3"], ["s4", "s5"], ["s6", "s7"]]
     assert [(s, i) for s, i, _ in parts.checkpointer.saved] == [(2, 4), (4, 8)]  # save_every=2, at the data position
     assert parts.checkpointer.closed and parts.logger.finished == [None]
