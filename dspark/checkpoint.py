@@ -321,6 +321,19 @@ class TrainState:
         self.history = [*self.history[-(HISTORY_WINDOW - 1) :], {"step": self.step, "loss": loss, "seq_ids": seq_ids}]
         self.data_digest = hashlib.sha256((self.data_digest + "|" + ",".join(seq_ids)).encode()).hexdigest()
 
+    def to_client(self) -> dict[str, Any]:
+        """The checkpoint's client-state entries of this state (:meth:`from_client` reads them back)."""
+        return {
+            "step": self.step,
+            "data": asdict(self.data),
+            "history": self.history,
+            "data_digest": self.data_digest,
+            "predictions": self.predictions,
+            "tokens": self.tokens,
+            "train_seconds": self.train_seconds,
+            "validations": self.validations,
+        }
+
     @classmethod
     def from_client(cls, client: dict[str, Any]) -> TrainState:
         """The state a checkpoint's client state holds (fields added later default)."""
@@ -387,17 +400,10 @@ class Checkpointer:
         drafter = engine.module.drafter
         client = {
             "context_layer_ids": self.cfg.context_layer_ids(),
-            "step": state.step,
-            "data": asdict(state.data),
+            **state.to_client(),
             "anchor_rng": anchor_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
-            "history": state.history,
-            "data_digest": state.data_digest,
-            "predictions": state.predictions,
-            "tokens": state.tokens,
-            "train_seconds": state.train_seconds,
-            "validations": state.validations,
             "drafter": asdict(drafter.cfg),
             "dims": asdict(drafter.dims),
         }
