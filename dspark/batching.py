@@ -152,4 +152,4 @@ class RankBatches:
             self._order = self._epoch_order()
         idx = self._order[self.pos.index : self.pos.index + self.mb]
         self.pos = DataPosition(self.pos.epoch, self.pos.index + self.mb)
-        return collate([self.ds[i] for i in idx], **self.collate_kw)
+        return collate(self.ds.many(idx), **self.collate_kw)

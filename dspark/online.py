@@ -83,6 +83,9 @@ class SequenceList:
     def __getitem__(self, i: int) -> ShardSequence:
         return self.seqs[i]
 
+    def many(self, indices: list[int]) -> list[ShardSequence]:
+        return [self.seqs[i] for i in indices]
+
 
 @dataclass
 class StreamMeta:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from dspark.batching import Batch, RankBatches
 from dspark.checkpoint import Checkpointer, TrainState
+from dspark.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
 from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
 from dspark.core.files import file_sha256
 from dspark.core.shard_format import DatasetError
@@ -95,6 +96,8 @@ def _build_parts(
             expect_hidden_size=heads.hidden_size,
         )
         val_ds = online_val(source, meta, rank, world, dtype)
+    elif cfg.data.mode == "colocated":
+        train_ds, val_ds = colocated_datasets(cfg, heads, dtype)
     else:
         train_ds, val_ds = shard_datasets(cfg, heads, dtype)
     drafter, ctx_index, final_index = build_drafter(cfg, heads)
@@ -172,11 +175,42 @@ def shard_datasets(
     return train_ds, ShardDataset(shards, "val", states_dtype=dtype, keep_fp8=True) if has_val else None
 
 
-def check_shards_match_target(ds: ShardDataset, target: TargetConfig, heads: TargetHeads) -> None:
-    """Refuse shards made for another target before the first step."""
+def colocated_datasets(
+    cfg: RunConfig, heads: TargetHeads, dtype: torch.dtype
+) -> tuple[ColocatedDataset, Optional[ColocatedDataset]]:
+    """``data.mode=colocated``: ``data.shards_dir``'s token ids (its states, if any, unread) with
+    this rank's own copy of the target computing the captured layers' states, on its device."""
+    shards = Path(cfg.data.shards_dir).expanduser()
+    base = ShardDataset(shards, "train", states_dtype=dtype, keep_fp8=True)
+    check_shards_match_target(base, cfg.target, heads, states=False)
+    device = device_for_rank()
+    target = ColocatedTarget(
+        heads.path,
+        cfg.target.capture_layer_ids(int(heads.config["num_hidden_layers"])),
+        dtype=dtype,
+        device=device,
+        trust_remote_code=cfg.target.trust_remote_code,
+    )
+    log.info("colocated: the target (%s, %s) computes every batch's states on %s", heads.architecture, dtype, device)
+    has_val = any(s.split == "val" and s.rows for s in base.manifest.shards)
+    val = ShardDataset(shards, "val", states_dtype=dtype, keep_fp8=True) if has_val else None
+    return ColocatedDataset(base, target), (ColocatedDataset(val, target) if val is not None else None)
+
+
+def check_shards_match_target(
+    ds: ShardDataset, target: TargetConfig, heads: TargetHeads, *, states: bool = True
+) -> None:
+    """Refuse shards made for another target before the first step (``states=False``: only the
+    token ids are read, so any captured layers will do)."""
     m, where = ds.manifest, ds.directory / "manifest.json"
     expected = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
-    check_dataset(ds, expect_layer_ids=expected, expect_hidden_size=heads.hidden_size)
+    if states and not m.layer_ids:
+        raise DatasetError(
+            f"{where}: field 'layer_ids' is [] (token-id shards: ids and loss mask, no states), expected the "
+            f"captured layers {expected}; train on them with data.mode=colocated, or extract states with "
+            "data.engine=vllm into a new data.shards_dir"
+        )
+    check_dataset(ds, expect_layer_ids=expected if states else None, expect_hidden_size=heads.hidden_size)
     tok = heads.path / "tokenizer.json"
     tok_sha = file_sha256(tok) if tok.is_file() else None
     if tok_sha is not None and m.tokenizer_sha256 != tok_sha:

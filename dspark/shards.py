@@ -140,6 +140,10 @@ class ShardDataset:
             seq.target_topk = self.target_topk[index]
         return seq
 
+    def many(self, indices: list[int]) -> list[ShardSequence]:
+        """The sequences at ``indices`` (what a micro batch reads)."""
+        return [self[i] for i in indices]
+
     def read(self, index: int) -> ShardSequence:
         """The sequence as stored (no cached target distribution attached)."""
         if not 0 <= index < self._len:
@@ -154,7 +158,9 @@ class ShardDataset:
         mask = batch.column(3)[row].values.to_numpy(zero_copy_only=True)
         cell, layout = memoryview(data)[start:end], dict(n_layers=self.n_layers, hidden=self.hidden_size)
         scales = None
-        if self.keep_fp8 and self.manifest.dtype in fp8.FORMATS:
+        if not self.n_layers:  # token-id shards: ids and loss mask only (data.mode=colocated reads them)
+            states = torch.empty(len(ids) - 1, 0, self.hidden_size, dtype=self.states_dtype)
+        elif self.keep_fp8 and self.manifest.dtype in fp8.FORMATS:
             states, scales = split_scaled(cell, dtype=self.manifest.dtype, **layout)
         else:
             states = decode_hidden_states(cell, dtype=self.manifest.dtype, out_dtype=self.states_dtype, **layout)

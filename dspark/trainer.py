@@ -45,11 +45,14 @@ class Batches(Protocol):
 
 
 class Sequences(Protocol):
-    """A validation set: ``len`` and ``ds[i]`` (a shard split or the online run's in-memory list)."""
+    """A validation set: ``len``, ``ds[i]`` and ``ds.many(indices)`` (a shard split, the online run's
+    in-memory list, or a colocated split whose states the target computes per call)."""
 
     def __len__(self) -> int: ...
 
     def __getitem__(self, i: int) -> ShardSequence: ...
+
+    def many(self, indices: list[int]) -> list[ShardSequence]: ...
 
 
 class Logger(Protocol):
@@ -372,7 +375,7 @@ class Trainer:
         sums, n, blocks = torch.zeros(len(names), dtype=torch.float64), 0.0, 0.0
         calib = calibration_sums(torch.empty(0), torch.empty(0))
         for i in range(0, len(mine), self.t.micro_batch_size):
-            seqs = [ds[j] for j in mine[i : i + self.t.micro_batch_size]]
+            seqs = ds.many(mine[i : i + self.t.micro_batch_size])
             batch = collate(
                 seqs,
                 context_index=self.parts.context_index,

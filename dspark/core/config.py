@@ -59,7 +59,9 @@ SUPERVISE = ("answer", "all")
 """``train.supervise``: the tokens the loss supervises, and the positions :mod:`dspark.target_topk` caches."""
 REFERENCE_PROPOSERS = ("dspark", "ngram-then-dspark", "ngram")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-DATA_MODES = ("offline", "online")
+DATA_MODES = ("offline", "online", "colocated")
+DATA_ENGINES = ("vllm", "transformers")
+"""``data.engine``: what makes the sequences at extraction (:class:`DataConfig`)."""
 
 
 class ConfigError(UserError):
@@ -381,7 +383,16 @@ class DataConfig:
 
     mode: str = "offline"
     """offline: extraction writes Parquet shards, the trainer reads them. online: the engine streams
-    states to the trainer through memory (``data.online``); nothing is written but checkpoints."""
+    states to the trainer through memory (``data.online``); nothing is written but checkpoints.
+    colocated: the target runs inside each training rank (transformers, ``train.dtype``) and
+    computes the states of every batch from the token ids of ``data.shards_dir`` (token-id shards,
+    or hidden-state shards whose states it ignores): for targets that fit beside the drafter."""
+    engine: str = "vllm"
+    """What the extract stage runs. vllm: the target in vLLM answers and its states are captured
+    into hidden-state shards. transformers: the target in this process (its GPU when there is one)
+    answers with batched ``generate`` (greedy or sampled, the same chat template, window and stop
+    rules) and writes token-id shards, ids and loss mask only (``layer_ids: []`` in the manifest),
+    which ``data.mode=colocated`` trains on."""
     source: str = "bundled"
     """bundled (offline short instructions) | bundled_lcr (offline AA-LCR-style long documents) |
     a .jsonl/.json or .parquet chat file (OpenAI ``messages`` or ShareGPT ``conversations``) |
@@ -419,6 +430,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _choice("data.mode", self.mode, DATA_MODES)
+        _choice("data.engine", self.engine, DATA_ENGINES)
         _choice("data.on_overlong", self.on_overlong, ON_OVERLONG)
         _choice("data.store_dtype", self.store_dtype, STORE_DTYPES)
         _choice("data.compression", self.compression, COMPRESSIONS)
@@ -803,6 +815,22 @@ class RunConfig:
 
         if self.data.mode == "online":
             self._check_online()
+        if self.data.mode == "colocated":
+            _check(
+                self.train.target_topk == 0,
+                "train.target_topk",
+                self.train.target_topk,
+                "expected 0 with data.mode=colocated (the target's distribution comes from the final states the "
+                "colocated target computes every step; there is no stored dataset to cache it for)",
+            )
+        elif self.data.engine == "transformers" and "train" in self.stages:
+            _check(
+                False,
+                "data.engine",
+                self.data.engine,
+                f"writes token-id shards (no states), which data.mode={self.data.mode} cannot train on; expected "
+                "data.mode=colocated, or data.engine=vllm to capture states",
+            )
 
     def _check_online(self) -> None:
         mb, new = self.train.micro_batch_size, self.data.online.new_per_micro_batch

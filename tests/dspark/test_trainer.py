@@ -221,12 +221,15 @@ def test_nan_loss_names_step_and_sequences(compose_config, tmp_path, smollm2_dir
 
 
 @pytest.mark.slow
-def test_kill_9_then_resume_neither_skips_nor_repeats(tiny, tmp_path, compose_config):
+@pytest.mark.parametrize("mode", ["offline", "colocated"])
+def test_kill_9_then_resume_neither_skips_nor_repeats(tiny, tmp_path, compose_config, mode):
+    """Either mode (colocated: the target computes the states in the trainer) resumes at its cursor;
+    both train on the uninterrupted offline run's sequences in its order."""
     target, data = tiny
     base = [
         sys.executable,
         "train.py",
-        *overrides(target, data, tmp_path, "train.max_steps=10", "train.save_every=2"),
+        *overrides(target, data, tmp_path, "train.max_steps=10", "train.save_every=2", f"data.mode={mode}"),
         f"hydra.run.dir={tmp_path}/run",
     ]
     # A build lock left by an earlier killed start-up (issue #17): torch would wait on it forever;
