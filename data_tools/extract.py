@@ -8,6 +8,11 @@ through its chat template) while vLLM's ``extract_hidden_states`` speculative me
 states of the chosen layers for prompt + answer; the hidden-states KV connector writes one
 safetensors file per request, which is packed into a shard and deleted.
 
+``data.engine=transformers`` answers the same planned requests with the target in transformers
+instead (:mod:`data_tools.generate`, no vLLM) and writes token-id shards: ids and loss mask, no
+states (``layer_ids: []``), for ``data.mode=colocated``. Resume, splitting and the manifest are
+the same for both engines.
+
 Resumable: a shard is written under a temporary name, renamed when complete, then recorded
 in a sidecar; a rerun skips shards with a sidecar and redoes the rest. Work is split by shard
 across ``data.rank``/``data.world_size`` (default: the Slurm array index and count).
@@ -23,7 +28,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import hydra
 import torch
@@ -305,7 +310,8 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
     if target_dir is None:
         target_dir = resolve_target(target, cache_dir=Path(cfg.paths.cache_dir).expanduser()).path
     arch, _, _, text_cfg = read_config(target_dir)
-    capture_ids = target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
+    tokens_only = data.engine == "transformers"  # token-id shards: no layer is captured
+    capture_ids = [] if tokens_only else target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=target.trust_remote_code)
     splits = dedupe_and_split(conversations, val_fraction=data.val_fraction, limit=data.num_prompts)
     manifest = build_manifest(
@@ -339,23 +345,23 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
         out,
     )
     work = out / "_work" / f"rank{rank}"
-    kwargs = engine_kwargs(target, target_dir, capture_ids, data, work)
-    if int(kwargs.get("node_rank", 0)) > 0:  # multi-node engine: node 0 drives, we host workers
-        run_headless_workers(kwargs)
-        return summary
+    if tokens_only:
+        from data_tools.generate import TransformersAnswers
+
+        def start_engine() -> Any:
+            return TransformersAnswers(target_dir, target, data)
+
+    else:
+        kwargs = engine_kwargs(target, target_dir, capture_ids, data, work)
+        if int(kwargs.get("node_rank", 0)) > 0:  # multi-node engine: node 0 drives, we host workers
+            run_headless_workers(kwargs)
+            return summary
+
+        def start_engine() -> Any:
+            return VllmCapture(kwargs, data, n_layers=len(capture_ids), hidden=manifest.hidden_size)
+
     if todo:
-        capture_shards(
-            todo,
-            splits,
-            tokenizer,
-            data,
-            kwargs,
-            out=out,
-            work=work,
-            n_layers=len(capture_ids),
-            hidden=manifest.hidden_size,
-            summary=summary,
-        )
+        capture_shards(todo, splits, tokenizer, data, start_engine, out=out, work=work, summary=summary)
     finalize(out, units)
     summary.log()
     if todo:
@@ -460,26 +466,38 @@ def open_dataset_dir(out: Path, manifest: Manifest) -> None:
             manifest.save(out)
 
 
+class VllmCapture:
+    """``data.engine=vllm``: the engine that answers and captures (:func:`capture_rows`)."""
+
+    def __init__(self, kwargs: dict[str, Any], data: DataConfig, *, n_layers: int, hidden: int):
+        self.llm, self.data, self.n_layers, self.hidden = make_engine(kwargs, data), data, n_layers, hidden
+
+    def rows(self, requests: list[Request]) -> list[dict]:
+        return capture_rows(self.llm, requests, self.data, n_layers=self.n_layers, hidden=self.hidden)
+
+    def close(self) -> None:
+        del self.llm  # shuts the engine down before later stages run in this process
+
+
 def capture_shards(
     todo: list[tuple[str, int]],
     splits: dict[str, list[Conversation]],
     tokenizer: Any,
     data: DataConfig,
-    kwargs: dict[str, Any],
+    start_engine: Callable[[], Any],
     *,
     out: Path,
     work: Path,
-    n_layers: int,
-    hidden: int,
     summary: Summary,
 ) -> None:
-    """Start one engine and write this rank's missing shards, one batch of sequences at a time."""
+    """Start one engine (``start_engine()``: rows of requests, then ``close``) and write this
+    rank's missing shards, one batch of sequences at a time."""
     per = data.rows_per_shard
     shutil.rmtree(work, ignore_errors=True)  # request files of a killed run
     for split, k in todo:  # partial files of this rank's shards from a killed run (not other ranks')
         for stale in (out / split).glob(f".{shard_name(k)}.parquet.tmp-*"):
             stale.unlink()
-    llm = make_engine(kwargs, data)
+    engine = start_engine()
     t0 = time.perf_counter()
     bar = tqdm(
         total=sum(len(splits[s][k * per : (k + 1) * per]) for s, k in todo),
@@ -492,7 +510,7 @@ def capture_shards(
         bar.update(sum(skipped.values()))
         writer = ShardWriter(out, split, k, data.compression)
         for b in range(0, len(requests), data.batch_size):
-            writer.write(capture_rows(llm, requests[b : b + data.batch_size], data, n_layers=n_layers, hidden=hidden))
+            writer.write(engine.rows(requests[b : b + data.batch_size]))
             bar.update(len(requests[b : b + data.batch_size]))
             bar.set_postfix(
                 tok_s=f"{(summary.tokens + writer.tokens) / (time.perf_counter() - t0):.0f}", shard=f"{split}/{k}"
@@ -505,10 +523,11 @@ def capture_shards(
         summary.shards_written += 1
         summary.seconds = time.perf_counter() - t0
     bar.close()
-    del llm  # shuts the engine down before later stages run in this process
+    engine.close()
+    del engine
     gc.collect()
     shutil.rmtree(work, ignore_errors=True)
-    if not any(work.parent.iterdir()):
+    if work.parent.is_dir() and not any(work.parent.iterdir()):
         work.parent.rmdir()
 
 

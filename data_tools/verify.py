@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  PROBLEM {p}")
     errors: dict[int, float] = {}
     limit = args.max_rel_err if args.max_rel_err is not None else default_limit(manifest)
-    if args.recompute and pool:
+    if args.recompute and pool and manifest.layer_ids:  # token-id shards have no states to recompute
         errors = recompute_errors(manifest, pool, args.recompute)
         print(f"max relative error per layer over {min(args.recompute, rows)} sequences (limit {limit:g}):")
         for layer, err in errors.items():

@@ -821,7 +821,8 @@ class RunConfig:
                 "train.target_topk",
                 self.train.target_topk,
                 "expected 0 with data.mode=colocated (the target's distribution comes from the final states the "
-                "colocated target computes every step; there is no stored dataset to cache it for)",
+                "colocated target computes every step; there is no stored dataset to cache it for); set "
+                "train.target_topk=0",
             )
         elif self.data.engine == "transformers" and "train" in self.stages:
             _check(

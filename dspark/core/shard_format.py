@@ -15,6 +15,10 @@ needs no state. ``hidden_states`` is raw little-endian bytes of shape [T-1, n_la
 the manifest's ``dtype`` (raw bytes decode ~5x faster than Parquet list columns and load
 zero-copy into torch). ``loss_mask`` is 1 where the token is part of the answer.
 
+Token-id shards (``data.engine=transformers``, for ``data.mode=colocated``) are the same
+format with no captured layer: the manifest's ``layer_ids`` is ``[]`` and every
+``hidden_states`` cell is empty.
+
 fp8 dtypes (``float8_e4m3``, ``float8_e5m2``; manifest ``scale_granularity: token_layer``) store
 the same cell as the fp8 values [T-1, n_layers, H] followed by their fp32 scales [T-1, n_layers]
 (:mod:`dspark.core.fp8`): the Parquet schema is unchanged, so 16/32-bit shards written before
@@ -307,4 +311,6 @@ def decode_hidden_states(
     if dtype in fp8.FORMATS:
         values, scales = split_scaled(buf, dtype=dtype, n_layers=n_layers, hidden=hidden)
         return fp8.dequantize(values, scales, out_dtype)
+    if not n_layers:  # a token-id shard's empty cell (its row count is the sequence's, not the cell's)
+        return torch.empty(0, 0, hidden, dtype=TORCH_DTYPES[dtype])
     return _view(buf, TORCH_DTYPES[dtype]).view(-1, n_layers, hidden)
