@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import itertools
 import json
 import random
 import re
@@ -114,6 +115,8 @@ def read_records(records: Iterable[dict[str, Any]], where: str) -> Iterator[Conv
 SOURCE_FORMATS = (
     "'bundled'",
     "'bundled_lcr'",
+    "'bundled_lcr_short'",
+    "'bundled_lcr_long'",
     "a .jsonl/.json chat file (one object per line with OpenAI 'messages' or ShareGPT 'conversations')",
     "a .parquet chat file (the same fields as columns)",
     "a .txt file (one prompt per line, blank lines skipped)",
@@ -202,8 +205,8 @@ def load_source(source: str, *, split: str = "train") -> Iterator[Conversation]:
     is iterated, and a malformed one names its file and line or row."""
     if source == "bundled":
         return bundled_conversations()
-    if source == "bundled_lcr":
-        return bundled_lcr_conversations()
+    if source in LCR_SOURCES:
+        return bundled_lcr_conversations(**LCR_SOURCES[source])
     path = Path(source).expanduser()
     if path.is_file():
         reader = _FILE_READERS.get(path.suffix.lower())
@@ -400,18 +403,36 @@ def _excerpt(rng: random.Random, text: str, max_chars: int) -> str:
     return "\n".join(out).strip()
 
 
+LCR_SOURCES: dict[str, dict[str, int]] = {
+    "bundled_lcr": {},
+    "bundled_lcr_short": dict(min_chars=2000, max_chars=3400, max_docs=3),
+    "bundled_lcr_long": dict(min_chars=3600, max_chars=27000, max_docs=6),
+}
+"""The AA-LCR-style sources by name and their :func:`bundled_lcr_conversations` arguments, at
+about 3.4 characters a SmolLM2 token on these texts (a few prompts whose documents are shorter
+than their share come out below): ``bundled_lcr`` about 0.6k-2.5k tokens; ``bundled_lcr_short``
+about 0.6k-1.1k (many distinct sequences at a CPU's extraction cost); ``bundled_lcr_long`` about
+1k-8k, the long end of the eval's context bins."""
+
+
 def bundled_lcr_conversations(
-    *, seed: int = 0, count: int = 4096, min_chars: int = 2000, max_chars: int = 6500, max_docs: int = 4
+    *,
+    seed: int = 0,
+    count: Optional[int] = None,
+    min_chars: int = 2000,
+    max_chars: int = 6500,
+    max_docs: int = 4,
 ) -> Iterator[Conversation]:
     """AA-LCR-style training prompts from text every machine has: 2 to ``max_docs`` documents
     (excerpts of top-level stdlib module sources and installed packages' descriptions) of
     ``min_chars`` to ``max_chars`` characters in all (about 600 to 2,500 SmolLM2 tokens), then a
     question about them. On-policy answers to such prompts copy from the documents, which is
     what a drafter for long-context serving has to learn; the short instructions of ``bundled``
-    never show it. Seeded: the same environment gives the same prompts."""
+    never show it. Seeded: the same environment gives the same prompts. ``count`` None: as many as
+    the caller takes (``data.num_prompts``); the first N are the same whatever is taken after."""
     rng = random.Random(f"bundled_lcr:{seed}")
     docs = _stdlib_module_sources() + [(name, text) for _, name, text in _package_descriptions()]
-    for _ in range(count):
+    for _ in itertools.count() if count is None else range(count):
         total = rng.randint(min_chars, max_chars)
         n = rng.randint(2, max_docs)
         picked = rng.sample(docs, n)

@@ -168,17 +168,31 @@ class DraftRunner:
 
 class PromptLookup:
     """vLLM's ``ngram`` proposer: the longest suffix n-gram (``min_n``..``max_n`` tokens) of the
-    sequence so far that occurred before, and the up to ``k`` tokens that followed it; none when
-    there is no such match. The matching is vLLM's own function
-    (``vllm.v1.spec_decode.ngram_proposer._find_longest_matched_ngram_and_propose_tokens``),
-    so the proposals are the ones the served ``ngram`` method makes on the same tokens."""
+    sequence so far that occurred before, and the up to ``k`` tokens that followed its earliest
+    occurrence (never past ``max_model_len``); none when there is no such match. The matching is
+    vLLM's own function
+    (``vllm.v1.spec_decode.ngram_proposer._find_longest_matched_ngram_and_propose_tokens``) when
+    vLLM is installed, else :func:`eval.prompt_lookup.longest_match_proposal`, which
+    ``tests/eval/test_prompt_lookup.py`` pins equal to vLLM's; either way the proposals are the
+    ones the served ``ngram`` method makes on the same tokens."""
+
+    _logged = False  # which matching function is used: logged once per process
 
     def __init__(self, min_n: int, max_n: int, max_model_len: int):
-        from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens
-
         if not 1 <= min_n <= max_n:
             raise ValueError(f"prompt lookup needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self._find = _find_longest_matched_ngram_and_propose_tokens
+        try:
+            from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as find
+
+            source = "vLLM's _find_longest_matched_ngram_and_propose_tokens"
+        except ImportError:
+            from eval.prompt_lookup import longest_match_proposal as find
+
+            source = "eval.prompt_lookup.longest_match_proposal (vLLM not installed)"
+        if not PromptLookup._logged:
+            log.info("prompt lookup matching: %s", source)
+            PromptLookup._logged = True
+        self._find = find
         self.min_n, self.max_n, self.max_model_len = min_n, max_n, max_model_len
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:

@@ -81,7 +81,8 @@ def no_hub(monkeypatch):
 
 
 ACCEPTED = (
-    r"one of: 'bundled' \| 'bundled_lcr' \| a \.jsonl/\.json chat file .* \| a \.txt file \(one prompt per "
+    r"one of: 'bundled' \| 'bundled_lcr' \| 'bundled_lcr_short' \| 'bundled_lcr_long' \| "
+    r"a \.jsonl/\.json chat file .* \| a \.txt file \(one prompt per "
     r"line, blank lines skipped\) \| a directory written by datasets' save_to_disk \| a Hugging Face Hub dataset name"
 )
 
@@ -210,6 +211,32 @@ def test_bundled_lcr_is_long_multi_document_and_seeded():
     assert sizes[20] > 1500 and sizes[-20] > 5000  # spread over the range, not all short
     kept = dedupe_and_split(first, val_fraction=0.05)
     assert len(kept["train"]) + len(kept["val"]) >= 195
+
+
+@pytest.mark.parametrize(
+    "source, lo, hi",
+    [("bundled_lcr_short", 550, 1200), ("bundled_lcr_long", 900, 8500)],
+)
+def test_named_lcr_sources_yield_as_many_as_asked_in_their_range_never_the_evals_documents(smollm2_dir, source, lo, hi):
+    import itertools
+
+    from transformers import AutoTokenizer
+
+    from eval.prompts import offline_documents
+
+    asked = 6000  # more than the 4,096 the source once stopped at
+    got = dedupe_and_split(load_source(source), val_fraction=0.05, limit=asked)
+    assert len(got["train"]) + len(got["val"]) == asked
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    sample = list(itertools.islice(load_source(source), 100))
+    lengths = sorted(len(tok(c.messages[0][1]).input_ids) for c in sample)
+    assert lengths[5] >= lo and lengths[-5] <= hi, lengths  # the 5th from either end: a few outliers
+    if source == "bundled_lcr_long":  # spread over the range, not bunched at its low end
+        assert lengths[50] > 3000 and lengths[-5] > 6000, lengths
+    # the documents come from the training side of the pool (tests/eval/test_prompts.py checks that
+    # pool against the eval's by 8-word runs): no eval document's opening is in a prompt
+    heads = [d.text.strip()[:200] for d in offline_documents()]
+    assert not [c.seq_id for c in sample if any(h in c.messages[0][1] for h in heads)]
 
 
 def test_overlong_prompts_are_skipped_or_truncated(smollm2_dir):
