@@ -7,8 +7,14 @@ positions (answer-token label inside the sequence):
     p_d = softmax(lm_head(h_k) + W2 W1[x_{a+k-1}])      draft distribution
     CE  = -log p_d(x_{a+k})
     TV  = 1/2 ||p_d - p_t||_1
+    LK  = -log(sum_v min(p_d, p_t)) = -log(1 - TV)      (the acceptance probability's log)
     BCE = bce(confidence_logit_k, 1 - TV)              (target detached)
-    loss = sum_k w_k (ce_weight*CE + tv_weight*TV + confidence_weight*BCE) / sum_k w_k
+    loss = sum_k w_k (ce_weight*CE + tv_weight*TV + lk_weight*LK + confidence_weight*BCE) / sum_k w_k
+
+LK is the acceptance loss of arXiv 2602.23881 (speculators PRs #657/#673): under sampling the
+k-th draft is accepted with probability sum_v min(p_d, p_t) = 1 - TV, and the log makes its
+gradient 1/(1 - TV) times TV's, large exactly where acceptance is small and TV's gradient is flat
+(a fresh drafter, a hard position). Its 1 - TV is floored at ``LK_FLOOR``.
 
 With the target's distribution cached as its top k (``topk_ids``/``topk_probs``,
 :mod:`dspark.target_topk`), the target logits are not computed at all and TV is taken on the
@@ -40,6 +46,7 @@ class LossConfig:
     tv_weight: float
     confidence_weight: float
     position_decay: float
+    lk_weight: float = 0.0
     chunk_rows: int = 1024
     # Recompute each chunk's logits in backward. ZeRO-3 turns it off: its parameters are
     # re-partitioned between forward and recompute, which torch's checkpoint rejects.
@@ -52,6 +59,7 @@ class LossOutput:
     ce: torch.Tensor  # scalar, detached (weighted mean)
     tv: torch.Tensor
     confidence_bce: torch.Tensor
+    lk: torch.Tensor  # -log(1 - TV), weighted mean (logged whatever its weight)
     accept_per_position: torch.Tensor  # [K] P(first k drafts all match): acceptance as vLLM counts it
     accept_cond_per_position: (
         torch.Tensor
@@ -81,7 +89,10 @@ class LossOutput:
 
 
 #: The scalars of a :class:`LossOutput` that training logs and validation averages.
-LOSS_TERMS = ("loss", "ce", "tv", "confidence_bce", "tau")
+LOSS_TERMS = ("loss", "ce", "tv", "lk", "confidence_bce", "tau")
+
+LK_FLOOR = 1e-6
+"""The smallest 1 - TV the LK term takes the log of (a draft with no overlap at all)."""
 #: Per-position rates: metric prefix -> the LossOutput field holding them.
 POSITION_RATES = {
     "accept": "accept_per_position",
@@ -255,7 +266,11 @@ def dspark_loss(
     w, wsum = tg.weights, tg.weights.sum().clamp_min(1e-8)
     ce = (w * ce_v).sum() / wsum
     tv = (w * tv_v).sum() / wsum
+    lk_v = -torch.log((1.0 - tv_v).clamp_min(LK_FLOOR))
+    lk = (w * lk_v).sum() / wsum
     loss = cfg.ce_weight * ce + cfg.tv_weight * tv
+    if cfg.lk_weight:
+        loss = loss + cfg.lk_weight * lk
     bce = torch.zeros((), device=ce.device)
     conf_p = conf_t = hidden.new_zeros(0)
     if out.confidence_logits is not None:
@@ -269,6 +284,7 @@ def dspark_loss(
         loss=loss,
         ce=ce.detach(),
         tv=tv.detach(),
+        lk=lk.detach(),
         confidence_bce=bce.detach(),
         accept_per_position=uncond,
         accept_cond_per_position=cond,

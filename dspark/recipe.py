@@ -101,6 +101,9 @@ def _build_parts(
     else:
         train_ds, val_ds = shard_datasets(cfg, heads, dtype)
     drafter, ctx_index, final_index = build_drafter(cfg, heads)
+    if t.final_norm_init == "ones":
+        with torch.no_grad():
+            drafter.norm.weight.fill_(1.0)
     if t.init_from_target_layers is not None:
         init_from_target(drafter, cfg, heads)
     if t.target_topk and not online:
@@ -169,7 +172,7 @@ def shard_datasets(
 ) -> tuple[ShardDataset, Optional[ShardDataset]]:
     """``data.shards_dir``'s train split (checked against the target) and its val split, if any."""
     shards = Path(cfg.data.shards_dir).expanduser()
-    train_ds = ShardDataset(shards, "train", states_dtype=dtype, keep_fp8=True)
+    train_ds = ShardDataset(shards, "train", states_dtype=dtype, keep_fp8=True, limit=cfg.data.train_sequences)
     check_shards_match_target(train_ds, cfg.target, heads)
     has_val = any(s.split == "val" and s.rows for s in train_ds.manifest.shards)
     return train_ds, ShardDataset(shards, "val", states_dtype=dtype, keep_fp8=True) if has_val else None
@@ -181,7 +184,7 @@ def colocated_datasets(
     """``data.mode=colocated``: ``data.shards_dir``'s token ids (its states, if any, unread) with
     this rank's own copy of the target computing the captured layers' states, on its device."""
     shards = Path(cfg.data.shards_dir).expanduser()
-    base = ShardDataset(shards, "train", states_dtype=dtype, keep_fp8=True)
+    base = ShardDataset(shards, "train", states_dtype=dtype, keep_fp8=True, limit=cfg.data.train_sequences)
     check_shards_match_target(base, cfg.target, heads, states=False)
     device = device_for_rank()
     target = ColocatedTarget(
@@ -389,6 +392,7 @@ def loss_config(cfg: RunConfig) -> LossConfig:
         tv_weight=t.tv_weight,
         confidence_weight=t.confidence_weight,
         position_decay=t.position_decay,
+        lk_weight=t.lk_weight,
         recompute_chunks=t.recompute_vocab_chunks and not zero3,
     )
 

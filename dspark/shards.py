@@ -62,7 +62,8 @@ class ShardDataset:
     their values and scales as zero-copy views too (:attr:`ShardSequence.scales`), so the batch
     carries a byte per value to the device, which dequantizes it (:meth:`Batch.to`); the host
     then never spends a multiply per value (about 5k K3 tokens/s per core, the data loader's
-    bottleneck at K3 width)."""
+    bottleneck at K3 width). ``limit``: only the first ``limit`` sequences of the split
+    (``data.train_sequences``)."""
 
     def __init__(
         self,
@@ -72,6 +73,7 @@ class ShardDataset:
         require_complete: bool = True,
         states_dtype: torch.dtype = torch.float32,
         keep_fp8: bool = False,
+        limit: Optional[int] = None,
     ):
         self.directory = Path(directory)
         self.states_dtype = states_dtype
@@ -92,7 +94,7 @@ class ShardDataset:
                 self._batches.append(batch)
                 self._starts.append(total)
                 total += batch.num_rows
-        self._len = total
+        self._len = total if limit is None else min(total, limit)
         self.n_layers = len(self.manifest.layer_ids)
         self.hidden_size = self.manifest.hidden_size
         self.target_topk: Optional[list[SequenceTopK]] = None

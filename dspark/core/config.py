@@ -56,6 +56,7 @@ and concurrency level) is asked for by name."""
 EVAL_SOURCES = ("offline", "aa_lcr")
 SERVE_EXPORT = ("auto", "never")
 SUPERVISE = ("answer", "all")
+FINAL_NORM_INITS = ("target", "ones")
 """``train.supervise``: the tokens the loss supervises, and the positions :mod:`dspark.target_topk` caches."""
 REFERENCE_PROPOSERS = ("dspark", "ngram-then-dspark", "ngram")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
@@ -394,7 +395,9 @@ class DataConfig:
     rules) and writes token-id shards, ids and loss mask only (``layer_ids: []`` in the manifest),
     which ``data.mode=colocated`` trains on."""
     source: str = "bundled"
-    """bundled (offline short instructions) | bundled_lcr (offline AA-LCR-style long documents) |
+    """bundled (offline short instructions) | bundled_lcr (offline AA-LCR-style long documents, about
+    0.6k-2.5k tokens) | bundled_lcr_short / bundled_lcr_long (the same, about 0.6k-1.1k / 1k-8k tokens;
+    each yields as many as asked) |
     a .jsonl/.json or .parquet chat file (OpenAI ``messages`` or ShareGPT ``conversations``) |
     a .txt file (one prompt per line, blank lines skipped) | a directory saved by ``datasets``'
     ``save_to_disk`` | a Hub dataset name (``org/name``). A name that looks like a local path
@@ -405,6 +408,10 @@ class DataConfig:
     """After dedupe, before the train/val split."""
     val_fraction: float = 0.05
     """By content hash: stable across runs and prompt counts."""
+    train_sequences: Optional[int] = None
+    """Train on the first N sequences of the train split only (None: all); the val split is
+    untouched. A data-scale ablation on one extraction: fewer distinct sequences, read more often
+    at the same number of steps. Offline and colocated modes."""
     regenerate: bool = True
     """The target writes the answers (on-policy); false keeps the dataset's last assistant turn."""
     temperature: float = 0.0
@@ -438,6 +445,9 @@ class DataConfig:
         for key in ("num_prompts", "max_new_tokens", "rows_per_shard", "batch_size", "world_size"):
             _at_least(f"data.{key}", getattr(self, key), 1)
         _at_least("data.max_seq_len", self.max_seq_len, 2)
+        if self.train_sequences is not None:
+            _at_least("data.train_sequences", self.train_sequences, 1)
+            _check(self.mode != "online", "data.train_sequences", self.train_sequences, "None with data.mode=online")
         _at_least("data.temperature", self.temperature, 0)
         _at_least("data.vllm.cpu_kvcache_gib", self.vllm.cpu_kvcache_gib, 1)
         if self.rank is not None:
@@ -484,10 +494,17 @@ class TrainConfig:
     live under it, so the Markov-off ablation or a DFlash run never resumes the main run."""
     checkpoint_dir: str = "${paths.checkpoint_dir}/${target.name}/${train.run_name}"
     ce_weight: float = 0.1
-    """Loss (dspark/loss.py): ce_weight*CE + tv_weight*TV + confidence_weight*BCE, per position
-    weighted by exp(-(k-1)/position_decay)."""
+    """Loss (dspark/loss.py): ce_weight*CE + tv_weight*TV + lk_weight*LK + confidence_weight*BCE,
+    per position weighted by exp(-(k-1)/position_decay)."""
     tv_weight: float = 0.9
+    lk_weight: float = 0.0
+    """The LK acceptance loss, -log(sum_v min(p_d, p_t)) = -log(1 - TV) (arXiv 2602.23881); 0: off
+    (it is still logged as ``lk``)."""
     confidence_weight: float = 1.0
+    final_norm_init: str = "target"
+    """The drafter's final norm at step 0: ``target`` (a copy of the target's final norm weight, so
+    the first logits have the target's scale) or ``ones`` (RMSNorm's own init, as DeepSpec's;
+    a flatter first draft, where TV's gradient is not yet flat)."""
     position_decay: float = 4.0
     ce_weight_start: Optional[float] = None
     """A loss schedule: the CE weight starts here and moves linearly to ``ce_weight`` over the
@@ -516,6 +533,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _compute_dtype("train.dtype", self.dtype)
         _choice("train.supervise", self.supervise, SUPERVISE)
+        _choice("train.final_norm_init", self.final_norm_init, FINAL_NORM_INITS)
         _at_least("train.target_topk", self.target_topk, 0)
         _at_least("train.copy_anchor_boost", self.copy_anchor_boost, 0)
         if self.ce_weight_start is not None:
@@ -535,15 +553,16 @@ class TrainConfig:
             _at_least(f"train.{key}", getattr(self, key), 1)
         _at_least("train.max_seq_len", self.max_seq_len, 2)
         _at_least("train.dist_timeout_s", self.dist_timeout_s, 1)
-        for key in ("lr", "weight_decay", "warmup_steps", "grad_clip", "ce_weight", "tv_weight", "confidence_weight"):
+        for key in ("lr", "weight_decay", "warmup_steps", "grad_clip", "ce_weight", "tv_weight", "lk_weight"):
             _at_least(f"train.{key}", getattr(self, key), 0)
+        _at_least("train.confidence_weight", self.confidence_weight, 0)
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "expected a fraction in [0, 1]")
         _check(self.position_decay > 0, "train.position_decay", self.position_decay, "expected a number > 0")
         _check(
-            self.ce_weight + self.tv_weight > 0,
+            self.ce_weight + self.tv_weight + self.lk_weight > 0,
             "train.ce_weight",
             self.ce_weight,
-            "ce_weight and tv_weight cannot both be 0 (nothing would train the drafter)",
+            "ce_weight, tv_weight and lk_weight cannot all be 0 (nothing would train the drafter)",
         )
         _check(
             bool(self.run_name) and "/" not in self.run_name,

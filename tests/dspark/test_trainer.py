@@ -538,6 +538,22 @@ def test_drafter_layers_start_from_the_targets(compose_config, tiny, tmp_path):
     tr.close()
 
 
+def test_final_norm_starts_at_one_and_train_sequences_reads_only_the_first_n(compose_config, tiny, tmp_path):
+    heads = load_target_heads(tiny[0])
+    plain = make_trainer(compose_config, tiny, tmp_path / "a")
+    assert torch.equal(plain.model.norm.weight, heads.final_norm) and not torch.equal(
+        heads.final_norm, torch.ones_like(heads.final_norm)
+    )
+    n_all = len(plain.batches.ds)
+    plain.close()
+    tr = make_trainer(compose_config, tiny, tmp_path / "b", "train.final_norm_init=ones", "data.train_sequences=4")
+    assert torch.equal(tr.model.norm.weight, torch.ones_like(heads.final_norm)) and tr.model.norm.weight.requires_grad
+    first = {tr.batches.ds[i].seq_id for i in range(4)}
+    read = Counter(s for _ in range(3) for s in tr.batches.next().seq_ids)  # 3 epochs of one micro batch of 4
+    assert len(tr.batches.ds) == 4 < n_all and set(read) == first and set(read.values()) == {3}
+    tr.close()
+
+
 def test_validations_are_kept_in_the_checkpoint_and_a_plain_jsonl(compose_config, tiny, tmp_path):
     tr = make_trainer(
         compose_config, tiny, tmp_path, "train.max_steps=4", "train.eval_at_steps=[1,3]", "train.save_every=2"
@@ -568,15 +584,31 @@ def test_progress_shows_elapsed_and_an_eta_from_this_processes_pace():
 def test_each_training_log_line_has_step_elapsed_eta_and_tokens_per_s(caplog):
     from types import SimpleNamespace
 
+    class Logger:
+        def log(self, data, step):
+            self.data = data
+
     tr = Trainer.__new__(Trainer)  # only what _log_train reads
     tr.state, tr.t = SimpleNamespace(step=20, predictions=0), SimpleNamespace(max_steps=200)
-    tr.world, tr.logger, tr._start_step, tr.batches = 1, None, 0, None
+    tr.world, tr.logger, tr._start_step, tr.batches, tr.peak_flops = 1, Logger(), 0, None, None
     m = dict(loss=1.0, ce=1.0, tv=0.5, confidence_bce=0.1, tau=1.5, lr=1e-3, grad_norm=0.2)
     m.update(tokens=1000.0, step_s=2.0, predictions=100.0, data_s=0.1)
     with caplog.at_level("INFO", logger="dspark.trainer"):
         tr._log_train(m, elapsed=40.0)
     assert caplog.messages[-1].startswith("step 20/200 | elapsed 0:00:40 | eta 0:06:00 | loss 1.0000")
-    assert "| 500 tok/s 50 pred/s |" in caplog.messages[-1]
+    assert "| 500 tok/s 50 pred/s | data" in caplog.messages[-1]  # no drafter: no FLOPs
+    assert tr.logger.data["train/predictions_per_s"] == 50 and "train/tflops_per_s" not in tr.logger.data
+    # the step's model FLOPs (dspark.flops): FLOP/s always, MFU only over a known peak (not on a CPU)
+    with caplog.at_level("INFO", logger="dspark.trainer"):
+        tr._log_train(m | {"flops": 4e12}, elapsed=40.0)
+    assert "| 500 tok/s 50 pred/s | 2 TFLOP/s | data" in caplog.messages[-1]
+    assert tr.logger.data["train/tflops_per_s"] == 2 and "train/mfu" not in tr.logger.data
+    assert tr.logger.data["train/flops_per_prediction"] == 4e10 and "train/flops" not in tr.logger.data
+    tr.peak_flops = 989e12  # an H200 in bf16
+    with caplog.at_level("INFO", logger="dspark.trainer"):
+        tr._log_train(m | {"flops": 4e14}, elapsed=40.0)
+    assert " 50 pred/s | 200 TFLOP/s MFU 20.2% | data" in caplog.messages[-1]
+    assert tr.logger.data["train/mfu"] == pytest.approx(200 / 989)
 
 
 # --- faults while saving (issue #17) -----------------------------------------------------------

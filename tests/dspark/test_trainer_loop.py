@@ -29,7 +29,7 @@ class Quadratic(torch.nn.Module):
         rate = torch.full((BLOCK,), float(1.0 - loss.detach()))
         d = loss.detach()
         self.positions += int(valid.sum())
-        return LossOutput(loss, d, d, d, rate, rate, rate, num_positions=int(valid.sum()))
+        return LossOutput(loss, d, d, d, d, rate, rate, rate, num_positions=int(valid.sum()))
 
 
 class StandInEngine:
