@@ -63,10 +63,12 @@ class DecodeConfig:
 
 class TargetRunner:
     """The target with a KV cache. ``forward`` returns float32 logits and the concatenated states
-    of the context layers (``dspark.core.layer_ids`` convention) for the tokens it is given."""
+    of the context layers (``dspark.core.layer_ids`` convention) for the tokens it is given, on
+    the model's device (a GPU's, when the eval put it there)."""
 
     def __init__(self, model: torch.nn.Module, context_layer_ids: Sequence[int]):
         self.model = model.eval()
+        self.device = next(model.parameters()).device
         self.layer_ids = [int(i) for i in context_layer_ids]
         self.num_layers = int(model.config.get_text_config().num_hidden_layers)
         bad = [i for i in self.layer_ids if not 0 <= i <= self.num_layers]
@@ -88,12 +90,12 @@ class TargetRunner:
 
     @torch.no_grad()
     def forward(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        inp = torch.tensor([list(ids)], dtype=torch.long)
+        inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         want_states = bool(self.layer_ids)  # plain decoding asks for none: a fair baseline
         out = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True, output_hidden_states=want_states)
         self.cache = out.past_key_values
         if not want_states:
-            return out.logits[0].float(), torch.empty(inp.shape[1], 0)
+            return out.logits[0].float(), torch.empty(inp.shape[1], 0, device=self.device)
         states = [self._pre_norm[0] if i == self.num_layers else out.hidden_states[i][0] for i in self.layer_ids]
         return out.logits[0].float(), torch.cat(states, dim=-1).float()
 
@@ -104,10 +106,12 @@ class TargetRunner:
 
 
 class DraftRunner:
-    """Our drafter over a growing context K/V cache (what vLLM's drafter KV cache holds)."""
+    """Our drafter over a growing context K/V cache (what vLLM's drafter KV cache holds), on the
+    drafter's device."""
 
     def __init__(self, drafter: torch.nn.Module):
         self.drafter = drafter.eval()
+        self.device = drafter.fc.weight.device
         self.cfg = drafter.cfg
         self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
         self.length = 0
@@ -117,8 +121,8 @@ class DraftRunner:
 
     def extend(self, states: torch.Tensor) -> None:
         """Append target states [n, C] for the next n positions."""
-        pos = torch.arange(self.length, self.length + states.shape[0])[None]
-        new = self.drafter.context_kv(states[None].to(self.drafter.fc.weight.dtype), pos)
+        pos = torch.arange(self.length, self.length + states.shape[0], device=self.device)[None]
+        new = self.drafter.context_kv(states[None].to(self.device, self.drafter.fc.weight.dtype), pos)
         self.kv = (
             new
             if self.kv is None
@@ -139,24 +143,24 @@ class DraftRunner:
         tokens, their proposal distributions [g, V] (sampling only) and confidences (if a head)."""
         d, a = self.drafter, self.length
         q = gamma if self.cfg.sample_from_anchor else gamma + 1
-        block = torch.full((1, q), d.dims.mask_token_id, dtype=torch.long)
+        block = torch.full((1, q), d.dims.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = anchor
-        hidden = d.forward_block(block, torch.arange(a, a + q)[None], self.kv)[0]  # [gamma, H]
+        hidden = d.forward_block(block, torch.arange(a, a + q, device=self.device)[None], self.kv)[0]  # [gamma, H]
         tokens: list[int] = []
         probs, confs = [], []
         prev = [anchor]
         for k in range(gamma):
             markov = None
             if d.markov_head is not None:  # sequential: the previous token is the one just drafted
-                markov = d.markov_head.embed(torch.tensor(prev), hidden[: k + 1])[-1]
+                markov = d.markov_head.embed(torch.tensor(prev, device=self.device), hidden[: k + 1])[-1]
             logits = d.draft_logits(hidden[k], markov)
             if d.confidence_head is not None:
                 conf = float(torch.sigmoid(d.confidence_logits(hidden[k], markov)))
                 if confidence_threshold is not None and k > 0 and conf < confidence_threshold:
                     break
                 confs.append(conf)
-            if temperature > 0:
-                p = torch.softmax(logits / temperature, dim=-1)
+            if temperature > 0:  # sampled on the host, with the host generator, wherever the model runs
+                p = torch.softmax(logits.float().cpu() / temperature, dim=-1)
                 tok = int(torch.multinomial(p, 1, generator=gen))
                 probs.append(p)
             else:
@@ -225,7 +229,7 @@ def verify(
         while n < len(drafts) and drafts[n] == best[n]:
             n += 1
         return n, best[n]
-    p = torch.softmax(target_logits / temperature, dim=-1)
+    p = torch.softmax(target_logits.cpu() / temperature, dim=-1)  # the host generator samples
     for k, tok in enumerate(drafts):
         if torch.rand((), generator=gen) < torch.clamp(p[k, tok] / q[k, tok], max=1.0):
             continue
@@ -249,7 +253,7 @@ class Generation:
 def _first_token(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
     if temperature <= 0:
         return int(torch.argmax(logits))
-    return _sample(torch.softmax(logits / temperature, dim=-1), gen)
+    return _sample(torch.softmax(logits.cpu() / temperature, dim=-1), gen)
 
 
 def _finish(tokens: list[int], max_new: int, eos: set[int]) -> tuple[list[int], bool]:

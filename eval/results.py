@@ -240,7 +240,8 @@ class DrafterResult:
     baseline_tokens_per_s: Optional[float] = None  # wall clock, plain decoding of the same target
     notes: str = ""
     per_prompt: list[dict[str, Any]] = field(default_factory=list)
-    """One record per prompt: {"prompt_id", "bin", **asdict(AcceptanceCounts)}, for the intervals."""
+    """One record per prompt: {"prompt_id", "bin", **asdict(AcceptanceCounts), "output_ids"}, for the
+    intervals and the greedy-output comparison (:func:`outputs_equal`; older runs lack the ids)."""
 
     @property
     def tau(self) -> float:
@@ -497,3 +498,10 @@ def load_checks(path: Path) -> list[Check] | None:
         iv = None if iv is None else tuple(math.nan if x is None else x for x in iv)
         out.append(Check(**{**c, "measured": math.nan if c["measured"] is None else c["measured"], "interval": iv}))
     return out
+
+
+def outputs_equal(per_prompt: list[dict[str, Any]], reference: dict[str, list[int]]) -> tuple[int, int]:
+    """(prompts whose ``output_ids`` equal ``reference[prompt_id]`` token for token, prompts both
+    have): a check that two decoders of the same target produce the same greedy text."""
+    both = [p for p in per_prompt if p.get("output_ids") is not None and str(p["prompt_id"]) in reference]
+    return sum(list(p["output_ids"]) == list(reference[str(p["prompt_id"])]) for p in both), len(both)

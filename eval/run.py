@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 
 from dspark.checkpoint import checkpoint_model_file, latest_tag
-from dspark.core.config import RunConfig, config_fingerprint, load_config
+from dspark.core.config import ConfigError, RunConfig, config_fingerprint, load_config
 from dspark.core.errors import exit_on_user_error
 from dspark.core.files import atomic_write_json
 from dspark.core.serving import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_method
@@ -37,6 +37,7 @@ from eval.results import (
     load_checks,
     load_results,
     nan_to_none,
+    outputs_equal,
 )
 from eval.serve import ServeSpec, run_in_subprocess
 
@@ -64,8 +65,11 @@ def _per_bin(prompt_bins: list[int], counts: list[AcceptanceCounts], gamma: int)
     return total.summary(), per
 
 
-def _per_prompt(prompts: list, counts: list[AcceptanceCounts]) -> list[dict[str, Any]]:
-    return [{"prompt_id": p.prompt_id, "bin": p.bin, **asdict(c)} for p, c in zip(prompts, counts)]
+def _per_prompt(prompts: list, counts: list[AcceptanceCounts], outputs: list[list[int]]) -> list[dict[str, Any]]:
+    return [
+        {"prompt_id": p.prompt_id, "bin": p.bin, **asdict(c), "output_ids": out}
+        for p, c, out in zip(prompts, counts, outputs)
+    ]
 
 
 def reference_eval(
@@ -95,16 +99,18 @@ def reference_eval(
     dr, layers, method = None, [], "ngram"
     if export_dir is not None:  # its block holds eval.gamma drafts: export_all validated it at that many
         exp = read_export(export_dir)
-        dr, layers = DraftRunner(load_drafter(exp, heads)), exp.context_layer_ids
+        device = next(target_model.parameters()).device  # the drafter runs beside the target
+        dr, layers = DraftRunner(load_drafter(exp, heads).to(device)), exp.context_layer_ids
         method = "dspark" if exp.drafter.sample_from_anchor else "dflash-layout"
         method = f"ngram-then-{method}" if lookup is not None else method
     tr = TargetRunner(target_model, layers)
     eos = _eos_ids(heads)
     gen = torch.Generator().manual_seed(dcfg.seed)
-    counts, conf, tokens, dec_s, draft_s, verify_s = [], [], 0, 0.0, 0.0, 0.0
+    counts, outputs, conf, tokens, dec_s, draft_s, verify_s = [], [], [], 0, 0.0, 0.0, 0.0
     for p in tqdm(prompts, desc=f"reference {name}", unit="prompt"):
         g = speculative_generate(tr, dr, p.prompt_token_ids, dcfg, eos, gen, lookup=lookup)
         counts.append(g.counts)
+        outputs.append(g.tokens)
         conf += g.confidence
         tokens += len(g.tokens) - 1  # the first token comes from prefill
         dec_s, draft_s, verify_s = dec_s + g.decode_s, draft_s + g.draft_s, verify_s + g.verify_s
@@ -126,7 +132,7 @@ def reference_eval(
         notes=f"{where}; decode phase only (prefill excluded); per step: draft "
         f"{1e3 * draft_s / steps:.1f} ms, target verify of up to {dcfg.gamma + 1} tokens "
         f"{1e3 * verify_s / steps:.1f} ms" + (f", plain decoding {1e3 / plain_tps:.1f} ms/token" if plain_tps else ""),
-        per_prompt=_per_prompt(prompts, counts),
+        per_prompt=_per_prompt(prompts, counts, outputs),
     )
 
 
@@ -188,7 +194,7 @@ def vllm_eval(
         per,
         notes=f"vLLM {method}{' ' + str(draft) if draft else ''}; engine start {run.engine_start_s:.0f}s; "
         "one prompt at a time, steps from the engine's inter-token-latency count",
-        per_prompt=[{"gamma": gamma, **p} for p in run.per_prompt],
+        per_prompt=[{"gamma": gamma, **p, "output_ids": run.outputs.get(p["prompt_id"])} for p in run.per_prompt],
     )
 
 
@@ -249,6 +255,7 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     if e.reference:
         drafters += parts.get_or_run("reference", lambda: reference_results(cfg, heads, target_dir, prompts, exports))
     drafters += vllm_results(cfg, target_dir, prompts, prompts_file, out_dir, exports, parts=parts)
+    equal = greedy_outputs_equal(cfg, drafters)
     conditions = _conditions(
         cfg,
         target_dir,
@@ -259,6 +266,7 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
             "eval_seconds": round(time.perf_counter() - t0, 1),
             "fingerprint": fp,
             "ablation_checkpoint": str(ablation) if ablation else None,
+            **({"greedy_outputs_equal": equal} if equal else {}),
         },
     )
     return _report(cfg, EvalResults(conditions, drafters), out_dir, exports)
@@ -317,7 +325,8 @@ def reference_results(
     alone; plain decoding of the same target is timed for the wall-clock speedup."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # fp32 on either: the numbers vLLM's CPU run has
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     plain = plain_tokens_per_s(heads, model, prompts, cfg) if cfg.eval.measure_plain else None
     names = {"ours": "dspark", "ablation": "markov-off"}
     wanted = cfg.eval.reference_proposers
@@ -371,6 +380,39 @@ def vllm_results(
             return [vllm_eval(name, method, draft, target_dir, prompts_file, cfg, out_dir, max_len)]
 
         out += parts.get_or_run(f"vllm_{name}", serve) if parts is not None else serve()
+    return out
+
+
+def greedy_outputs_equal(cfg: RunConfig, drafters: list[DrafterResult]) -> dict[str, dict[str, Any]]:
+    """Per row, how many prompts' greedy outputs equal the reference's token for token: the
+    outputs of ``eval.reference_outputs`` (another run, e.g. vLLM on CPU), else this run's first
+    vLLM row. Every method here is lossless, so under greedy decoding each should reproduce the
+    target's own text; a prompt that differs shows where two numerics part (fp32 on CPU and GPU,
+    a verify of 8 tokens against one). Empty when sampling or when there is no reference."""
+    if cfg.eval.temperature > 0:
+        return {}
+    if cfg.eval.reference_outputs:
+        path = Path(cfg.eval.reference_outputs).expanduser()
+        try:
+            reference = {str(k): v for k, v in json.loads(path.read_text(encoding="utf-8"))["outputs"].items()}
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            raise ConfigError(
+                f"eval.reference_outputs={path}: expected the JSON that python -m eval.serve --out writes, with "
+                f"'outputs' (prompt id -> token ids): {type(err).__name__}: {err}"
+            ) from err
+        source = str(path)
+    else:
+        first = next((d for d in drafters if d.runner == "vllm" and d.per_prompt), None)
+        if first is None:
+            return {}
+        reference = {str(p["prompt_id"]): p["output_ids"] for p in first.per_prompt if p.get("output_ids") is not None}
+        source = f"vLLM {first.name} in this run"
+    out = {}
+    for d in drafters:
+        equal, total = outputs_equal(d.per_prompt, reference)
+        if total:
+            out[d.name] = {"equal": equal, "prompts": total, "reference": source}
+            log.info("eval: %s: %d of %d prompts' greedy outputs equal %s's", d.name, equal, total, source)
     return out
 
 

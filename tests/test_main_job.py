@@ -78,6 +78,9 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
         lo, hi = d["intervals"]["overall"]["tokens_per_step"]
         assert lo <= d["tokens_per_step"] <= hi
     assert names["dspark"]["overall"]["draft_share"] == 1.0  # ours drafts on every step
+    equal = results["conditions"]["extra"]["greedy_outputs_equal"]  # each row's greedy text against vLLM ngram's
+    assert set(equal) == set(names) and all(e["prompts"] == 2 and 0 <= e["equal"] <= 2 for e in equal.values())
+    assert equal["ngram"]["equal"] == 2 and all(len(p["output_ids"]) > 0 for p in names["dspark"]["per_prompt"])
     # the chain drafts on every step too: the lookup where it matches, our block otherwise
     assert names["ngram-then-dspark"]["overall"]["num_drafts"] == names["ngram-then-dspark"]["overall"]["num_steps"]
     assert {c["name"] for c in results["checks"]} >= {

@@ -618,6 +618,10 @@ class EvalConfig:
     prompts_per_bin: int = 4
     prompts_file: Optional[str] = None
     """A prepared eval set (JSONL from eval.prompts) instead of building one."""
+    reference_outputs: Optional[str] = None
+    """Another run's greedy outputs on the same eval set (``python -m eval.serve --out FILE``'s JSON,
+    e.g. vLLM on CPU): the results count, per row, the prompts whose outputs equal them token for
+    token. None: this run's first vLLM row, if any."""
     max_new_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
