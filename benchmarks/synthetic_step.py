@@ -21,9 +21,9 @@ def add_shape_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--context-layers", type=int, default=5)
     p.add_argument("--markov-rank", type=int, default=256)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--anchors", type=int, default=16)
+    p.add_argument("--batch", "--micro-batch", type=int, default=2, help="sequences (train.micro_batch_size)")
+    p.add_argument("--seq", "--window", type=int, default=512, help="tokens per sequence (train.max_seq_len)")
+    p.add_argument("--anchors", type=int, default=16, help="anchors per sequence (train.anchors_per_seq)")
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--topk", type=int, default=0, help="train.target_topk: the target's top k cached (0: full)")
     p.add_argument(

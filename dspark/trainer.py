@@ -15,16 +15,19 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from dspark.batching import Batch, DataPosition, collate
 from dspark.calibration import calibration_sums, expected_calibration_error
 from dspark.checkpoint import Checkpointer, TrainState, tag_name
+from dspark.colocated import ColocatedDataset
 from dspark.core.config import TORCH_DTYPES, RunConfig
 from dspark.core.stream import SequenceSource
+from dspark.flops import StepFlops, TargetShape, peak_flops, step_flops
 from dspark.loss import LossConfig, scalar_names
 from dspark.model import DSparkDrafter, sample_anchors
 from dspark.online import OnlineBatches
@@ -105,6 +108,14 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def device_peak_flops(device: torch.device, dtype: str) -> Optional[float]:
+    """The device's dense peak FLOP/s in ``dtype`` (:func:`dspark.flops.peak_flops`); None on a
+    CPU or a GPU the table does not know, so that no MFU is logged."""
+    if device.type != "cuda":
+        return None
+    return peak_flops(torch.cuda.get_device_name(device), dtype)
+
+
 def clock(seconds: float) -> str:
     """``h:mm:ss`` for a log line."""
     s = max(0, round(seconds))
@@ -148,6 +159,19 @@ class Trainer:
         self.rank, self.world = parts.rank, parts.world
         self.dtype = TORCH_DTYPES[self.t.dtype]
         self._signal, self._start_step = 0, self.state.step
+        self.step_flops = self._step_flops_counter()
+        self.peak_flops = device_peak_flops(torch.device(self.engine.device), self.t.dtype)
+
+    def _step_flops_counter(self) -> Optional[Callable[..., StepFlops]]:
+        """:func:`dspark.flops.step_flops` for this drafter (and the colocated target, whose forward
+        is part of the step), to call with a micro batch's shape; None for a module that is no
+        :class:`~dspark.recipe.DrafterWithLoss` (a test's stand-in)."""
+        drafter = getattr(self.engine.module, "drafter", None)
+        if not isinstance(drafter, DSparkDrafter):
+            return None
+        ds = getattr(self.batches, "ds", None)
+        target = TargetShape.of(ds.target.decoder.config.to_dict()) if isinstance(ds, ColocatedDataset) else None
+        return partial(step_flops, drafter.cfg, drafter.dims, colocated_target=target)
 
     @property
     def model(self) -> DSparkDrafter:
@@ -161,7 +185,7 @@ class Trainer:
         timing = {"data_s": 0.0, "tokens": 0.0}
         per_micro: list[dict[str, float]] = []
         seq_ids: list[str] = []
-        predictions = 0
+        predictions, flops = 0, 0
         norm = None
         for _ in range(self.t.grad_accum_steps):
             td = time.perf_counter()
@@ -190,6 +214,14 @@ class Trainer:
             timing["tokens"] += batch.num_tokens
             per_micro.append(out.scalars())
             predictions += out.num_positions
+            if self.step_flops is not None:  # host-side shapes and counts: no device sync
+                flops += self.step_flops(
+                    sequences=batch.input_ids.shape[0],
+                    tokens=batch.input_ids.shape[1],
+                    anchors=anchors.shape[1],
+                    predictions=out.num_positions,
+                    target_topk=batch.topk_ids is not None,
+                ).model
         norm = self.engine.get_global_grad_norm() if norm is None else norm
         metrics = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
         metrics.update(
@@ -200,6 +232,8 @@ class Trainer:
         )
         metrics["step_s"] = time.perf_counter() - t0
         metrics["predictions"] = predictions
+        if self.step_flops is not None:
+            metrics["flops"] = flops  # this rank's model FLOPs (dspark.flops), for FLOP/s and MFU
         return metrics, seq_ids
 
     def _grad_norm_before_step(self) -> Optional[float]:
@@ -310,9 +344,17 @@ class Trainer:
     # --- logging ------------------------------------------------------------------------------
     def _log_train(self, m: dict[str, float], elapsed: float) -> None:
         tok_s = m["tokens"] / m["step_s"]
+        compute = {}  # model FLOP/s per device (this rank's step), and over the device's peak
+        if "flops" in m:
+            compute["tflops_per_s"] = m["flops"] / m["step_s"] / 1e12
+            compute["flops_per_prediction"] = m["flops"] / max(m["predictions"], 1)
+            if self.peak_flops:
+                compute["mfu"] = m["flops"] / m["step_s"] / self.peak_flops
+        flops_note = f" | {compute['tflops_per_s']:.3g} TFLOP/s" if compute else ""
+        flops_note += f" MFU {100 * compute['mfu']:.1f}%" if "mfu" in compute else ""
         log.info(
             "%s | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s "
-            "%.0f pred/s | data %.1f%% | mem %.2f GB",
+            "%.0f pred/s%s | data %.1f%% | mem %.2f GB",
             progress(self.state.step, self.t.max_steps, start_step=self._start_step, elapsed=elapsed),
             m["loss"],
             m["ce"],
@@ -323,10 +365,11 @@ class Trainer:
             m["grad_norm"],
             tok_s * self.world,
             m["predictions"] * self.world / m["step_s"],
+            flops_note,
             100 * m["data_s"] / m["step_s"],
             peak_memory_gb(),
         )
-        scalars = {k: v for k, v in m.items() if k not in ("tokens", "data_s", "step_s", "predictions")}
+        scalars = {k: v for k, v in m.items() if k not in ("tokens", "data_s", "step_s", "predictions", "flops")}
         scalars.update(
             tokens_per_s=tok_s * self.world,
             predictions_per_s=m["predictions"] * self.world / m["step_s"],
@@ -334,6 +377,7 @@ class Trainer:
             data_wait_frac=m["data_s"] / m["step_s"],
             peak_mem_gb=peak_memory_gb(),
             elapsed_s=elapsed,
+            **compute,
         )
         online = self.batches.stats() if isinstance(self.batches, OnlineBatches) else None
         if online is not None:  # the engine's side of the stream (rank 0)
