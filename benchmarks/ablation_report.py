@@ -141,6 +141,31 @@ def table(found: dict[str, list[dict]]) -> str:
     return "\n".join([head, *rows]) + note
 
 
+def by_step(found: dict[str, list[dict]]) -> str:
+    """Val tau / pos-1 of every run at every validated step, each with its 95 % half-width
+    (:func:`noise`): runs of one budget compared step for step (their schedules are the same), as
+    the final-step table cannot when one run stopped early."""
+    steps = sorted({v["step"] for vals in found.values() for v in vals})
+    lines = [
+        "| run | " + " | ".join(f"step {s}" for s in steps) + " |",
+        "|---|" + "---|" * len(steps),
+    ]
+    for name, vals in found.items():
+        at = {v["step"]: v for v in vals}
+        cells = []
+        for s in steps:
+            v, iv = at.get(s), noise(at[s]) if s in at else None
+            if v is None:
+                cells.append("")
+            elif iv is None:
+                cells.append(f"{v['tau']:.3f} / {v['accept_pos_1']:.3f}")
+            else:
+                tau_pm, pos1_pm = Z95 * iv["tau_se"], Z95 * iv["pos1_se"]
+                cells.append(f"{v['tau']:.3f} ± {tau_pm:.3f} / {v['accept_pos_1']:.3f} ± {pos1_pm:.3f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def fit(vals: list[dict], goal: float) -> dict:
     """Least-squares tau = a + b log10(predictions) over a run's validations, and where that
     line reaches ``goal``: predictions, and training hours at the run's own predictions/s."""
@@ -249,10 +274,13 @@ def main() -> None:
         help="fit tau against log10(predictions) for RUN and say where it reaches TAU",
     )
     p.add_argument("--paired", default=None, metavar="A=B", help="B against A over twin runs (names differ in A/B)")
+    p.add_argument("--by-step", action="store_true", help="also val tau / pos-1 of every run at every validated step")
     args = p.parse_args()
     dirs: dict[str, Path] = {}
     found = runs(args.runs, dirs)
     print(table(found))
+    if args.by_step:
+        print("\nVal tau / pos-1 (± 95 %) at each validated step:\n\n" + by_step(found))
     if args.paired:
         a, b = args.paired.split("=")
         print("\n" + paired(found, dirs, a, b))

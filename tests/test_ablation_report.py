@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ablation_report import main, noise, ranking, runs, table
+from benchmarks.ablation_report import by_step, main, noise, ranking, runs, table
 
 GAMMA = 4
 
@@ -119,3 +119,13 @@ def test_json_carries_the_intervals(tmp_path, monkeypatch, capsys):
     assert got["intervals"]["near"]["standing"] == "inside the noise"
     assert got["intervals"]["old"] == {"standing": "n/a"}
     assert len(got["runs"]["best"]) == 2  # the records themselves, as before
+
+
+def test_by_step_lines_up_runs_at_each_validated_step_and_leaves_missing_steps_empty(tmp_path):
+    half = {0: 0.5, 2: 0.5}  # tau 2, pos-1 0.5 (the "best" record of fake_runs)
+    write_run(tmp_path, "long", record({0: 1.0}, 100, step=50), record(half, 100, step=100))
+    write_run(tmp_path, "short", record(half, None, step=50))
+    rows = {line.split(" | ")[0].strip("| "): line for line in by_step(runs([tmp_path])).splitlines()}
+    assert rows["run"] == "| run | step 50 | step 100 |"
+    assert rows["long"] == "| long | 1.000 ± 0.000 / 0.000 ± 0.000 | 2.000 ± 0.196 / 0.500 ± 0.098 |"
+    assert rows["short"] == "| short | 2.000 / 0.500 |  |"  # no block count: no interval; no step 100
