@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.model import RMSNorm
+from dspark.model import MLP, RMSNorm
 
 DEFAULT_ROPE_THETA = 50_000.0
 """``K3DSparkConfig``'s ``rope_theta`` default (vllm/transformers_utils/configs/k3_dspark.py:18)."""
@@ -286,20 +286,6 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, length, self.cfg.num_heads * self.cfg.v_head_dim))
 
 
-class KimiMLP(nn.Module):
-    """vLLM ``KimiMLP`` with ``hidden_act="silu"``: down(silu(gate(x)) * up(x)); vLLM fuses
-    gate_proj/up_proj into ``gate_up_proj`` (shards 0, 1) when it loads."""
-
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MLADecoderLayer(nn.Module):
     """``K3DSparkDecoderLayer``: pre-norm residual MLA + KimiMLP (vLLM fuses each residual add
     into the next RMSNorm; the sums are the same)."""
@@ -309,7 +295,9 @@ class MLADecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = KimiMLP(cfg.hidden_size, cfg.intermediate_size)
+        # vLLM's KimiMLP with hidden_act="silu" is our SwiGLU MLP: down(silu(gate(x)) * up(x)), the same
+        # names (vLLM fuses gate_proj/up_proj into gate_up_proj, shards 0 and 1, when it loads)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, positions, context, context_positions, mask):  # shapes as MLAAttention.forward
         x = x + self.self_attn(self.input_layernorm(x), positions, context, context_positions, mask)
