@@ -112,11 +112,21 @@ def read_records(records: Iterable[dict[str, Any]], where: str) -> Iterator[Conv
         yield _conversation(record, f"{where} row {n}")
 
 
+LCR_SOURCES: dict[str, dict[str, int]] = {
+    "bundled_lcr": {},
+    "bundled_lcr_short": dict(min_chars=2000, max_chars=3400, max_docs=3),
+    "bundled_lcr_long": dict(min_chars=3600, max_chars=27000, max_docs=6),
+}
+"""The AA-LCR-style sources by name and their :func:`bundled_lcr_conversations` arguments, at
+about 3.4 characters a SmolLM2 token on these texts (a few prompts whose documents are shorter
+than their share come out below): ``bundled_lcr`` about 0.6k-2.5k tokens; ``bundled_lcr_short``
+about 0.6k-1.1k (many distinct sequences at a CPU's extraction cost); ``bundled_lcr_long`` about
+1k-8k, the long end of the eval's context bins."""
+
+
 SOURCE_FORMATS = (
     "'bundled'",
-    "'bundled_lcr'",
-    "'bundled_lcr_short'",
-    "'bundled_lcr_long'",
+    *(f"'{name}'" for name in LCR_SOURCES),
     "a .jsonl/.json chat file (one object per line with OpenAI 'messages' or ShareGPT 'conversations')",
     "a .parquet chat file (the same fields as columns)",
     "a .txt file (one prompt per line, blank lines skipped)",
@@ -401,18 +411,6 @@ def _excerpt(rng: random.Random, text: str, max_chars: int) -> str:
         out.append(line)
         n += len(line) + 1
     return "\n".join(out).strip()
-
-
-LCR_SOURCES: dict[str, dict[str, int]] = {
-    "bundled_lcr": {},
-    "bundled_lcr_short": dict(min_chars=2000, max_chars=3400, max_docs=3),
-    "bundled_lcr_long": dict(min_chars=3600, max_chars=27000, max_docs=6),
-}
-"""The AA-LCR-style sources by name and their :func:`bundled_lcr_conversations` arguments, at
-about 3.4 characters a SmolLM2 token on these texts (a few prompts whose documents are shorter
-than their share come out below): ``bundled_lcr`` about 0.6k-2.5k tokens; ``bundled_lcr_short``
-about 0.6k-1.1k (many distinct sequences at a CPU's extraction cost); ``bundled_lcr_long`` about
-1k-8k, the long end of the eval's context bins."""
 
 
 def bundled_lcr_conversations(

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from dspark.checkpoint import checkpoint_model_file, latest_tag
 from dspark.core.config import ConfigError, RunConfig, config_fingerprint, load_config
 from dspark.core.errors import exit_on_user_error
-from dspark.core.files import atomic_write_json
+from dspark.core.files import atomic_write_json, read_json
 from dspark.core.serving import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_method
 from dspark.export import ExportSummary
 from dspark.serving_format import load_drafter, read_export
@@ -393,13 +393,14 @@ def greedy_outputs_equal(cfg: RunConfig, drafters: list[DrafterResult]) -> dict[
         return {}
     if cfg.eval.reference_outputs:
         path = Path(cfg.eval.reference_outputs).expanduser()
-        try:
-            reference = {str(k): v for k, v in json.loads(path.read_text(encoding="utf-8"))["outputs"].items()}
-        except (OSError, ValueError, KeyError, AttributeError) as err:
-            raise ConfigError(
-                f"eval.reference_outputs={path}: expected the JSON that python -m eval.serve --out writes, with "
-                f"'outputs' (prompt id -> token ids): {type(err).__name__}: {err}"
-            ) from err
+        expected = "expected the JSON that python -m eval.serve --out writes, with 'outputs' (prompt id -> token ids)"
+        if not path.is_file():
+            raise ConfigError(f"eval.reference_outputs={path}: no such file; {expected}")
+        data = read_json(path, expected=expected, error=ConfigError)
+        outputs = data.get("outputs") if isinstance(data, dict) else None
+        if not isinstance(outputs, dict):
+            raise ConfigError(f"eval.reference_outputs={path}: {expected}")
+        reference = {str(k): v for k, v in outputs.items()}
         source = str(path)
     else:
         first = next((d for d in drafters if d.runner == "vllm" and d.per_prompt), None)
