@@ -266,11 +266,13 @@ def checkpoint_config_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:
     if saved is None:
         return []
     now = cfg.to_dict()
-    keys = list(dict.fromkeys([*saved.get("drafter", {}), *now["drafter"]]))
+    # a field the checkpoint predates (drafter.family, the MLA sizes) had its default then
+    old = {**asdict(DSparkConfig()), **saved.get("drafter", {})}
+    keys = list(dict.fromkeys([*old, *now["drafter"]]))
     diffs = [
-        f"drafter.{k}: checkpoint {saved.get('drafter', {}).get(k)!r}, now {now['drafter'].get(k)!r}"
+        f"drafter.{k}: checkpoint {old.get(k)!r}, now {now['drafter'].get(k)!r}"
         for k in keys
-        if saved.get("drafter", {}).get(k) != now["drafter"].get(k)
+        if old.get(k) != now["drafter"].get(k)
     ]
     if saved.get("target", {}).get("layer_ids") != now["target"]["layer_ids"]:
         diffs.append(

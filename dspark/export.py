@@ -26,19 +26,21 @@ from dspark.core.files import atomic_path, remove_stale_temporaries, reporting_d
 from dspark.core.layer_ids import CONVENTION
 from dspark.core.serving import BY_LAYOUT, LAYOUTS
 from dspark.core.target_dir import read_text_config
+from dspark.families import get_family
 from dspark.serving_format import (
-    ARCHITECTURES,
     CONFIG_FILE,
     EXPORT_FORMAT_VERSION,
     PROVENANCE_FILE,
     WEIGHTS_FILE,
     ExportError,
+    architecture,
     check_layout,
     draft_config,
     serving_weights,
 )
 
 log = logging.getLogger(__name__)
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -58,6 +60,9 @@ class ExportSummary:
     sample_from_anchor: bool
     markov_rank: int
     confidence_head: bool
+    family: str = "qwen3"
+    cache_values_per_token: int = 0  # one layer's context cache (KV or latent), values per token
+    num_layers: int = 0
     notes: list[str] = field(default_factory=list)
 
     def render(self) -> str:
@@ -70,11 +75,14 @@ class ExportSummary:
             f"exported {self.source} (step {self.step}, ZeRO-{self.zero_stage}) -> {self.out_dir}",
             f"  serve with: speculative_config={{'method': '{self.method}', 'model': '{self.out_dir}', "
             f"'num_speculative_tokens': N}}",
-            f"  architecture {self.architecture}, layout {layout}",
+            f"  architecture {self.architecture} (drafter family {self.family}), layout {layout}",
             f"  target layers {self.context_layer_ids} ({CONVENTION}) -> config target_layer_ids "
             f"{self.vllm_target_layer_ids} (vLLM captures id+1)",
             f"  Markov rank {self.markov_rank}, confidence head {'yes' if self.confidence_head else 'no'}, "
             f"{self.num_parameters / 1e6:.2f}M parameters in {self.dtype}, {self.size_bytes / 2**20:.1f} MiB",
+            f"  context cache {self.cache_values_per_token} values per token and layer "
+            f"({self.cache_values_per_token * self.num_layers * _BYTES.get(self.dtype, 4) / 1024:.1f} KiB per "
+            f"token over {self.num_layers} layers in {self.dtype})",
         ]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
@@ -155,7 +163,7 @@ def _summary(
     summary = ExportSummary(
         out_dir,
         layout,
-        ARCHITECTURES[layout],
+        architecture(ckpt.drafter, layout),
         BY_LAYOUT[layout].vllm_method,
         ckpt.path,
         ckpt.step,
@@ -168,6 +176,9 @@ def _summary(
         ckpt.drafter.sample_from_anchor,
         ckpt.drafter.markov_rank,
         layout == "dspark" and ckpt.drafter.enable_confidence_head,
+        ckpt.drafter.family,
+        get_family(ckpt.drafter.family).cache_values_per_token(ckpt.dims),
+        ckpt.drafter.num_layers,
     )
     if layout == "dspark" and ckpt.drafter.markov_rank == 0:
         summary.notes.append(

@@ -9,7 +9,8 @@
    trained one.
 4. vLLM's model class is built on CPU and its ``load_weights`` reads our safetensors: every
    drafter parameter it owns must be written (parameters start as NaN), and the fused tensors
-   it builds (``qkv_proj``, ``gate_up_proj``) must equal ours.
+   it builds (the drafter family's: ``qkv_proj``/``gate_up_proj`` for Qwen3;
+   ``fused_qkv_a_proj``/``gate_up_proj``/``context_kv_proj`` for K3) must equal ours.
 
 vLLM is imported when :func:`validate` runs.
 """
@@ -26,7 +27,8 @@ import torch
 from dspark.core.files import free_port
 from dspark.core.serving import BY_LAYOUT
 from dspark.core.target_dir import read_text_config
-from dspark.serving_format import ARCHITECTURES, ExportError, read_export
+from dspark.families import get_family
+from dspark.serving_format import ExportError, read_export
 
 SHARED_IN_VLLM = ("model.embed_tokens.", "lm_head.", "model.mask_embedding", "draft_id_to_target_id")
 
@@ -70,17 +72,6 @@ def _vllm_model(vllm_config: Any, cls: type) -> torch.nn.Module:
             initialize_model_parallel(1, 1)
         with torch.device("cpu"):
             return cls(vllm_config=vllm_config, prefix="")
-
-
-def _expected_fused(ours: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
-    p = f"layers.{layer}."
-    a, m = p + "self_attn.", p + "mlp."
-    return {
-        f"model.{a}qkv_proj.weight": torch.cat(
-            [ours[a + "q_proj.weight"], ours[a + "k_proj.weight"], ours[a + "v_proj.weight"]]
-        ),
-        f"model.{m}gate_up_proj.weight": torch.cat([ours[m + "gate_proj.weight"], ours[m + "up_proj.weight"]]),
-    }
 
 
 def check_target(exp: Any, target_dir: Path) -> None:
@@ -127,7 +118,7 @@ def validate(
         exp.path,
         target_dir,
         BY_LAYOUT[exp.layout].vllm_method,
-        ARCHITECTURES[exp.layout],
+        exp.architecture,
         [],
         exp.context_layer_ids,
         exp.drafter.sample_from_anchor,
@@ -229,14 +220,16 @@ def _check_weights_in_vllm(exp: Any, mc: Any, pc: Any, sc: Any, rep: ValidationR
         )
     rep.params_checked = sum(1 for n in params if not n.startswith(SHARED_IN_VLLM))
     rep.checks.append(f"vLLM's loader writes all {rep.params_checked} drafter parameters of {cls.__name__}")
+    family = get_family(exp.drafter.family)
     ours = {k: v.float() for k, v in served_weights.items()}
-    for layer in range(exp.drafter.num_layers):
-        for name, want in _expected_fused(ours, layer).items():
-            got = params[name].detach().float()
-            if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
-                raise ExportError(f"{exp.path}: vLLM's {name} differs from the exported q/k/v or gate/up tensors")
-    fc_in = params["model.fc.weight"].shape[1]
+    fused = family.vllm_fused(ours, exp.drafter.num_layers)
+    for name, want in fused.items():
+        got = params[name].detach().float()
+        if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+            raise ExportError(f"{exp.path}: vLLM's {name} differs from the exported tensors it fuses")
+    ctx = family.context_proj_param
     rep.checks.append(
-        f"fused qkv/gate_up tensors equal the exported ones; fc reads {fc_in} = "
-        f"{len(rep.vllm_aux_layer_ids)} layers x {exp.dims.target_hidden_size}"
+        f"{len(fused)} fused tensors ({', '.join(sorted({n.split('.')[-2] for n in fused}))}) equal the exported "
+        f"ones; {ctx.split('.')[-2]} reads {params[ctx].shape[1]} = {len(rep.vllm_aux_layer_ids)} layers x "
+        f"{exp.dims.target_hidden_size}"
     )

@@ -1,7 +1,8 @@
 """The FLOPs of a training step, counted once: what the drafter's matmuls cost at a batch shape,
 and the device peaks that turn a step's FLOP/s into MFU.
 
-Pure arithmetic on the drafter's sizes (:class:`~dspark.model.DrafterDims`, :class:`DSparkConfig`)
+Pure arithmetic on the drafter's sizes (each drafter family counts its own layers:
+:meth:`dspark.families.base.DrafterFamily.layer_flops`) (:class:`~dspark.model.DrafterDims`, :class:`DSparkConfig`)
 and the batch shape; no torch. A matmul [m, k] x [k, n] is 2mkn FLOPs (a multiply and an add),
 as ``torch.utils.flop_counter`` counts it; norms, RoPE, softmaxes, the loss's elementwise terms,
 gathers and embedding lookups are not counted (tests/dspark/test_flops.py checks the total
@@ -34,6 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
+from dspark.families import get_family
+from dspark.families.base import linear_flops
+
 if TYPE_CHECKING:
     from dspark.core.config import DSparkConfig
     from dspark.model import DrafterDims
@@ -41,7 +45,7 @@ if TYPE_CHECKING:
 #: The parts of a step, in report order (keys of :attr:`StepFlops.parts`).
 PARTS = (
     "context projection (fc)",
-    "context K/V (every layer)",
+    "context K/V (every layer)",  # the latents and their expansion for MLA
     "draft layers: projections + MLP",
     "draft layers: attention",
     "draft LM head",
@@ -118,8 +122,7 @@ class StepFlops:
         return self.model / self.predictions if self.predictions else float("nan")
 
 
-def _linear(rows: int, n_in: int, n_out: int) -> int:
-    return 2 * rows * n_in * n_out
+_linear = linear_flops
 
 
 def step_flops(
@@ -147,8 +150,7 @@ def step_flops(
     s = t - 1
     k = cfg.block_size
     q = k if cfg.sample_from_anchor else k + 1
-    h, inter, v = dims.hidden_size, dims.intermediate_size, dims.vocab_size
-    n, nkv, d = dims.num_heads, dims.num_kv_heads, dims.head_dim
+    h, v = dims.hidden_size, dims.vocab_size
     r = cfg.markov_rank
     layers = cfg.num_layers
     p = b * a * k if predictions is None else predictions
@@ -158,14 +160,16 @@ def step_flops(
     parts = dict.fromkeys(PARTS, (0, 0))
     fc = _linear(b * s, dims.num_context_layers * dims.target_hidden_size, h)
     parts[PARTS[0]] = (fc, fc)  # the target's states need no gradient: the weight's only
-    ctx_kv = layers * 2 * _linear(b * s, h, nkv * d)
-    parts[PARTS[1]] = (ctx_kv, 2 * ctx_kv)
-    proj = layers * (
-        _linear(blk, h, n * d) + 2 * _linear(blk, h, nkv * d) + _linear(blk, n * d, h) + 3 * _linear(blk, h, inter)
+    ctx_kv, proj, attn = get_family(cfg.family).layer_flops(
+        cfg,
+        dims,
+        context_rows=b * s,
+        block_rows=blk,
+        attention=(b, a * q, s + a * q),  # dense over [context ; blocks]
     )
-    parts[PARTS[2]] = (proj, 2 * proj)
-    attn = layers * 2 * 2 * b * n * (a * q) * (s + a * q) * d  # QK^T and AV, dense over [context ; blocks]
-    parts[PARTS[3]] = (attn, 2 * attn)
+    parts[PARTS[1]] = (layers * ctx_kv, 2 * layers * ctx_kv)
+    parts[PARTS[2]] = (layers * proj, 2 * layers * proj)
+    parts[PARTS[3]] = (layers * attn, 2 * layers * attn)
     head = _linear(p, h, v)
     parts[PARTS[4]] = (head, head)  # frozen weight: the input's gradient only
     target = 0 if target_topk else _linear(p, dims.target_hidden_size, v)

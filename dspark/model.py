@@ -1,11 +1,13 @@
 """The DSpark drafter: a non-causal block-diffusion backbone over target context, with a
 low-rank sequential Markov head and a confidence head (arXiv 2607.05147).
 
-Serving contract (vLLM 0.32 ``Qwen3DSparkModel``, mirrored here so training = serving):
+Serving contract (vLLM 0.32's DSpark classes, ``Qwen3DSparkModel`` and ``K3DSparkModel``,
+mirrored here so training = serving):
 
 * context: the chosen target layers' states, concatenated per token, ``fc`` -> ``hidden_norm``;
-  in every layer that layer's ``k_proj``/``v_proj`` (+ ``k_norm``, RoPE at the context
-  position) turn it into extra keys/values. Queries come only from the block.
+  in every layer that layer's own projections turn it into extra keys/values (its drafter
+  family's layers, :mod:`dspark.families`: GQA ``k_proj``/``v_proj`` for Qwen3, the MLA latent
+  for K3), RoPE at the context position. Queries come only from the block.
 * block for an anchor at position a (the last verified token):
   ``sample_from_anchor=True``  inputs [x_a, m, ..., m] (gamma) at a..a+gamma-1; query i
   predicts x_{a+i+1}.  ``False`` (DFlash): [x_a, m, ..., m] (1+gamma) at a..a+gamma; query i>=1
@@ -27,32 +29,20 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.core.config import DSparkConfig
-
-
-@dataclass(frozen=True)
-class DrafterDims:
-    """DSparkConfig with every derived size filled in from the target."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    target_hidden_size: int
-    num_context_layers: int
-    mask_token_id: int
+from dspark.dims import DrafterDims
+from dspark.families import get_family
+from dspark.layers import RMSNorm
 
 
 def resolve_dims(
     cfg: DSparkConfig, *, target_config: dict, vocab_size: int, num_context_layers: int, mask_token_id: int
 ) -> DrafterDims:
     """Derive sizes left open in ``DSparkConfig`` from the target: width and head layout copy
-    the target's when the drafter is as wide as the target (the usual DFlash/DSpark choice)."""
+    the target's when the drafter is as wide as the target (the usual DFlash/DSpark choice);
+    the family fills in its own sizes (:meth:`dspark.families.base.DrafterFamily.resolve_dims`)."""
     t_hidden = int(target_config["hidden_size"])
     hidden = cfg.hidden_size or t_hidden
     if hidden == t_hidden and cfg.head_dim is None:
@@ -64,7 +54,7 @@ def resolve_dims(
         head_dim = cfg.head_dim or hidden // heads
     if heads % kv:
         raise ValueError(f"drafter heads {heads} must be a multiple of key/value heads {kv}")
-    return DrafterDims(
+    dims = DrafterDims(
         hidden,
         cfg.intermediate_size or 3 * hidden,
         heads,
@@ -75,107 +65,7 @@ def resolve_dims(
         num_context_layers,
         mask_token_id,
     )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """NeoX-style rotary embedding. x: [B, N, L, D]; positions: [B, L]."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.float()[:, None, :, None] * inv  # [B, 1, L, D/2]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, dims: DrafterDims, cfg: DSparkConfig):
-        super().__init__()
-        self.n, self.nkv, self.d, self.theta = dims.num_heads, dims.num_kv_heads, dims.head_dim, cfg.rope_theta
-        self.q_proj = nn.Linear(dims.hidden_size, self.n * self.d, bias=False)
-        self.k_proj = nn.Linear(dims.hidden_size, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(dims.hidden_size, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.n * self.d, dims.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
-
-    def _kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, length, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, length, self.nkv, self.d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, length, self.nkv, self.d).transpose(1, 2)
-        return rope(k, positions, self.theta), v
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, L, H] block tokens (all anchors' blocks, flattened)
-        positions: torch.Tensor,  # [B, L]
-        context: torch.Tensor,  # [B, S, H] normed context projection
-        context_positions: torch.Tensor,  # [B, S]
-        mask: torch.Tensor,  # [B, 1, L, S+L] bool, True = may attend
-    ) -> torch.Tensor:
-        k_ctx, v_ctx = self._kv(context, context_positions)
-        return self.attend(x, positions, k_ctx, v_ctx, mask)
-
-    def attend(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        k_ctx: torch.Tensor,
-        v_ctx: torch.Tensor,
-        mask: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        """Block queries over [context K/V ; block K/V]. k_ctx/v_ctx: [B, Nkv, S, D] (RoPE applied);
-        mask None = every query sees all of it (one block whose context is exactly k_ctx)."""
-        b, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, length, self.n, self.d)).transpose(1, 2)
-        q = rope(q, positions, self.theta)
-        k_blk, v_blk = self._kv(x, positions)
-        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
-        if self.nkv != self.n:
-            k = k.repeat_interleave(self.n // self.nkv, dim=1)
-            v = v.repeat_interleave(self.n // self.nkv, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, self.n * self.d))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, dims: DrafterDims, cfg: DSparkConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(dims, cfg)
-        self.post_attention_layernorm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(dims.hidden_size, dims.intermediate_size)
-
-    def forward(self, x, positions, context, context_positions, mask):  # shapes as Attention
-        x = x + self.self_attn(self.input_layernorm(x), positions, context, context_positions, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_cached(self, x, positions, k_ctx, v_ctx):  # one block over cached context K/V
-        x = x + self.self_attn.attend(self.input_layernorm(x), positions, k_ctx, v_ctx, None)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    return get_family(cfg.family).resolve_dims(cfg, dims, target_config)
 
 
 class MarkovHead(nn.Module):
@@ -246,7 +136,8 @@ class DSparkDrafter(nn.Module):
         self.target_norm.weight = nn.Parameter(target_norm.clone(), requires_grad=False)
         self.fc = nn.Linear(dims.num_context_layers * dims.target_hidden_size, dims.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(dims, cfg) for _ in range(cfg.num_layers))
+        self.family = get_family(cfg.family)
+        self.layers = nn.ModuleList(self.family.layer(cfg, dims) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
         self.markov_head = (
             MarkovHead(dims.vocab_size, cfg.markov_rank, dims.hidden_size, cfg.markov_head_type)
@@ -333,25 +224,34 @@ class DSparkDrafter(nn.Module):
         return DraftOutput(hidden=hidden, markov_embed=markov, confidence_logits=conf)
 
     @torch.no_grad()
-    def context_kv(
-        self, context_states: torch.Tensor, positions: torch.Tensor
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer context K/V for inference, as vLLM precomputes them: [B, S, C] target states at
-        ``positions`` [B, S] -> [(k, v)] with k, v [B, Nkv, S, D]. Appending along S is exact (each
-        position's K/V depends on that position only), so a decoder extends it step by step."""
+    def context_kv(self, context_states: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per-layer context cache for inference, as vLLM precomputes it: [B, S, C] target states at
+        ``positions`` [B, S] -> one tuple per layer (the family's: (k, v) [B, Nkv, S, D] for GQA,
+        latents (c [B, S, R], k_pe [B, S, Dr]) for MLA). Appending along the family's
+        ``cache_seq_dim`` is exact (each position's entry depends on that position only), so a
+        decoder extends it step by step (:meth:`extend_context`)."""
         ctx = self.hidden_norm(self.fc(context_states))
-        return [layer.self_attn._kv(ctx, positions) for layer in self.layers]
+        return [layer.context_cache(ctx, positions) for layer in self.layers]
+
+    def extend_context(
+        self, cache: Optional[list[tuple[torch.Tensor, ...]]], new: list[tuple[torch.Tensor, ...]]
+    ) -> list[tuple[torch.Tensor, ...]]:
+        """``cache`` followed by ``new`` (both from :meth:`context_kv`), per layer."""
+        if cache is None:
+            return new
+        dim = self.family.cache_seq_dim
+        return [tuple(torch.cat([a, b], dim) for a, b in zip(old, add)) for old, add in zip(cache, new)]
 
     @torch.no_grad()
     def forward_block(
-        self, block_ids: torch.Tensor, positions: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]]
+        self, block_ids: torch.Tensor, positions: torch.Tensor, context: list[tuple[torch.Tensor, ...]]
     ) -> torch.Tensor:
-        """One block per row over cached context K/V: block_ids, positions [B, Q] -> normed hidden
+        """One block per row over the cached context: block_ids, positions [B, Q] -> normed hidden
         [B, K, H] at the K predicting queries (the layout of :meth:`forward`; a block may be shorter
         than ``block_size``, as vLLM runs it when num_speculative_tokens < block_size)."""
         x = self.embed_tokens(block_ids).to(context[0][0].dtype)
-        for layer, (k, v) in zip(self.layers, context):
-            x = layer.forward_cached(x, positions, k, v)
+        for layer, cache in zip(self.layers, context):
+            x = layer.forward_cached(x, positions, cache)
         return self.norm(x)[:, 0 if self.cfg.sample_from_anchor else 1 :]
 
     def draft_logits(self, hidden: torch.Tensor, markov_embed: Optional[torch.Tensor]) -> torch.Tensor:
@@ -378,7 +278,8 @@ class DSparkDrafter(nn.Module):
 
 def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str, tuple[int, ...]]:
     """Every trainable tensor of the drafter and its shape, read off the model itself (built on
-    the meta device, so nothing is allocated). Our names are vLLM's names."""
+    the meta device, so nothing is allocated): the checkpoint's names (the served names through
+    the family's :meth:`~dspark.families.base.DrafterFamily.to_serving`)."""
     with torch.device("meta"):
         model = DSparkDrafter(
             cfg,

@@ -1,5 +1,9 @@
 """The serving format: the directory vLLM loads as a draft model, declared once.
 
+The layout (below) is the vLLM method; the drafter family (:mod:`dspark.families`) says which
+vLLM class serves it (``architectures[0]``), the config.json that class reads and the names
+its loader reads. For the default family, ``qwen3``:
+
 * ``dspark``: ``architectures: ["Qwen3DSparkModel"]``, served by vLLM's ``dspark`` method. Both
   block layouts serve (``sample_from_anchor`` true: the anchor predicts; false: fill-in), so the
   field is always written -- vLLM's speculators path defaults it to false and the dense path to
@@ -7,6 +11,9 @@
 * ``dflash``: ``architectures: ["DFlashDraftModel"]`` with ``dflash_config``, served by vLLM's
   ``dflash`` method: the fill-in (bonus-anchor) layout without a Markov head. vLLM on CPU serves
   this one, so it checks the backbone export end to end on any machine.
+
+The ``k3_mla`` family has the ``dspark`` layout only: ``architectures: ["K3DSparkModel"]``
+(vLLM's ``K3DSparkForCausalLM``; GPU only).
 
 Files: ``config.json`` (what vLLM reads), ``model.safetensors`` (weights without a ``model.``
 prefix and without the embedding, LM head and target norm, which vLLM shares from the target),
@@ -29,12 +36,12 @@ from dspark.checkpoint import SHARED_FROM_TARGET, CheckpointError, TrainingCheck
 from dspark.core.config import DSparkConfig
 from dspark.core.files import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
-from dspark.core.serving import BY_LAYOUT, LAYOUTS
+from dspark.core.serving import LAYOUTS
+from dspark.families import family_of_architecture, get_family, served_architectures
 from dspark.model import DrafterDims
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {layout: m.architecture for layout, m in BY_LAYOUT.items()}
 WEIGHTS_FILE, CONFIG_FILE, PROVENANCE_FILE = "model.safetensors", "config.json", "export.json"
 EXPORT_FORMAT_VERSION = 1
 
@@ -44,59 +51,34 @@ class ExportError(CheckpointError):
     field or tensor, and what was expected."""
 
 
+def architecture(cfg: DSparkConfig, layout: str) -> str:
+    """``architectures[0]`` of this drafter's config.json in ``layout`` (its family's vLLM class)."""
+    return get_family(cfg.family).architectures[layout]
+
+
 def draft_config(ckpt: TrainingCheckpoint, layout: str, target_config: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """config.json for ``layout``: a Qwen3 config plus the drafter fields vLLM reads."""
-    cfg, dims = ckpt.drafter, ckpt.dims
-    vllm_ids = vllm_draft_target_layer_ids(ckpt.context_layer_ids)
-    base = {
-        "model_type": "qwen3",
-        "hidden_size": dims.hidden_size,
-        "intermediate_size": dims.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": dims.num_heads,
-        "num_key_value_heads": dims.num_kv_heads,
-        "head_dim": dims.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": int(target_config.get("max_position_embeddings") or 32768),
-        "vocab_size": dims.vocab_size,
-        "draft_vocab_size": dims.vocab_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "torch_dtype": dtype,
-        "target_hidden_size": dims.target_hidden_size,
-        "block_size": cfg.block_size,
-        "mask_token_id": dims.mask_token_id,
-        "sample_from_anchor": cfg.sample_from_anchor,
-    }
-    if layout == "dflash":
-        return {
-            "architectures": [ARCHITECTURES[layout]],
-            **base,
-            "dflash_config": {
-                "target_layer_ids": vllm_ids,
-                "mask_token_id": dims.mask_token_id,
-                "sample_from_anchor": False,
-            },
-        }
-    return {
-        "architectures": [ARCHITECTURES[layout]],
-        **base,
-        "target_layer_ids": vllm_ids,
-        "markov_rank": max(cfg.markov_rank, 1),  # rank 0 is served as a zero rank-1 head (same logits)
-        "markov_head_type": "vanilla",
-        "enable_confidence_head": cfg.enable_confidence_head,
-        "confidence_head_with_markov": cfg.enable_confidence_head
-        and cfg.confidence_head_with_markov
-        and cfg.markov_rank > 0,
-    }
+    """config.json for ``layout``: the drafter family's config plus the drafter fields vLLM reads."""
+    return get_family(ckpt.drafter.family).config_json(
+        ckpt.drafter,
+        ckpt.dims,
+        layout,
+        target_layer_ids=vllm_draft_target_layer_ids(ckpt.context_layer_ids),
+        max_position_embeddings=int(target_config.get("max_position_embeddings") or 32768),
+        dtype=dtype,
+    )
 
 
 def layout_problem(cfg: DSparkConfig, layout: str) -> Optional[str]:
     """Why ``layout`` cannot serve this drafter (what each vLLM method can serve), or None."""
     if layout not in LAYOUTS:
         return f"layout {layout!r}: expected one of {LAYOUTS}"
+    family = get_family(cfg.family)
+    if layout not in family.architectures:
+        return (
+            f"layout {layout!r}: drafter.family={cfg.family!r} is served by vLLM's "
+            + ", ".join(f"{a} (layout {x!r})" for x, a in family.architectures.items())
+            + f" only; export it with --layout {next(iter(family.architectures))}"
+        )
     if layout == "dflash":
         if cfg.sample_from_anchor:
             return (
@@ -136,13 +118,15 @@ def drafter_layouts(cfg: DSparkConfig) -> list[str]:
 
 
 def serving_weights(ckpt: TrainingCheckpoint, layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Tensors as vLLM names and expects them. The confidence head stays fp32 (vLLM keeps it fp32)."""
+    """Tensors as vLLM names and expects them (the family's names). The confidence head stays
+    fp32 (vLLM keeps it fp32)."""
+    family = get_family(ckpt.drafter.family)
     out = {}
     for name, t in ckpt.weights.items():
         if layout == "dflash" and name.startswith("confidence_head."):
             continue
         keep_fp32 = name.startswith("confidence_head.")
-        out[name] = t.to(torch.float32 if keep_fp32 else dtype).contiguous()
+        out[family.to_serving(name)] = t.to(torch.float32 if keep_fp32 else dtype).contiguous()
     if layout == "dspark" and ckpt.drafter.markov_rank == 0:
         v = ckpt.dims.vocab_size
         out["markov_head.markov_w1.weight"] = torch.zeros(v, 1, dtype=dtype)
@@ -161,7 +145,11 @@ class ExportedDrafter:
     drafter: DSparkConfig
     dims: DrafterDims
     context_layer_ids: list[int]  # our convention, from config.json through dspark.core.layer_ids
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]  # our names (the checkpoint's), fp32
+
+    @property
+    def architecture(self) -> str:
+        return architecture(self.drafter, self.layout)
 
 
 REEXPORT = "export it again: python -m dspark.export export CHECKPOINT --out {dir}"
@@ -196,13 +184,13 @@ def read_export(path: Path) -> ExportedDrafter:
     config = _read_json_object(path / CONFIG_FILE, ("architectures",))
     prov = _read_json_object(path / PROVENANCE_FILE, ("context_layer_ids", "drafter", "dims"))
     arch = (config.get("architectures") or [None])[0]
-    layouts = {v: k for k, v in ARCHITECTURES.items()}
-    if arch not in layouts:
+    try:
+        family, layout = family_of_architecture(arch)
+    except KeyError:
         raise ExportError(
             f"{path / CONFIG_FILE}: field 'architectures' is {config.get('architectures')}, expected one of "
-            f"{list(layouts)}"
-        )
-    layout = layouts[arch]
+            f"{served_architectures()}"
+        ) from None
     if "sample_from_anchor" not in config:
         raise ExportError(f"{path / CONFIG_FILE}: field 'sample_from_anchor' missing; vLLM would pick a default layout")
     try:
@@ -228,13 +216,18 @@ def read_export(path: Path) -> ExportedDrafter:
         raise ExportError(
             f"{path / PROVENANCE_FILE}: fields 'drafter'/'dims' do not fit this code ({e}); {REEXPORT.format(dir=path)}"
         ) from None
+    if drafter.family != family.name:
+        raise ExportError(
+            f"{path / CONFIG_FILE}: architecture {arch} is drafter family {family.name!r}, but export.json's "
+            f"drafter is family {drafter.family!r}; {REEXPORT.format(dir=path)}"
+        )
     if bool(config["sample_from_anchor"]) != drafter.sample_from_anchor:
         raise ExportError(
             f"{path / CONFIG_FILE}: sample_from_anchor={config['sample_from_anchor']} but the drafter was "
             f"trained with sample_from_anchor={drafter.sample_from_anchor}"
         )
     try:
-        weights = {k: v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
+        weights = {family.from_serving(k): v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise ExportError(f"{path / WEIGHTS_FILE}: cannot be read as safetensors ({type(e).__name__}: {e})") from e
     if layout == "dspark" and drafter.markov_rank == 0:

@@ -106,14 +106,14 @@ class TargetRunner:
 
 
 class DraftRunner:
-    """Our drafter over a growing context K/V cache (what vLLM's drafter KV cache holds), on the
-    drafter's device."""
+    """Our drafter over a growing context cache (what vLLM's drafter KV or latent cache holds), on
+    the drafter's device."""
 
     def __init__(self, drafter: torch.nn.Module):
         self.drafter = drafter.eval()
         self.device = drafter.fc.weight.device
         self.cfg = drafter.cfg
-        self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+        self.kv: Optional[list[tuple[torch.Tensor, ...]]] = None  # per layer, the family's context cache
         self.length = 0
 
     def reset(self) -> None:
@@ -123,11 +123,7 @@ class DraftRunner:
         """Append target states [n, C] for the next n positions."""
         pos = torch.arange(self.length, self.length + states.shape[0], device=self.device)[None]
         new = self.drafter.context_kv(states[None].to(self.device, self.drafter.fc.weight.dtype), pos)
-        self.kv = (
-            new
-            if self.kv is None
-            else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
-        )
+        self.kv = self.drafter.extend_context(self.kv, new)
         self.length += states.shape[0]
 
     @torch.no_grad()

@@ -46,6 +46,12 @@ computes in them."""
 STORE_DTYPES = DTYPES + FP8_STORE_DTYPES
 """Every ``data.store_dtype``; :data:`dspark.core.shard_format.STORE_DTYPES` maps them to bytes."""
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+DRAFTER_FAMILIES = {
+    "qwen3": (),
+    "k3_mla": ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+}
+"""``drafter.family`` choices -> the ``drafter.*`` fields only that family reads. The families
+themselves are registered in :mod:`dspark.families` (which checks it has exactly these)."""
 COMPRESSIONS = ("none", "zstd")
 ON_OVERLONG = ("skip", "truncate")
 STAGES = ("extract", "train", "eval", "serve_bench")
@@ -190,8 +196,12 @@ class TargetConfig:
 class DSparkConfig:
     """The DSpark drafter (arXiv 2607.05147; serving contract of vLLM 0.32)."""
 
+    family: str = "qwen3"
+    """The backbone's layers and the vLLM class that serves them (:mod:`dspark.families`):
+    ``qwen3`` (GQA, ``Qwen3DSparkModel``/``DFlashDraftModel``) or ``k3_mla`` (Kimi K3's
+    multi-head latent attention, ``K3DSparkModel``; ``drafter=k3_mla``)."""
     num_layers: int = 5
-    """Qwen3-style decoder layers in the non-causal block-diffusion backbone."""
+    """Decoder layers in the non-causal block-diffusion backbone."""
     block_size: int = 7
     """gamma: tokens drafted per forward (anchor + gamma-1 mask tokens)."""
     hidden_size: Optional[int] = None
@@ -220,8 +230,31 @@ class DSparkConfig:
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     """Feed the Markov embedding W1[x_{k-1}] into the confidence head."""
+    q_lora_rank: Optional[int] = None
+    """``k3_mla`` only: the query's low rank Rq. None (this and the four below): the target's
+    value when the drafter is as wide as the target and the target has one, else K3's
+    (:data:`dspark.families.k3_mla.K3_DSPARK_SIZES`: 1536, 512, 128, 64, 128)."""
+    kv_lora_rank: Optional[int] = None
+    """``k3_mla`` only: the latent width R (the cache holds R + qk_rope_head_dim per token and layer)."""
+    qk_nope_head_dim: Optional[int] = None
+    """``k3_mla`` only: per-head query/key width without RoPE."""
+    qk_rope_head_dim: Optional[int] = None
+    """``k3_mla`` only: per-head RoPE width (one k_pe shared by all heads)."""
+    v_head_dim: Optional[int] = None
+    """``k3_mla`` only: per-head value width."""
 
     def __post_init__(self) -> None:
+        _choice("drafter.family", self.family, tuple(DRAFTER_FAMILIES))
+        for fam, keys in DRAFTER_FAMILIES.items():
+            for key in keys:
+                value = getattr(self, key)
+                if value is not None and not _unresolved(value):
+                    if self.family != fam:
+                        raise ConfigError(
+                            f"drafter.{key}={value}: read by drafter.family={fam} only, this drafter is "
+                            f"{self.family!r}; expected null (or drafter={fam})"
+                        )
+                    _at_least(f"drafter.{key}", value, 1)
         if self.num_layers < 1:
             raise ConfigError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
@@ -258,13 +291,19 @@ _TAG_NAMES = {
     "target_layer_ids": "ctx",
     "mask_token_id": "mask",
     "confidence_head_with_markov": "confmarkov",
+    "q_lora_rank": "qr",
+    "kv_lora_rank": "kvr",
+    "qk_nope_head_dim": "nope",
+    "qk_rope_head_dim": "ropehd",
+    "v_head_dim": "vhd",
 }
-_TAG_SPELLED = ("markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")
+_TAG_SPELLED = ("family", "markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")
 
 
 def drafter_tag(drafter: Any) -> str:
     """A run name that tells drafters apart: ``markov256`` for the default, ``markov0`` for its
-    Markov-off ablation, ``markov0-fillin-noconf`` for DFlash, then every other field that
+    Markov-off ablation, ``markov0-fillin-noconf`` for DFlash, ``k3_mla-markov256`` for another
+    drafter family, then every other field that
     differs from the default (``markov16-L1-i256`` for the tiny test drafter)."""
     d = (
         drafter
@@ -275,13 +314,15 @@ def drafter_tag(drafter: Any) -> str:
     head = f"markov{d['markov_rank']}" + (
         d["markov_head_type"] if d["markov_rank"] and d["markov_head_type"] != "vanilla" else ""
     )
+    family = d.get("family", default["family"])
     parts = (
-        [head]
+        ([family] if family != default["family"] else [])
+        + [head]
         + (["fillin"] if not d["sample_from_anchor"] else [])
         + (["noconf"] if not d["enable_confidence_head"] else [])
     )
     for k, v in d.items():
-        if k in _TAG_SPELLED or v == default[k]:
+        if k in _TAG_SPELLED or v == default.get(k):
             continue
         v = "_".join(map(str, v)) if isinstance(v, list) else str(v).lower()
         parts.append(f"{_TAG_NAMES[k]}{v}")

@@ -24,9 +24,8 @@ class ServingMethod:
     vllm_method: Optional[str]
     """vLLM's ``speculative_config["method"]``; None: no speculation."""
     layout: Optional[str] = None
-    """The export layout its draft model is; None: it serves no drafter of ours."""
-    architecture: Optional[str] = None
-    """``architectures[0]`` of that layout's config.json: the vLLM model class that loads it."""
+    """The export layout its draft model is; None: it serves no drafter of ours. The vLLM class
+    (``architectures[0]`` of its config.json) is the drafter family's (:mod:`dspark.families`)."""
     needs_gpu: bool = False
     """vLLM serves it on GPUs only (its runner needs Triton)."""
 
@@ -34,8 +33,8 @@ class ServingMethod:
 METHODS = (
     ServingMethod("none", None),
     ServingMethod("ngram", "ngram"),
-    ServingMethod("dflash", "dflash", layout="dflash", architecture="DFlashDraftModel"),
-    ServingMethod("dspark", "dspark", layout="dspark", architecture="Qwen3DSparkModel", needs_gpu=True),
+    ServingMethod("dflash", "dflash", layout="dflash"),
+    ServingMethod("dspark", "dspark", layout="dspark", needs_gpu=True),
 )
 """Every method, in the order reports list them."""
 

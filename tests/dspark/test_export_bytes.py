@@ -31,7 +31,13 @@ DIMS = DrafterDims(
     num_context_layers=3,
     mask_token_id=5,
 )
-TARGET_CONFIG = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 96, "max_position_embeddings": 4096}
+TARGET_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 32,
+    "num_hidden_layers": 6,
+    "vocab_size": 96,
+    "max_position_embeddings": 4096,
+}
 
 CASES = {
     # layout, drafter fields -> (config.json sha256, model.safetensors sha256)
@@ -118,7 +124,7 @@ def test_qwen3_family_numbers_are_pinned():
     )
     torch.manual_seed(0)
     model = DSparkDrafter(cfg, DIMS, **shared)
-    init = sum(p.double().abs().sum() for p in model.parameters() if p.requires_grad)
+    init = sum(p.detach().double().abs().sum() for p in model.parameters() if p.requires_grad)
     model.load_state_dict(fixed_weights(cfg, DIMS), strict=False)
     ids = (torch.arange(2 * 12).reshape(2, 12) * 7) % v
     states = torch.sin(torch.arange(2 * 11 * 3 * h, dtype=torch.float64)).float().reshape(2, 11, 3 * h)

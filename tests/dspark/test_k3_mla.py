@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.k3_mla import K3MLABackbone, MLAAttention, MLAConfig
+from dspark.families.k3_mla import MLAAttention, MLAConfig, MLADecoderLayer
 from dspark.model import DSparkDrafter
 
 TOL = 1e-5
@@ -204,26 +204,31 @@ def test_context_latent_is_vllms_cache_row():
 
 
 def test_cached_context_latents_equal_the_training_pass():
-    """context_kv + forward_block (serving: one block over the cached context) = forward with the
-    block mask (training: every block at once), per anchor."""
+    """Two decoder layers: context_cache + forward_cached (serving: one block over the cached
+    context latents) = forward with the block mask (training: every block at once), per anchor,
+    with YaRN RoPE (the drafter-level check with the shared context projection and heads, default
+    RoPE, is tests/eval/test_reference.py's k3_mla case)."""
     cfg = mla_config(YARN_ROPE)
     torch.manual_seed(0)
-    model = K3MLABackbone(cfg, num_layers=2, context_width=3 * 24).eval()
+    layers = torch.nn.ModuleList(MLADecoderLayer(cfg) for _ in range(2)).eval()
     with torch.no_grad():
-        for p in model.parameters():
+        for p in layers.parameters():
             p.normal_(0, p.shape[-1] ** -0.5) if p.dim() == 2 else p.uniform_(0.5, 1.5)
-    g = torch.Generator().manual_seed(2)
     b, a = ANCHORS.shape
-    states = torch.randn(b, S, 3 * 24, generator=g)
-    x, pos, _, ctx_pos = inputs(cfg)
+    x, pos, ctx, ctx_pos = inputs(cfg)
     with torch.no_grad():
-        full = model(x, pos, states, ctx_pos, block_mask()).view(b, a, Q, -1)
+        full = x
+        for layer in layers:
+            full = layer(full, pos, ctx, ctx_pos, block_mask())
+        full = full.view(b, a, Q, -1)
         for i in range(b):
             for j in range(a):
                 n = int(ANCHORS[i, j])
-                latents = model.context_kv(states[i : i + 1, :n], ctx_pos[i : i + 1, :n])
                 blk = slice(j * Q, (j + 1) * Q)
-                one = model.forward_block(x[i : i + 1, blk], pos[i : i + 1, blk], latents)
+                one = x[i : i + 1, blk]
+                for layer in layers:
+                    cache = layer.context_cache(ctx[i : i + 1, :n], ctx_pos[i : i + 1, :n])
+                    one = layer.forward_cached(one, pos[i : i + 1, blk], cache)
                 assert (one[0] - full[i, j]).abs().max() < TOL
 
 

@@ -19,9 +19,18 @@ from tests.toy import tiny_drafter, tiny_drafter_config, tiny_llama_target
 LAYERS = [1, 2]  # 2 = the final pre-norm state of the 2-layer target
 
 
-def tiny_pair(vocab: int, *, sample_from_anchor: bool = True, markov_rank: int = 4, seed: int = 0):
+MLA = dict(family="k3_mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+"""A tiny K3 drafter (multi-head latent attention layers; the same heads and block layout)."""
+
+
+def tiny_pair(
+    vocab: int, *, sample_from_anchor: bool = True, markov_rank: int = 4, seed: int = 0, family: str = "qwen3"
+):
     target = tiny_llama_target(seed=seed, vocab_size=vocab, num_hidden_layers=2, tie_word_embeddings=False)
-    cfg = tiny_drafter_config(markov_rank=markov_rank, sample_from_anchor=sample_from_anchor)  # with confidence head
+    mla = MLA if family == "k3_mla" else {}
+    cfg = tiny_drafter_config(
+        markov_rank=markov_rank, sample_from_anchor=sample_from_anchor, **mla
+    )  # + confidence head
     drafter = tiny_drafter(cfg, target=target, num_context_layers=len(LAYERS), seed=None)
     with torch.no_grad():  # a drafter that is neither useless nor perfect
         drafter.markov_head.markov_w2.weight.normal_(0, 0.5) if drafter.markov_head is not None else None
@@ -29,9 +38,10 @@ def tiny_pair(vocab: int, *, sample_from_anchor: bool = True, markov_rank: int =
     return target, drafter.eval()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "k3_mla"])
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
-def test_cached_block_equals_training_forward(sample_from_anchor):
-    target, drafter = tiny_pair(50, sample_from_anchor=sample_from_anchor)
+def test_cached_block_equals_training_forward(sample_from_anchor, family):
+    target, drafter = tiny_pair(50, sample_from_anchor=sample_from_anchor, family=family)
     ids = torch.randint(1, 50, (1, 12))
     runner = TargetRunner(target, LAYERS)
     runner.reset()
@@ -40,7 +50,8 @@ def test_cached_block_equals_training_forward(sample_from_anchor):
     with torch.no_grad():
         ref = drafter(ids, states[None, :11], torch.tensor([[a]])).hidden[0, 0]  # [K, H]
     dr = DraftRunner(drafter)
-    dr.extend(states[:a])
+    dr.extend(states[:3])  # the cache grows as a decoder's does: appended, not recomputed
+    dr.extend(states[3:a])
     q = drafter.queries_per_block
     block = torch.full((1, q), 0)
     block[0, 0] = ids[0, a]
@@ -48,9 +59,12 @@ def test_cached_block_equals_training_forward(sample_from_anchor):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("sample_from_anchor,gamma,threshold", [(True, 4, None), (False, 3, None), (True, 4, 0.5)])
-def test_greedy_speculative_output_equals_plain_greedy(sample_from_anchor, gamma, threshold):
-    target, drafter = tiny_pair(8, sample_from_anchor=sample_from_anchor)
+@pytest.mark.parametrize(
+    "sample_from_anchor,gamma,threshold,family",
+    [(True, 4, None, "qwen3"), (False, 3, None, "qwen3"), (True, 4, 0.5, "qwen3"), (True, 4, None, "k3_mla")],
+)
+def test_greedy_speculative_output_equals_plain_greedy(sample_from_anchor, gamma, threshold, family):
+    target, drafter = tiny_pair(8, sample_from_anchor=sample_from_anchor, family=family)
     cfg = DecodeConfig(gamma=gamma, max_new_tokens=32, confidence_threshold=threshold)
     t, d = TargetRunner(target, LAYERS), DraftRunner(drafter)
     accepted = rejected = 0

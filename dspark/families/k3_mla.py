@@ -37,14 +37,19 @@ head dims.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.model import MLP, RMSNorm
+from dspark.families.base import DrafterFamily, dspark_head_fields, linear_flops
+from dspark.layers import MLP, RMSNorm
+
+if TYPE_CHECKING:
+    from dspark.core.config import DSparkConfig
+    from dspark.dims import DrafterDims
 
 DEFAULT_ROPE_THETA = 50_000.0
 """``K3DSparkConfig``'s ``rope_theta`` default (vllm/transformers_utils/configs/k3_dspark.py:18)."""
@@ -303,54 +308,165 @@ class MLADecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, context, context_positions, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, context: Latent) -> torch.Tensor:
+    def context_cache(self, context: torch.Tensor, positions: torch.Tensor) -> Latent:
+        """This layer's latent cache rows for the context (vLLM ``precompute_and_store_context_kv``):
+        the normed context projection goes through ``kv_a_proj_with_mqa`` only, no
+        ``input_layernorm`` and no query."""
+        return self.self_attn.latent(context, positions)
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: Latent) -> torch.Tensor:
         """One block over this layer's cached context latents (mask None)."""
-        x = x + self.self_attn.attend(self.input_layernorm(x), positions, context, None)
+        x = x + self.self_attn.attend(self.input_layernorm(x), positions, cache, None)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class K3MLABackbone(nn.Module):
-    """``K3DSparkModel`` without the shared embedding and the heads: ``context_proj`` +
-    ``context_norm`` over the concatenated target layers, the MLA decoder layers, ``final_norm``.
-    Parameter names are the export's (vLLM prefixes ``model.``)."""
+K3_DSPARK_SIZES = {
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+"""The MLA sizes a K3 drafter gets when neither ``drafter.*`` nor the target sets them: the
+latent and query ranks vLLM's K3 DSpark code states (its context GEMM's row counts, 5 x 576 =
+R + Dr and 5 x 2112 = Rq + R + Dr, ``dspark_mla.py:272-273``) and the DeepSeek-V3/Kimi head
+dims (nope 128, rope 64, value 128)."""
 
-    def __init__(self, cfg: MLAConfig, *, num_layers: int, context_width: int):
-        super().__init__()
-        self.cfg = cfg
-        self.context_proj = nn.Linear(context_width, cfg.hidden_size, bias=False)
-        self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(MLADecoderLayer(cfg) for _ in range(num_layers))
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def context(self, context_states: torch.Tensor) -> torch.Tensor:
-        """[B, S, C] concatenated target states -> [B, S, H] (vLLM ``combine_hidden_states``)."""
-        return self.context_norm(self.context_proj(context_states))
+class K3MLAFamily(DrafterFamily):
+    """Kimi K3's drafter as vLLM's ``K3DSparkForCausalLM`` serves it (architecture
+    ``K3DSparkModel``, method ``dspark``; GPU only: its attention is Triton/CUDA). Our shared
+    context projection and final norm are its ``context_proj``/``context_norm``/``final_norm``."""
 
-    def forward(
+    name = "k3_mla"
+    architectures = {"dspark": "K3DSparkModel"}
+    serving_prefixes = (("fc.", "context_proj."), ("hidden_norm.", "context_norm."), ("norm.", "final_norm."))
+    config_fields = tuple(K3_DSPARK_SIZES)  # the DSparkConfig fields of the same names
+    cache_seq_dim = 1  # c [B, S, R], k_pe [B, S, Dr]
+    context_proj_param = "model.context_proj.weight"
+
+    def resolve_dims(self, cfg: DSparkConfig, dims: DrafterDims, target_config: dict[str, Any]) -> DrafterDims:
+        """Each MLA size: ``drafter.<key>``, else the target's own (a drafter as wide as an MLA
+        target copies its attention layout, as the Qwen3 family copies a GQA target's heads),
+        else :data:`K3_DSPARK_SIZES`."""
+        as_wide = dims.hidden_size == int(target_config["hidden_size"])
+        sizes = {}
+        for key, default in K3_DSPARK_SIZES.items():
+            own = getattr(cfg, key)
+            theirs = target_config.get(key) if as_wide else None
+            sizes[key] = int(own if own is not None else theirs if theirs is not None else default)
+        return replace(
+            dims,
+            num_kv_heads=dims.num_heads,  # one latent shared by every head; written for config readers
+            head_dim=sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"],
+            **sizes,
+        )
+
+    def mla_config(self, cfg: DSparkConfig, dims: DrafterDims) -> MLAConfig:
+        return MLAConfig(
+            hidden_size=dims.hidden_size,
+            intermediate_size=dims.intermediate_size,
+            num_heads=dims.num_heads,
+            q_lora_rank=dims.q_lora_rank,
+            kv_lora_rank=dims.kv_lora_rank,
+            qk_nope_head_dim=dims.qk_nope_head_dim,
+            qk_rope_head_dim=dims.qk_rope_head_dim,
+            v_head_dim=dims.v_head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        )
+
+    def layer(self, cfg: DSparkConfig, dims: DrafterDims) -> nn.Module:
+        return MLADecoderLayer(self.mla_config(cfg, dims))
+
+    def config_json(
         self,
-        x: torch.Tensor,  # [B, L, H] embedded block tokens
-        positions: torch.Tensor,  # [B, L]
-        context_states: torch.Tensor,  # [B, S, C]
-        context_positions: torch.Tensor,  # [B, S]
-        mask: Optional[torch.Tensor],  # [B, 1, L, S+L] bool
-    ) -> torch.Tensor:
-        """Training path: every block of the batch at once -> final-normed hidden [B, L, H]."""
-        ctx = self.context(context_states)
-        for layer in self.layers:
-            x = layer(x, positions, ctx, context_positions, mask)
-        return self.final_norm(x)
+        cfg: DSparkConfig,
+        dims: DrafterDims,
+        layout: str,
+        *,
+        target_layer_ids: list[int],
+        max_position_embeddings: int,
+        dtype: str,
+    ) -> dict[str, Any]:
+        """``K3DSparkConfig`` (a ``DeepseekV3Config``): every key its classes read written out
+        (docs/k3_mla_notes.md, "Config keys"), dense (no experts), default RoPE (vLLM's K3 draft
+        has no YaRN), the served context length as the RoPE table's rows."""
+        mla = replace(self.mla_config(cfg, dims), max_position_embeddings=int(max_position_embeddings))
+        return {
+            "architectures": [self.architectures[layout]],
+            "model_type": "k3_dspark",
+            **mla.hf_fields(),
+            "num_hidden_layers": cfg.num_layers,
+            "num_key_value_heads": dims.num_heads,
+            "rope_theta": float(cfg.rope_theta),
+            "n_routed_experts": 0,
+            "n_shared_experts": 0,
+            "num_experts_per_tok": 0,
+            "vocab_size": dims.vocab_size,
+            "draft_vocab_size": dims.vocab_size,
+            "tie_word_embeddings": False,
+            "torch_dtype": dtype,
+            "target_hidden_size": dims.target_hidden_size,
+            "num_target_layers": len(target_layer_ids),
+            "target_layer_ids": target_layer_ids,
+            "block_size": cfg.block_size,
+            "mask_token_id": dims.mask_token_id,
+            "sample_from_anchor": cfg.sample_from_anchor,
+            **dspark_head_fields(cfg),
+        }
 
-    @torch.no_grad()
-    def context_kv(self, context_states: torch.Tensor, positions: torch.Tensor) -> list[Latent]:
-        """Per-layer context latents, as vLLM's ``precompute_and_store_context_kv`` writes them into
-        each layer's cache: [B, S, C] states at positions [B, S] -> [(c [B, S, R], k_pe [B, S, Dr])]."""
-        ctx = self.context(context_states)
-        return [layer.self_attn.latent(ctx, positions) for layer in self.layers]
+    def vllm_fused(self, ours: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+        """What ``K3DSparkForCausalLM.load_weights`` builds: each layer's ``fused_qkv_a_proj``
+        (q_a_proj, kv_a_proj_with_mqa) and ``gate_up_proj``, and ``context_kv_proj``, every
+        layer's ``kv_a_proj_with_mqa`` stacked (``_duplicate_context_kv_weights``)."""
+        out = {}
+        for i in range(num_layers):
+            a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            out[f"model.{a}fused_qkv_a_proj.weight"] = torch.cat(
+                [ours[a + "q_a_proj.weight"], ours[a + "kv_a_proj_with_mqa.weight"]]
+            )
+            out[f"model.{m}gate_up_proj.weight"] = torch.cat([ours[m + "gate_proj.weight"], ours[m + "up_proj.weight"]])
+        out["model.context_kv_proj.weight"] = torch.cat(
+            [ours[f"layers.{i}.self_attn.kv_a_proj_with_mqa.weight"] for i in range(num_layers)]
+        )
+        return out
 
-    @torch.no_grad()
-    def forward_block(self, x: torch.Tensor, positions: torch.Tensor, context: list[Latent]) -> torch.Tensor:
-        """One block per row over cached context latents: x [B, Q, H] at positions [B, Q] ->
-        final-normed hidden [B, Q, H]."""
-        for layer, latent in zip(self.layers, context):
-            x = layer.forward_cached(x, positions, latent)
-        return self.final_norm(x)
+    def layer_flops(
+        self,
+        cfg: DSparkConfig,
+        dims: DrafterDims,
+        *,
+        context_rows: int,
+        block_rows: int,
+        attention: tuple[int, int, int],
+    ) -> tuple[int, int, int]:
+        """The training pass's matmuls: the latent of every context and block row
+        (``kv_a_proj_with_mqa``), its expansion by ``kv_b_proj`` (the prefill form: per context
+        row too), queries and ``o_proj`` on block rows, dense attention with Dn+Dr-wide scores
+        and Dv-wide values."""
+        h, n = dims.hidden_size, dims.num_heads
+        rq, r, dn, dr, dv = (
+            dims.q_lora_rank,
+            dims.kv_lora_rank,
+            dims.qk_nope_head_dim,
+            dims.qk_rope_head_dim,
+            dims.v_head_dim,
+        )
+        ctx = linear_flops(context_rows, h, r + dr) + linear_flops(context_rows, r, n * (dn + dv))
+        proj = (
+            linear_flops(block_rows, h, rq)
+            + linear_flops(block_rows, rq, n * (dn + dr))
+            + linear_flops(block_rows, h, r + dr)
+            + linear_flops(block_rows, r, n * (dn + dv))
+            + linear_flops(block_rows, n * dv, h)
+            + 3 * linear_flops(block_rows, h, dims.intermediate_size)
+        )
+        b, queries, keys = attention
+        return ctx, proj, 2 * b * n * queries * keys * ((dn + dr) + dv)
+
+    def cache_values_per_token(self, dims: DrafterDims) -> int:
+        return dims.kv_lora_rank + dims.qk_rope_head_dim
+
+
+FAMILY = K3MLAFamily()

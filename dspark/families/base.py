@@ -1,0 +1,124 @@
+"""What a drafter family is: the contract between one served architecture's layers and the rest
+of the project (docs/architecture.md, "Adding a drafter family").
+
+Everything around the backbone layers is shared by every family and knows nothing of them:
+the block layout and its mask, the context projection (``fc`` + ``hidden_norm``), the final
+norm, the Markov and confidence heads, the loss, the trainer (DeepSpeed ZeRO 0-3, offline,
+online and colocated data) and the reference loop. A family supplies:
+
+* **its decoder layer** (:meth:`DrafterFamily.layer`), a module with
+  ``forward(x, positions, context, context_positions, mask)`` (the training pass: block tokens
+  over the normed context projection and the block mask), ``context_cache(context, positions)``
+  (one layer's per-token context cache, what vLLM precomputes and stores: a tuple of tensors that
+  grows along :attr:`cache_seq_dim`) and ``forward_cached(x, positions, cache)`` (one block
+  over that cache, as vLLM serves it);
+* **its sizes** (:meth:`resolve_dims`): the config fields only it reads, filled into
+  :class:`~dspark.model.DrafterDims` from ``drafter.*`` or the target;
+* **its export layout**: the architecture vLLM's registry maps to its class, per export layout
+  (:attr:`architectures`); the ``config.json`` that class reads (:meth:`config_json`); the
+  checkpoint names its ``load_weights`` reads (:attr:`serving_prefixes`: our module names that
+  differ, by prefix); and the tensors vLLM fuses when it loads (:meth:`vllm_fused`), which the
+  export check compares with ours;
+* **its costs**: the matmul FLOPs of its layers (:meth:`layer_flops`, for :mod:`dspark.flops`)
+  and the context cache per token and layer (:meth:`cache_values_per_token`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from dspark.core.config import DSparkConfig
+    from dspark.dims import DrafterDims
+
+
+class DrafterFamily:
+    name: str = ""
+    architectures: dict[str, str] = {}
+    """Export layout (:data:`dspark.core.serving.LAYOUTS`) -> ``architectures[0]`` of its
+    config.json. A layout a family lacks cannot be exported for it."""
+    serving_prefixes: tuple[tuple[str, str], ...] = ()
+    """(our name prefix, the served checkpoint's name prefix) for the shared modules a family's
+    vLLM class names otherwise; every other name is the same on both sides."""
+    config_fields: tuple[str, ...] = ()
+    """``drafter.*`` fields only this family reads; another family refuses them when set."""
+    cache_seq_dim: int = 2
+    """The dimension of each ``context_cache`` tensor that runs along the context positions."""
+    context_proj_param: str = "model.fc.weight"
+    """vLLM's name for the context projection's weight (the export check reports its width)."""
+
+    def resolve_dims(self, cfg: DSparkConfig, dims: DrafterDims, target_config: dict[str, Any]) -> DrafterDims:
+        """``dims`` with the family's own sizes filled in (default: nothing of its own)."""
+        return dims
+
+    def layer(self, cfg: DSparkConfig, dims: DrafterDims) -> nn.Module:
+        raise NotImplementedError
+
+    def config_json(
+        self,
+        cfg: DSparkConfig,
+        dims: DrafterDims,
+        layout: str,
+        *,
+        target_layer_ids: list[int],
+        max_position_embeddings: int,
+        dtype: str,
+    ) -> dict[str, Any]:
+        """config.json for ``layout``: ``target_layer_ids`` in vLLM's convention
+        (:mod:`dspark.core.layer_ids`), the served context length, the weights' dtype."""
+        raise NotImplementedError
+
+    def vllm_fused(self, ours: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+        """vLLM parameter name -> the tensor its loader must build from our served tensors."""
+        raise NotImplementedError
+
+    def layer_flops(
+        self,
+        cfg: DSparkConfig,
+        dims: DrafterDims,
+        *,
+        context_rows: int,
+        block_rows: int,
+        attention: tuple[int, int, int],
+    ) -> tuple[int, int, int]:
+        """One layer's matmul FLOPs (forward): (context cache, block projections + MLP,
+        attention). ``attention`` is (B, queries per row, keys per row), counted dense."""
+        raise NotImplementedError
+
+    def cache_values_per_token(self, dims: DrafterDims) -> int:
+        """Values one layer's context cache holds per token (vLLM's KV or latent cache)."""
+        raise NotImplementedError
+
+    # --- names -----------------------------------------------------------------------------
+    def to_serving(self, name: str) -> str:
+        for ours, served in self.serving_prefixes:
+            if name.startswith(ours):
+                return served + name[len(ours) :]
+        return name
+
+    def from_serving(self, name: str) -> str:
+        for ours, served in self.serving_prefixes:
+            if name.startswith(served):
+                return ours + name[len(served) :]
+        return name
+
+
+def dspark_head_fields(cfg: DSparkConfig) -> dict[str, Any]:
+    """The Markov and confidence heads' config.json fields, as vLLM's ``DSparkMarkovHead`` /
+    ``DSparkConfidenceHead`` read them (shared by every family's DSpark class)."""
+    return {
+        "markov_rank": max(cfg.markov_rank, 1),  # rank 0 is served as a zero rank-1 head (same logits)
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": cfg.enable_confidence_head,
+        "confidence_head_with_markov": cfg.enable_confidence_head
+        and cfg.confidence_head_with_markov
+        and cfg.markov_rank > 0,
+    }
+
+
+def linear_flops(rows: int, n_in: int, n_out: int) -> int:
+    """A matmul [rows, n_in] x [n_in, n_out]: 2 * rows * n_in * n_out (multiply and add)."""
+    return 2 * rows * n_in * n_out
