@@ -190,10 +190,13 @@ def _check_weights_in_vllm(exp: Any, mc: Any, pc: Any, sc: Any, rep: ValidationR
     """4. vLLM's model class loads every drafter parameter from the export, and its fused tensors
     equal ours."""
     from safetensors.torch import load_file
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.models.registry import ModelRegistry
 
-    vc = VllmConfig(model_config=mc, parallel_config=pc)
+    # prefix caching off from the start: vLLM's CPU platform turns it off for an MLA target after a
+    # hybrid target's hook (K3's KDA layers) has sized the mamba blocks for it, and VllmConfig then
+    # refuses the pair; the draft model class does not read it
+    vc = VllmConfig(model_config=mc, parallel_config=pc, cache_config=CacheConfig(enable_prefix_caching=False))
     vc.speculative_config = sc  # VllmConfig refuses dspark on CPU (its runner needs Triton); the model class does not
     cls, _ = ModelRegistry.resolve_model_cls(sc.draft_model_config.hf_config.architectures, sc.draft_model_config)
     model = _vllm_model(vc, cls)

@@ -364,11 +364,6 @@ def init_from_target(model: DSparkDrafter, cfg: RunConfig, heads: TargetHeads) -
     checking that the drafter has the target's layer shape and RoPE base."""
     ids = cfg.train.init_from_target_layers
     assert ids is not None
-    if cfg.drafter.family != "qwen3":
-        raise ConfigError(
-            f"train.init_from_target_layers={ids}: implemented for drafter.family=qwen3 (GQA target layers) only, "
-            f"this drafter is {cfg.drafter.family!r}; expected null"
-        )
     tc, d = heads.config, model.dims
     n_layers = int(tc["num_hidden_layers"])
     if max(ids) >= n_layers:

@@ -129,6 +129,8 @@ def test_kimi_k3_preset():
     assert target.tensor_parallel_size == 16 and target.dtype == "bfloat16"
     assert cfg.train.dtype == "bfloat16" and cfg.data.store_dtype == "bfloat16"
     assert drafter.block_size == 7 and drafter.markov_rank == 256 and drafter.num_layers == 5
+    assert drafter.family == "k3_mla" and drafter.rope_theta == 50000.0  # K3's own drafter: MLA, K3DSparkModel
+    assert drafter.kv_lora_rank is None  # the target's (its text config), else K3's sizes
     assert cfg.deepspeed.zero_optimization.stage == 2
     assert cfg.deepspeed.to_dict()["zero_optimization"]["reduce_bucket_size"] == 5e8
     assert cfg.eval.context_bins == [16384, 65536, 131072]
@@ -366,7 +368,7 @@ def test_missing_k3_checkpoint_is_reported_with_its_path():
 
 def test_train_py_prints_resolved_config():
     out = subprocess.run(
-        [sys.executable, "train.py", "+experiment=smollm2_cpu_demo", "--cfg", "job"],
+        [sys.executable, "train.py", "+experiment=kimi_k3_gb300", "--cfg", "job"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -374,8 +376,9 @@ def test_train_py_prints_resolved_config():
     )
     assert out.returncode == 0, out.stderr
     cfg = OmegaConf.create(out.stdout)
-    assert cfg.target.name == "smollm2-135m" and cfg.drafter.block_size == 7
-    assert cfg.tags == ["smollm2", "cpu", "demo"] and cfg.train.max_steps == 800
+    assert cfg.target.name == "kimi-k3" and cfg.drafter.block_size == 7
+    assert cfg.drafter.family == "k3_mla"  # the MLA drafter vLLM's K3DSparkModel serves
+    assert cfg.tags == ["kimi-k3", "gb300", "production"] and cfg.train.max_steps == 60000
 
 
 def test_train_py_help_lists_the_stages_experiments_and_examples():

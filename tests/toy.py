@@ -268,6 +268,74 @@ def build_target_and_shards(root: Path, smollm2_dir: Path, *, n_train=12, n_val=
     return target, data
 
 
+TINY_K3_TEXT: dict[str, Any] = dict(
+    model_type="kimi_linear",
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    num_experts=4,
+    num_experts_per_token=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 16, "num_heads": 4},
+)
+"""A Kimi K3-shaped text config at the tiny target's sizes: KimiLinear (KDA layers 1 and 3, MLA
+layers 2 and 4, routed experts from layer 1) with MLA sizes a drafter as wide copies."""
+
+
+def build_tiny_k3_target(root: Path, like: Path) -> Path:
+    """A random-weight directory in Kimi K3's layout (``KimiK3ForConditionalGeneration``: the text
+    model under ``text_config`` and ``language_model.``, an image processor config) at
+    :data:`TINY_K3_TEXT`'s sizes, whose embedding, final norm and LM head are those of the target
+    at ``like`` (tests/conftest.py's tiny target), so that target's captured states are this
+    one's. Only what a drafter reads is there: neither vLLM on CPU nor transformers runs a K3
+    (KDA and MoE kernels), so its states come from ``like``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dspark.core.target import load_target_heads
+
+    heads = load_target_heads(like)
+    root.mkdir(parents=True, exist_ok=True)
+    copy_tokenizer(like, root)
+    save_file(
+        {
+            "language_model.embed_tokens.weight": heads.embed_tokens.contiguous(),
+            "language_model.norm.weight": heads.final_norm.contiguous(),
+            "language_model.lm_head.weight": heads.lm_head.clone().contiguous(),
+        },
+        str(root / "model.safetensors"),
+    )
+    text = {**TINY_K3_TEXT, "rms_norm_eps": heads.rms_norm_eps}
+    config = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text}
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    media = {  # what vLLM's K3 processor reads when it builds the target's ModelConfig
+        "merge_kernel_size": 2,
+        "temporal_merge_kernel_size": 4,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "patch_size": 14,
+        "in_patch_limit": 4096,
+        "patch_limit_on_one_side": 512,
+        "fixed_output_tokens": None,
+        "in_patch_limit_each_frame": 4096,
+    }
+    (root / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": media}, indent=2))
+    return root
+
+
 def overrides(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
     """The Hydra overrides of a run on the tiny target of :func:`build_target_and_shards` (a
     1-layer drafter, gamma 4; checkpoints under ``out/ckpt``), then ``extra``."""

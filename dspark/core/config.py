@@ -863,6 +863,13 @@ class RunConfig:
         init = self.train.init_from_target_layers
         if init is not None:
             _check(
+                self.drafter.family == "qwen3",
+                "train.init_from_target_layers",
+                init,
+                f"implemented for drafter.family=qwen3 (GQA target layers) only, this drafter is "
+                f"{self.drafter.family!r}; expected null",
+            )
+            _check(
                 len(init) == self.drafter.num_layers and min(init) >= 0,
                 "train.init_from_target_layers",
                 init,

@@ -76,6 +76,13 @@ def counted_step(cfg, *, recompute: bool, topk: bool, batch: int = 2, tokens: in
         ({"markov_head_type": "gated", "sample_from_anchor": False}, True, False),  # DFlash layout: 1+gamma queries
         ({"markov_head_type": "rnn", "enable_confidence_head": False}, False, False),
         ({"markov_rank": 0, "confidence_head_with_markov": False}, True, False),
+        (  # Kimi K3's family: MLA layers (latent, its expansion, Dn+Dr-wide scores, Dv-wide values)
+            dict(
+                family="k3_mla", q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6
+            ),
+            True,
+            False,
+        ),
     ],
 )
 def test_step_flops_equal_what_torchs_counter_counts(fields, recompute, topk):
