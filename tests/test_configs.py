@@ -131,9 +131,22 @@ def test_kimi_k3_preset():
     assert drafter.block_size == 7 and drafter.markov_rank == 256 and drafter.num_layers == 5
     assert drafter.family == "k3_mla" and drafter.rope_theta == 50000.0  # K3's own drafter: MLA, K3DSparkModel
     assert drafter.kv_lora_rank is None  # the target's (its text config), else K3's sizes
+    assert cfg.train.checkpoint_dir == "outputs/checkpoints/kimi-k3/k3_mla-markov256"
     assert cfg.deepspeed.zero_optimization.stage == 2
     assert cfg.deepspeed.to_dict()["zero_optimization"]["reduce_bucket_size"] == 5e8
     assert cfg.eval.context_bins == [16384, 65536, 131072]
+
+
+def test_family_presets_set_what_their_run_names_take_as_given():
+    from dspark.core.config import DRAFTER_FAMILIES, FAMILY_TAG_DEFAULTS
+
+    for family in DRAFTER_FAMILIES:
+        preset = REPO / "conf" / "drafter" / f"{family}.yaml"
+        if family == "qwen3":
+            assert FAMILY_TAG_DEFAULTS.get(family, {}) == {}  # conf/drafter/dspark.yaml: the schema's defaults
+            continue
+        fields = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(preset)).items() if k != "family"}
+        assert fields == FAMILY_TAG_DEFAULTS.get(family, {}), preset
 
 
 def test_smollm2_demo_preset():

@@ -52,6 +52,10 @@ DRAFTER_FAMILIES = {
 }
 """``drafter.family`` choices -> the ``drafter.*`` fields only that family reads. The families
 themselves are registered in :mod:`dspark.families` (which checks it has exactly these)."""
+FAMILY_TAG_DEFAULTS = {"k3_mla": {"rope_theta": 50_000.0}}
+"""What ``conf/drafter/<family>.yaml`` sets besides ``family``: a run name spells a field only
+where it differs from these (``k3_mla-markov256``, not ``...-rope50000.0``); tests/test_configs.py
+keeps the two equal."""
 COMPRESSIONS = ("none", "zstd")
 ON_OVERLONG = ("skip", "truncate")
 STAGES = ("extract", "train", "eval", "serve_bench")
@@ -311,6 +315,7 @@ def drafter_tag(drafter: Any) -> str:
         else (OmegaConf.to_container(drafter, resolve=True) if isinstance(drafter, DictConfig) else asdict(drafter))
     )
     default = asdict(DSparkConfig())
+    default.update(FAMILY_TAG_DEFAULTS.get(d.get("family", default["family"]), {}))
     head = f"markov{d['markov_rank']}" + (
         d["markov_head_type"] if d["markov_rank"] and d["markov_head_type"] != "vanilla" else ""
     )

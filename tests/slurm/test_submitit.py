@@ -39,7 +39,7 @@ def test_submitit_slurm_launcher_composes_with_the_k3_experiment():
     launcher = cfg.hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert (launcher.nodes, launcher.gpus_per_node, launcher.partition, launcher.timeout_min) == (1, 4, "gb300", 600)
-    assert cfg.target.name == "kimi-k3" and cfg.train.run_name == "markov0"
+    assert cfg.target.name == "kimi-k3" and cfg.train.run_name == "k3_mla-markov0"
 
 
 @pytest.mark.slow
