@@ -1,8 +1,8 @@
 """The FLOPs of a training step, counted once: what the drafter's matmuls cost at a batch shape,
 and the device peaks that turn a step's FLOP/s into MFU.
 
-Pure arithmetic on the drafter's sizes (each drafter family counts its own layers:
-:meth:`dspark.families.base.DrafterFamily.layer_flops`) (:class:`~dspark.model.DrafterDims`, :class:`DSparkConfig`)
+Pure arithmetic on the drafter's sizes (:class:`~dspark.model.DrafterDims`, :class:`DSparkConfig`;
+each drafter family counts its own layers, :meth:`dspark.families.base.DrafterFamily.layer_flops`)
 and the batch shape; no torch. A matmul [m, k] x [k, n] is 2mkn FLOPs (a multiply and an add),
 as ``torch.utils.flop_counter`` counts it; norms, RoPE, softmaxes, the loss's elementwise terms,
 gathers and embedding lookups are not counted (tests/dspark/test_flops.py checks the total
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from dspark.families import get_family
-from dspark.families.base import linear_flops
+from dspark.families.base import linear_flops as _linear
 
 if TYPE_CHECKING:
     from dspark.core.config import DSparkConfig
@@ -120,9 +120,6 @@ class StepFlops:
     def per_prediction(self) -> float:
         """Model FLOPs per supervised prediction (nan with none)."""
         return self.model / self.predictions if self.predictions else float("nan")
-
-
-_linear = linear_flops
 
 
 def step_flops(

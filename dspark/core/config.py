@@ -315,13 +315,14 @@ def drafter_tag(drafter: Any) -> str:
         else (OmegaConf.to_container(drafter, resolve=True) if isinstance(drafter, DictConfig) else asdict(drafter))
     )
     default = asdict(DSparkConfig())
-    default.update(FAMILY_TAG_DEFAULTS.get(d.get("family", default["family"]), {}))
+    family = d.get("family", default["family"])
+    named_family = [family] if family != default["family"] else []
+    default.update(FAMILY_TAG_DEFAULTS.get(family, {}))
     head = f"markov{d['markov_rank']}" + (
         d["markov_head_type"] if d["markov_rank"] and d["markov_head_type"] != "vanilla" else ""
     )
-    family = d.get("family", default["family"])
     parts = (
-        ([family] if family != default["family"] else [])
+        named_family
         + [head]
         + (["fillin"] if not d["sample_from_anchor"] else [])
         + (["noconf"] if not d["enable_confidence_head"] else [])

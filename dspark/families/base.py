@@ -122,3 +122,15 @@ def dspark_head_fields(cfg: DSparkConfig) -> dict[str, Any]:
 def linear_flops(rows: int, n_in: int, n_out: int) -> int:
     """A matmul [rows, n_in] x [n_in, n_out]: 2 * rows * n_in * n_out (multiply and add)."""
     return 2 * rows * n_in * n_out
+
+
+def mlp_flops(rows: int, dims: DrafterDims) -> int:
+    """The shared SwiGLU MLP (:class:`dspark.layers.MLP`) over ``rows``: gate, up and down."""
+    return 3 * linear_flops(rows, dims.hidden_size, dims.intermediate_size)
+
+
+def mlp_fused(ours: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    """What vLLM fuses of the shared MLP when it loads a layer: ``gate_up_proj`` = [gate; up]
+    (Qwen3's MLP and K3's ``KimiMLP`` alike)."""
+    m = f"layers.{layer}.mlp."
+    return {f"model.{m}gate_up_proj.weight": torch.cat([ours[m + "gate_proj.weight"], ours[m + "up_proj.weight"]])}

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.families.base import DrafterFamily, dspark_head_fields, linear_flops
+from dspark.families.base import DrafterFamily, dspark_head_fields, linear_flops, mlp_flops, mlp_fused
 from dspark.layers import MLP, RMSNorm
 
 if TYPE_CHECKING:
@@ -422,11 +422,11 @@ class K3MLAFamily(DrafterFamily):
         layer's ``kv_a_proj_with_mqa`` stacked (``_duplicate_context_kv_weights``)."""
         out = {}
         for i in range(num_layers):
-            a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            a = f"layers.{i}.self_attn."
             out[f"model.{a}fused_qkv_a_proj.weight"] = torch.cat(
                 [ours[a + "q_a_proj.weight"], ours[a + "kv_a_proj_with_mqa.weight"]]
             )
-            out[f"model.{m}gate_up_proj.weight"] = torch.cat([ours[m + "gate_proj.weight"], ours[m + "up_proj.weight"]])
+            out.update(mlp_fused(ours, i))
         out["model.context_kv_proj.weight"] = torch.cat(
             [ours[f"layers.{i}.self_attn.kv_a_proj_with_mqa.weight"] for i in range(num_layers)]
         )
@@ -460,7 +460,7 @@ class K3MLAFamily(DrafterFamily):
             + linear_flops(block_rows, h, r + dr)
             + linear_flops(block_rows, r, n * (dn + dv))
             + linear_flops(block_rows, n * dv, h)
-            + 3 * linear_flops(block_rows, h, dims.intermediate_size)
+            + mlp_flops(block_rows, dims)
         )
         b, queries, keys = attention
         return ctx, proj, 2 * b * n * queries * keys * ((dn + dr) + dv)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.families.base import DrafterFamily, dspark_head_fields, linear_flops
+from dspark.families.base import DrafterFamily, dspark_head_fields, linear_flops, mlp_flops, mlp_fused
 from dspark.layers import MLP, RMSNorm
 
 if TYPE_CHECKING:
@@ -166,11 +166,11 @@ class Qwen3Family(DrafterFamily):
     def vllm_fused(self, ours: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
         out = {}
         for i in range(num_layers):
-            a, m = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            a = f"layers.{i}.self_attn."
             out[f"model.{a}qkv_proj.weight"] = torch.cat(
                 [ours[a + "q_proj.weight"], ours[a + "k_proj.weight"], ours[a + "v_proj.weight"]]
             )
-            out[f"model.{m}gate_up_proj.weight"] = torch.cat([ours[m + "gate_proj.weight"], ours[m + "up_proj.weight"]])
+            out.update(mlp_fused(ours, i))
         return out
 
     def layer_flops(
@@ -188,7 +188,7 @@ class Qwen3Family(DrafterFamily):
             linear_flops(block_rows, h, n * d)
             + 2 * linear_flops(block_rows, h, nkv * d)
             + linear_flops(block_rows, n * d, h)
-            + 3 * linear_flops(block_rows, h, dims.intermediate_size)
+            + mlp_flops(block_rows, dims)
         )
         b, queries, keys = attention
         return ctx_kv, proj, 2 * 2 * b * n * queries * keys * d  # QK^T and AV
