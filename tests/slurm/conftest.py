@@ -228,40 +228,49 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             raise AssertionError(f"{' '.join(argv)} -> {out.returncode}\n{out.stdout}\n{out.stderr}")
         return out
 
-    def job(self, job_id: str) -> dict[str, str]:
-        """`scontrol show job` as a dict (the first record: an array job's first task)."""
+    def records(self, job_id: str) -> list[dict[str, str]]:
+        """`scontrol show job` as one dict per record (each task of an array, each het component),
+        all from one call, so a job's state and its other fields are read at the same moment."""
         out = self.run("scontrol", "show", "job", "-o", str(job_id), check=False)
         if out.returncode != 0:
-            return {}
-        return dict(re.findall(r"(\w+(?::\w+)?)=(\S*)", out.stdout.splitlines()[0]))
+            return []
+        return [dict(re.findall(r"(\w+(?::\w+)?)=(\S*)", line)) for line in out.stdout.splitlines() if line.strip()]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """The first record of `records` (an array job's first task), or {} for an unknown job."""
+        return next(iter(self.records(job_id)), {})
 
     def states(self, job_id: str) -> list[str]:
         """JobState of every record of a job (each task of an array)."""
-        out = self.run("scontrol", "show", "job", "-o", str(job_id), check=False)
-        return re.findall(r"JobState=(\S+)", out.stdout)
+        return [r.get("JobState", "") for r in self.records(job_id)]
 
     def wait(self, *job_ids: str, timeout: float = 600, until=TERMINAL) -> dict[str, dict[str, str]]:
-        """Wait until every job is in a terminal state (or a pending dependency can never run)."""
+        """Wait until every job is in a terminal state (or a pending dependency can never run); the
+        info returned is the query that found it so (a second query could still say COMPLETING)."""
         deadline = time.time() + timeout
         while True:
-            jobs = {j: self.job(j) for j in job_ids}
-            if all(self._settled(j, info, until) for j, info in jobs.items()):
-                return jobs
+            records = {j: self.records(j) for j in job_ids}
+            if all(self._settled(recs, until) for recs in records.values()):
+                return {j: recs[0] for j, recs in records.items()}
             if time.time() > deadline:
                 raise AssertionError(
                     f"jobs not finished after {timeout:.0f}s: "
-                    + ", ".join(f"{j} {i.get('JobState')} {i.get('Reason')}" for j, i in jobs.items())
+                    + ", ".join(
+                        f"{j} {[(r.get('JobState'), r.get('Reason')) for r in recs]}" for j, recs in records.items()
+                    )
                     + "\n"
                     + self.logs()
                 )
             time.sleep(2)
 
-    def _settled(self, job_id: str, info: dict[str, str], until) -> bool:
-        if not info:
+    @staticmethod
+    def _settled(records: list[dict[str, str]], until) -> bool:
+        if not records:
             return False
-        if info.get("JobState") == "PENDING" and info.get("Reason") == "DependencyNeverSatisfied":
+        first = records[0]
+        if first.get("JobState") == "PENDING" and first.get("Reason") == "DependencyNeverSatisfied":
             return True
-        return all(s in until for s in self.states(job_id))
+        return all(r.get("JobState") in until for r in records)
 
     def logs(self, tail: int = 40) -> str:
         parts = []

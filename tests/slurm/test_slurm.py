@@ -223,10 +223,9 @@ def test_smoke_pipeline_through_slurm_then_resume_and_requeue(slurm, tmp_path, s
         time.sleep(1)
     slurm.run("scancel", "--signal=USR1", "--batch", again)
     deadline = time.time() + 900
-    while not (slurm.job(again)["Restarts"] == "1" and slurm.job(again)["JobState"] in slurm.TERMINAL):
-        assert time.time() < deadline, slurm.job(again)
+    while not ((info := slurm.job(again))["Restarts"] == "1" and info["JobState"] in slurm.TERMINAL):
+        assert time.time() < deadline, info  # one query per look: state and restarts read together
         time.sleep(2)
-    info = slurm.job(again)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
     log = batch_log(out, again)
     assert f"time limit near: requeueing {again} (restart 0)" in log, log[-3000:]
