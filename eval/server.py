@@ -1,7 +1,7 @@
-"""A vLLM OpenAI server's life, for the serving benchmark: a free port (one in use is refused),
-the command line with the eval's engine arguments, the server in its own session with its output
-in a log, healthy (``GET /health``) within a bound or stopped, and always stopped afterwards,
-its whole process tree with it; the peak memory of that tree while it serves.
+"""A vLLM OpenAI server for the serving benchmark: its command line with the eval's engine
+arguments, and the peak memory of its process tree while it serves. Its life (a free port,
+healthy within a bound, always stopped with its whole tree) is :mod:`dspark.core.servers`', which
+llama.cpp's server shares; the names are re-exported here for the benchmark's callers.
 
 A server is started as ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve``
 runs); it dies with the process that started it (a kill -9 of the benchmark leaves nothing
@@ -13,41 +13,30 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.core.errors import UserError
-from dspark.core.files import free_port
+from dspark.core.servers import (  # noqa: F401  (re-exported: the benchmark's callers import them here)
+    REPO,
+    PortInUseError,
+    Server,
+    ServerError,
+    ServerStartError,
+    choose_port,
+    port_in_use,
+    process_tree,
+    running_server,
+    stop_server,
+    tree_rss,
+    wait_healthy,
+)
 from dspark.core.serving import OURS, ServingMethod, speculative_config
-from dspark.core.waits import die_with_parent_hook, log_tail
 
 log = logging.getLogger(__name__)
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-class ServerError(UserError):
-    """A server that cannot be started where asked, or would not serve: the message names the
-    key or the log."""
-
-
-class PortInUseError(ServerError):
-    """The configured port answers or is bound already; it is never reused blindly."""
-
-
-class ServerStartError(ServerError):
-    """The server exited, or was not healthy within the timeout (and was stopped): names its log."""
 
 
 @dataclass(frozen=True)
@@ -66,40 +55,6 @@ class Configuration:
     @property
     def label(self) -> str:
         return f"{self.name} ({self.method})" if self.name == OURS else self.name
-
-
-# --- ports ---------------------------------------------------------------------------------------
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """Something listens on, or holds, ``host:port`` (a connect succeeds or a bind fails)."""
-    with socket.socket() as s:
-        s.settimeout(1.0)
-        if s.connect_ex((host, port)) == 0:
-            return True
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what uvicorn sets: TIME_WAIT is no owner
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def choose_port(host: str, port: int) -> int:
-    """``port`` when it is free, a free one picked by the OS for 0; a port in use is refused."""
-    if port == 0:
-        for _ in range(20):
-            p = free_port(host)
-            if not port_in_use(host, p):
-                return p
-        raise PortInUseError(f"serve_bench.port=0: no free port found on {host}")
-    if port_in_use(host, port):
-        raise PortInUseError(
-            f"serve_bench.port={port}: {host}:{port} is in use (another server?); it is not reused, expected a "
-            "free port, or serve_bench.port=0 to pick one"
-        )
-    return port
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -165,26 +120,6 @@ def server_command(
 # --- memory --------------------------------------------------------------------------------------
 
 
-def process_tree(pid: int) -> list[Any]:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def tree_rss(pid: int) -> int:
-    import psutil
-
-    total = 0
-    for p in process_tree(pid):
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total
-
-
 def gpu_bytes(pids: set[int]) -> Optional[int]:
     """GPU memory the processes ``pids`` hold (nvidia-smi), or None without GPUs."""
     try:
@@ -244,92 +179,3 @@ class MemorySampler:
         self._stop.set()
         self._thread.join(timeout=5)
         return {"peak_rss_gib": self.life_rss / 2**30, "peak_gpu_gib": self.life_gpu / 2**30 if self.gpu else None}
-
-
-# --- start, wait, stop ---------------------------------------------------------------------------
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    host: str
-    port: int
-    log_path: Path
-    start_s: float = 0.0
-    pids: list[int] = field(default_factory=list)
-    """Its process tree when it was stopped (all of them gone afterwards)."""
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-
-def wait_healthy(server: Server, timeout_s: float, *, what: str, poll_s: float = 1.0) -> float:
-    """Seconds until ``GET /health`` answers 200. The server exiting first, or the timeout, raise
-    :class:`ServerStartError` naming its log (the caller stops the server)."""
-    t0 = time.monotonic()
-    while True:
-        rc = server.proc.poll()
-        if rc is not None:
-            raise ServerStartError(
-                f"{what}: the vLLM server exited with status {rc} before it was healthy; its log: {server.log_path}\n"
-                f"last lines:\n{log_tail(server.log_path)}"
-            )
-        with contextlib.suppress(urllib.error.URLError, OSError):
-            with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            raise ServerStartError(
-                f"{what}: the vLLM server was not healthy within {timeout_s:g}s (serve_bench.start_timeout_s) and "
-                f"was stopped; its log: {server.log_path}"
-            )
-        time.sleep(poll_s)
-
-
-def stop_server(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM to the server's process group (it runs in its own session), SIGKILL after
-    ``grace_s``; any process of its tree still alive (one that left the group) is killed too."""
-    import psutil
-
-    tree = process_tree(proc.pid)
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait_s)
-        _, alive = psutil.wait_procs(tree, timeout=0 if proc.poll() is None else wait_s)
-        if proc.poll() is not None and not alive:
-            return
-    for p in psutil.wait_procs(tree, timeout=0)[1]:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(tree, timeout=10)
-
-
-@contextlib.contextmanager
-def running_server(
-    cmd: list[str], *, host: str, port: int, log_path: Path, timeout_s: float, env: dict[str, str], what: str
-) -> Iterator[Server]:
-    """A server from ``cmd`` (its own session, its output in ``log_path``), healthy; stopped on
-    the way out, whatever happens."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log.info("%s: %s (log: %s)", what, " ".join(cmd), log_path)
-    with open(log_path, "w") as fh:
-        proc = subprocess.Popen(  # its own session, and it dies with this process (a kill -9 of the driver)
-            cmd,
-            cwd=REPO,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=die_with_parent_hook(),
-        )
-    server = Server(proc, host, port, log_path)
-    try:
-        server.start_s = wait_healthy(server, timeout_s, what=what)
-        log.info("%s: healthy after %.0fs at %s", what, server.start_s, server.url)
-        yield server
-    finally:
-        server.pids = [p.pid for p in process_tree(proc.pid)]
-        stop_server(proc)
