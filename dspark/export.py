@@ -2,6 +2,7 @@
 
     python -m dspark.export export CKPT --out DIR [--layout dspark|dflash]
     python -m dspark.export validate DIR        # vLLM's own config classes and weight loader
+    python -m dspark.export export CKPT --out DIR --gguf   # + the drafter GGUF llama.cpp serves (CPU)
 
 What is written is declared in :mod:`dspark.serving_format`; what is read, in
 :mod:`dspark.checkpoint`; the vLLM check is :mod:`dspark.export_validate`.
@@ -27,6 +28,7 @@ from dspark.core.layer_ids import CONVENTION
 from dspark.core.serving import BY_LAYOUT, LAYOUTS
 from dspark.core.target_dir import read_text_config
 from dspark.families import get_family
+from dspark.gguf import GGUF_TYPES
 from dspark.serving_format import (
     CONFIG_FILE,
     EXPORT_FORMAT_VERSION,
@@ -189,6 +191,31 @@ def _summary(
     return summary
 
 
+def _export_gguf(args: argparse.Namespace) -> None:
+    """``--gguf``: the drafter GGUF beside ``--out``, checked in llama.cpp unless ``--no-validate``."""
+    from dspark.gguf import export_gguf
+
+    prov = json.loads((Path(args.out) / PROVENANCE_FILE).read_text())
+    target_dir = Path(args.target_dir or prov["target"]["path"])
+    ckpt_target = TargetConfig(**load_training_checkpoint(args.checkpoint).run_config["target"])
+    embedded = None
+    if ckpt_target.source == "embedded_smollm2":
+        from dspark.core.target import embedded_gguf_path
+
+        embedded = embedded_gguf_path()
+    draft, check = export_gguf(
+        args.out,
+        target_dir=target_dir,
+        gguf_type=args.gguf_type,
+        target=args.gguf_target,
+        embedded=embedded,
+        check=not args.no_validate,
+    )
+    print(f"llama.cpp drafter GGUF: {draft}")
+    if check is not None:
+        print(check.render())
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dspark.export", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -198,7 +225,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     e.add_argument("--layout", choices=LAYOUTS, default="dspark")
     e.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default=None, help="default: the run's train.dtype")
     e.add_argument("--target-dir", type=Path, default=None, help="default: resolve the run's target")
-    e.add_argument("--no-validate", action="store_true", help="skip the vLLM config/weight check")
+    e.add_argument("--no-validate", action="store_true", help="skip the vLLM and llama.cpp checks")
+    e.add_argument(
+        "--gguf",
+        action="store_true",
+        help="also write the drafter GGUF llama.cpp serves (DIR.<type>.gguf, llama.cpp's own converter; llama.cpp "
+        "is built once per machine if it is not) and check that llama.cpp drafts with it beside the target",
+    )
+    e.add_argument("--gguf-type", choices=GGUF_TYPES, default="f32", help="the drafter GGUF's weight type")
+    e.add_argument(
+        "--gguf-target",
+        type=Path,
+        default=None,
+        help="the target GGUF for the llama.cpp check (default: the embedded target's own Q4_1 file, else the "
+        "target directory converted at f16)",
+    )
     v = sub.add_parser("validate", help="check an export with vLLM's own config classes and weight loader")
     v.add_argument("export_dir", type=Path)
     v.add_argument("--target-dir", type=Path, default=None, help="default: the target recorded in export.json")
@@ -215,6 +256,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 from dspark.export_validate import validate
 
                 print(validate(args.out, target_dir=args.target_dir).render())
+            if args.gguf:
+                _export_gguf(args)
         else:
             from dspark.export_validate import validate
 

@@ -49,6 +49,10 @@ class DecodeConfig:
     temperature: float = 0.0  # 0 = greedy
     confidence_threshold: Optional[float] = None  # end a block at the first draft whose confidence is below
     seed: int = 0
+    budget_blocks: bool = False
+    """llama.cpp's rule at the end of the answer: a block of at most (tokens left - 1) drafts, none
+    with one token left (``server_slot::get_n_draft_max``); off: every block has gamma drafts, as
+    vLLM drafts. On for the parity with llama.cpp (benchmarks/llama_cpp_parity.py)."""
 
     @classmethod
     def of(cls, e: EvalConfig) -> DecodeConfig:
@@ -291,12 +295,13 @@ def speculative_generate(
         anchor = out[-1]
         t1 = time.perf_counter()
         drafts, q, confs = [], None, []
-        if lookup is not None:
-            drafts = lookup.propose([*prompt, *out], cfg.gamma)
+        k = min(cfg.gamma, cfg.max_new_tokens - len(out) - 1) if cfg.budget_blocks else cfg.gamma
+        if lookup is not None and k > 0:
+            drafts = lookup.propose([*prompt, *out], k)
             if drafts and cfg.temperature > 0:
                 q = _one_hot(drafts, logits.shape[-1])
-        if not drafts and draft is not None:
-            drafts, q, confs = draft.propose(anchor, cfg.gamma, cfg.temperature, gen, cfg.confidence_threshold)
+        if not drafts and draft is not None and k > 0:
+            drafts, q, confs = draft.propose(anchor, k, cfg.temperature, gen, cfg.confidence_threshold)
         t2 = time.perf_counter()
         logits, states = target.forward([anchor, *drafts])
         n, nxt = verify(drafts, q, logits, cfg.temperature, gen)

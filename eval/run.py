@@ -26,6 +26,7 @@ from dspark.export import ExportSummary
 from dspark.serving_format import load_drafter, read_export
 from eval.checks import quality_checks
 from eval.inputs import engine_kwargs, eval_set, export_all, vllm_max_model_len
+from eval.llama_serve import llama_cpp_results, llama_cpp_wanted
 from eval.prompts import eval_set_sha256
 from eval.results import (
     AcceptanceCounts,
@@ -255,7 +256,10 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     if e.reference:
         drafters += parts.get_or_run("reference", lambda: reference_results(cfg, heads, target_dir, prompts, exports))
     drafters += vllm_results(cfg, target_dir, prompts, prompts_file, out_dir, exports, parts=parts)
+    if llama_cpp_wanted(cfg):
+        drafters += llama_cpp_results(cfg, target_dir, prompts, out_dir, exports, parts)
     equal = greedy_outputs_equal(cfg, drafters)
+    parity = llama_cpp_parity(drafters)
     conditions = _conditions(
         cfg,
         target_dir,
@@ -267,6 +271,7 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
             "fingerprint": fp,
             "ablation_checkpoint": str(ablation) if ablation else None,
             **({"greedy_outputs_equal": equal} if equal else {}),
+            **({"llama_cpp_parity": parity} if parity else {}),
         },
     )
     return _report(cfg, EvalResults(conditions, drafters), out_dir, exports)
@@ -414,6 +419,59 @@ def greedy_outputs_equal(cfg: RunConfig, drafters: list[DrafterResult]) -> dict[
         if total:
             out[d.name] = {"equal": equal, "prompts": total, "reference": source}
             log.info("eval: %s: %d of %d prompts' greedy outputs equal %s's", d.name, equal, total, source)
+    return out
+
+
+LLAMA_CPP_TWINS = (("llama.cpp-dspark", "dspark"), ("llama.cpp-ngram-then-dspark", "ngram-then-dspark"))
+"""llama.cpp rows and their twins in the reference loop (the exact acceptance instrument)."""
+
+
+def llama_cpp_parity(drafters: list[DrafterResult]) -> dict[str, dict[str, Any]]:
+    """Per llama.cpp row with a reference-loop twin, per prompt: are the generated tokens equal
+    (and where they first differ), and the accepted tokens, drafts and steps of each side. Under
+    greedy decoding both are lossless, so the tokens should be equal where the targets' numerics
+    are; the accepted tokens then say whether the two drafters are the same drafter."""
+    by = {d.name: d for d in drafters}
+    out = {}
+    for name, twin in LLAMA_CPP_TWINS:
+        if name not in by or twin not in by:
+            continue
+        ref = {str(p["prompt_id"]): p for p in by[twin].per_prompt}
+        rows = []
+        for p in by[name].per_prompt:
+            r = ref.get(str(p["prompt_id"]))
+            if r is None or r.get("output_ids") is None:
+                continue
+            a, b = p["output_ids"], r["output_ids"]
+            diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if diff is None and len(a) != len(b):
+                diff = min(len(a), len(b))
+            rows.append(
+                {
+                    "prompt_id": p["prompt_id"],
+                    "bin": p["bin"],
+                    "tokens_equal": diff is None,
+                    "first_difference": diff,
+                    "accepted": [p["num_accepted"], r["num_accepted"]],
+                    "drafts": [p["num_drafts"], r["num_drafts"]],
+                    "steps": [p["num_steps"], r["num_steps"]],
+                }
+            )
+        out[name] = {
+            "reference": twin,
+            "prompts": len(rows),
+            "tokens_equal": sum(r["tokens_equal"] for r in rows),
+            "accepted_equal": sum(r["accepted"][0] == r["accepted"][1] for r in rows),
+            "per_prompt": rows,
+        }
+        log.info(
+            "eval: %s against the reference loop's %s: tokens equal on %d of %d prompts, accepted tokens on %d",
+            name,
+            twin,
+            out[name]["tokens_equal"],
+            len(rows),
+            out[name]["accepted_equal"],
+        )
     return out
 
 

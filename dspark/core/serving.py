@@ -59,6 +59,39 @@ PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX = 2, 4
 """vLLM ``ngram``'s n-gram lengths, for the served baseline and the reference loop's lookup alike."""
 
 
+@dataclass(frozen=True)
+class LlamaCppMethod:
+    """A way llama.cpp's ``llama-server`` serves the target (CPU machines, where vLLM cannot serve
+    ``dspark``)."""
+
+    name: str
+    """What configs and reports call it; the reference loop's proposer of the same name is its twin."""
+    spec_types: tuple[str, ...]
+    """``--spec-type``, in llama.cpp's precedence: a draftless proposer first, the drafter where it has
+    no match (llama.cpp: "the draftless decoding has higher precedence")."""
+    layout: Optional[str] = None
+    """The export layout its drafter GGUF is converted from; None: no drafter."""
+
+
+LLAMA_CPP_NGRAM = "ngram-simple"
+"""llama.cpp's n-gram proposer closest to vLLM's prompt lookup: the last n tokens looked up in the
+prompt and output so far, the tokens after their most recent earlier occurrence proposed (vLLM
+tries n = 4 down to 2; llama.cpp's ``ngram-map-*`` add hit statistics, ``ngram-mod`` a hash pool
+shared across requests, ``ngram-cache`` corpus statistics)."""
+LLAMA_CPP_NGRAM_N = 3
+"""Its key length, one fixed n (``--spec-ngram-simple-size-n``), in vLLM's range 2-4."""
+
+LLAMA_CPP_METHODS = (
+    LlamaCppMethod("none", ()),
+    LlamaCppMethod("ngram", (LLAMA_CPP_NGRAM,)),
+    LlamaCppMethod("dspark", ("draft-dspark",), layout="dspark"),
+    LlamaCppMethod("dflash", ("draft-dflash",), layout="dflash"),
+    LlamaCppMethod("ngram-then-dspark", (LLAMA_CPP_NGRAM, "draft-dspark"), layout="dspark"),
+)
+"""Every llama.cpp method, in the order reports list them (``eval.llama_cpp_methods``)."""
+LLAMA_CPP_BY_NAME = {m.name: m for m in LLAMA_CPP_METHODS}
+
+
 def export_method(*, gpu: bool, has_layout: Callable[[str], bool]) -> Optional[ServingMethod]:
     """How this run's export is served here: ``dspark`` on a GPU, on CPU the ``dflash`` export
     when the drafter has that layout (``has_layout``); None when vLLM can serve it neither way."""

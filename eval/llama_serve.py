@@ -1,0 +1,274 @@
+"""Acceptance and wall clock as llama.cpp serves them, on CPU: ``llama-server`` with the target's
+GGUF and one method of :data:`~dspark.core.serving.LLAMA_CPP_METHODS` (none, its n-gram proposer,
+our drafter as ``draft-dspark`` with its Markov head, the Markov-off/fill-in export as
+``draft-dflash``, the chain n-gram then dspark), the eval's prompts one at a time (batch size 1).
+
+Every method is counted as the vLLM rows are (:mod:`eval.results`): steps are target forwards
+after the prompt (``n_decode_total`` minus the prompt's chunks, checked against
+``generated - 1 - accepted``), drafts and accepted tokens from llama.cpp's own counters, read
+before and after each prompt so a warm-up request is excluded. Wall clock: llama.cpp's own
+decode timing per prompt (``predicted_ms``: the first token's prefill excluded), so the speedup of
+a method is its decode tokens/s over ``none``'s, on the same prompts in the same eval. The draft
+cost ratio r is the draft pass's own time (the proposer's logged ``dur(b,g,a)``) over the rest of
+a step's time, per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from dspark.core.llama_cpp import LlamaCpp
+from dspark.core.llama_server import (
+    ProposerStats,
+    ServerSpec,
+    complete,
+    counters_after,
+    llama_server,
+    prompt_chunks,
+    proposer_stats,
+    read_counters,
+    steps_problem,
+)
+from dspark.core.servers import choose_port
+from dspark.core.serving import LlamaCppMethod
+from eval.results import AcceptanceCounts
+
+log = logging.getLogger(__name__)
+
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class LlamaCppServing:
+    """What every llama.cpp row of one eval is served from."""
+
+    tree: LlamaCpp
+    target_gguf: Path
+    ctx: int
+    gamma: int
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    threads: int = 0
+    p_min: Optional[float] = None
+    timeout_s: float = 3600
+    start_timeout_s: float = 600
+
+
+def serve_prompts(
+    s: LlamaCppServing, method: LlamaCppMethod, draft: Optional[Path], prompts: list, log_path: Path
+) -> list[dict[str, Any]]:
+    """One server for ``method``, the prompts one at a time: one record per prompt with its
+    counters (``asdict(AcceptanceCounts)``), output ids, decode timing and each proposer's share."""
+    spec = ServerSpec(
+        s.target_gguf,
+        method,
+        s.gamma,
+        s.ctx,
+        draft_gguf=draft,
+        threads=s.threads,
+        p_min=s.p_min if method.layout == "dspark" else None,
+        seed=s.seed,
+    )
+    host = "127.0.0.1"
+    what = f"llama.cpp {method.name}"
+    out = []
+    with llama_server(
+        s.tree,
+        spec,
+        host=host,
+        port=choose_port(host, 0),
+        log_path=log_path,
+        timeout_s=s.start_timeout_s,
+        what=what,
+        timeout_key="eval.llama_cpp_timeout_s",
+    ) as server:
+        warm = list(prompts[0].prompt_token_ids[-64:])
+        complete(server, warm, n_predict=WARMUP_TOKENS, temperature=0.0, seed=s.seed, timeout_s=s.timeout_s)
+        for i, p in enumerate(prompts):
+            before, stats_before = read_counters(server), proposer_stats(log_path)
+            c = complete(
+                server,
+                list(p.prompt_token_ids),
+                n_predict=s.max_new_tokens,
+                temperature=s.temperature,
+                seed=s.seed,
+                timeout_s=s.timeout_s,
+            )
+            d = counters_after(server, before, len(c.tokens))
+            steps = d.decodes - prompt_chunks(len(p.prompt_token_ids))
+            problem = steps_problem(steps, len(c.tokens), d.accepted, s.gamma)
+            if problem:
+                raise RuntimeError(f"{what}, prompt {p.prompt_id}: {problem}; its log: {log_path}")
+            per_pos = (d.accepted_per_pos + [0] * s.gamma)[: s.gamma]
+            counts = AcceptanceCounts(s.gamma, d.drafts, d.draft_tokens, d.accepted, per_pos, steps)
+            stats = {k: v.minus(stats_before.get(k, ProposerStats())) for k, v in proposer_stats(log_path).items()}
+            out.append(
+                {
+                    "prompt_id": p.prompt_id,
+                    "bin": p.bin,
+                    **asdict(counts),
+                    "output_ids": c.tokens,
+                    "decode_tokens": max(int(c.timings.get("predicted_n", 0)) - 1, 0),
+                    "decode_ms": float(c.timings.get("predicted_ms", 0.0)),
+                    "draft_ms": sum(v.draft_ms for v in stats.values()),
+                    "proposers": {k: asdict(v) for k, v in stats.items()},
+                }
+            )
+            log.info(
+                "%s prompt %d/%d (bin %d): %d tokens in %d steps, %d drafts, %d accepted, %.1f tok/s",
+                what,
+                i + 1,
+                len(prompts),
+                p.bin,
+                len(c.tokens),
+                steps,
+                d.drafts,
+                d.accepted,
+                c.decode_tokens_per_s,
+            )
+    return out
+
+
+def decode_tokens_per_s(per_prompt: list[dict[str, Any]]) -> float:
+    """Decode tokens/s over prompts: their decode tokens over their decode seconds."""
+    ms = sum(p["decode_ms"] for p in per_prompt)
+    return 1e3 * sum(p["decode_tokens"] for p in per_prompt) / ms if ms else float("nan")
+
+
+def draft_cost_ratio(per_prompt: list[dict[str, Any]]) -> Optional[float]:
+    """r: the draft passes' time over the rest of the decode time (the target's verification and
+    the drafter's intake of its states), over every step; None without drafting."""
+    draft = sum(p["draft_ms"] for p in per_prompt)
+    rest = sum(p["decode_ms"] for p in per_prompt) - draft
+    return draft / rest if draft > 0 and rest > 0 else None
+
+
+# --- the eval's llama.cpp rows -------------------------------------------------------------------
+
+
+def llama_cpp_wanted(cfg: Any) -> bool:
+    """``eval.llama_cpp``: auto = no GPU here (vLLM serves dspark there) and llama.cpp is built."""
+    import torch
+
+    from dspark.core.llama_cpp import find
+
+    use = cfg.eval.llama_cpp
+    if use == "never" or not cfg.eval.llama_cpp_methods:
+        return False
+    if use == "always":
+        return True
+    if torch.cuda.is_available():
+        return False
+    if find() is None:
+        log.info(
+            "llama.cpp is not built here: no llama.cpp rows (build it once: python -m dspark.core.llama_cpp build; "
+            "or eval.llama_cpp=always)"
+        )
+        return False
+    return True
+
+
+def target_gguf_for(cfg: Any, tree: LlamaCpp, target_dir: Path) -> Path:
+    """``eval.llama_cpp_target`` as a file: auto = the embedded target's own GGUF, else f16."""
+    from dspark.core.target import cache_root, embedded_gguf_path
+    from dspark.gguf import target_gguf
+
+    kind = cfg.eval.llama_cpp_target
+    embedded = embedded_gguf_path() if cfg.target.source == "embedded_smollm2" else None
+    if kind == "auto":
+        kind = "embedded" if embedded is not None else "f16"
+    return target_gguf(tree, target_dir, kind, cache=cache_root(), embedded=embedded)
+
+
+def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, exports: dict, parts: Any) -> list[Any]:
+    """The rows of ``eval.llama_cpp_methods`` (our export; its Markov-off ablation as dspark),
+    each one server over the eval set; a method already measured by a killed run is kept
+    (``parts``). ``none`` is measured first: every row's speedup is over it, in this eval."""
+    from dspark.core.llama_cpp import ensure_built
+    from dspark.core.serving import LLAMA_CPP_BY_NAME
+    from dspark.gguf import check_pair, convert_export
+    from eval.inputs import vllm_max_model_len
+    from eval.results import DrafterResult
+
+    e = cfg.eval
+    tree = ensure_built()
+    target = target_gguf_for(cfg, tree, target_dir)
+    serving = LlamaCppServing(
+        tree,
+        target,
+        ctx=vllm_max_model_len(cfg, prompts),
+        gamma=e.gamma,
+        max_new_tokens=e.max_new_tokens,
+        temperature=e.temperature,
+        seed=e.seed,
+        threads=e.llama_cpp_threads,
+        p_min=e.confidence_threshold,
+        timeout_s=e.llama_cpp_timeout_s,
+        start_timeout_s=e.llama_cpp_timeout_s,
+    )
+    runs: list[tuple[str, LlamaCppMethod, Optional[Path]]] = []
+    methods = ["none"] + [m for m in e.llama_cpp_methods if m != "none"]
+    for who, ex in exports.items():
+        for name in methods if who == "ours" else ["dspark"]:
+            m = LLAMA_CPP_BY_NAME[name]
+            if m.layout is None:
+                if who == "ours":
+                    runs.append((f"llama.cpp-{name}", m, None))
+                continue
+            if m.layout not in ex:
+                log.info("llama.cpp %s: the %s export has no %s layout; not served", name, who, m.layout)
+                continue
+            draft = convert_export(tree, ex[m.layout].out_dir, target_dir, e.llama_cpp_draft_type)
+            label = name if who == "ours" else "markov-off"
+            runs.append((f"llama.cpp-{label}", m, draft))
+    checked: set[Path] = set()
+    out: list[DrafterResult] = []
+    plain: Optional[float] = None
+    for name, m, draft in runs:
+        if draft is not None and draft not in checked:  # a drafter that does not fit is one clear error
+            check_pair(tree, target, draft, layout=m.layout or "dspark", gamma=e.gamma, log_dir=out_dir / "llama.cpp")
+            checked.add(draft)
+
+        def serve(name: str = name, m: LlamaCppMethod = m, draft: Optional[Path] = draft) -> list[DrafterResult]:
+            per_prompt = serve_prompts(serving, m, draft, prompts, out_dir / "llama.cpp" / f"{name}.log")
+            return [_row(name, m, draft, target, per_prompt, e.gamma, tree)]
+
+        (row,) = parts.get_or_run(name, serve)
+        if m.name == "none":
+            plain = row.tokens_per_s
+        row.baseline_tokens_per_s = plain
+        out.append(row)
+    return out
+
+
+def _row(
+    name: str, m: LlamaCppMethod, draft: Optional[Path], target: Path, per_prompt: list, gamma: int, tree: LlamaCpp
+) -> Any:
+    from eval.results import AcceptanceCounts, DrafterResult
+
+    total, per_bin = AcceptanceCounts(gamma), {}
+    for b in sorted({p["bin"] for p in per_prompt}):
+        c = AcceptanceCounts(gamma)
+        group = [p for p in per_prompt if p["bin"] == b]
+        for p in group:
+            c.merge(AcceptanceCounts.from_dict(p))
+        per_bin[str(b)] = {**c.summary(), "num_prompts": len(group)}
+        total.merge(c)
+    spec = ",".join(m.spec_types) or "no speculation"
+    return DrafterResult(
+        name,
+        "llama.cpp",
+        m.name,
+        total.summary(),
+        per_bin,
+        draft_cost_ratio=draft_cost_ratio(per_prompt),
+        tokens_per_s=decode_tokens_per_s(per_prompt),
+        notes=f"llama.cpp {tree.info().get('build')} llama-server --spec-type {spec}; target {target.name}"
+        + (f"; drafter {draft.name}" if draft else "")
+        + "; decode phase only (llama.cpp's predicted_ms); steps from n_decode_total",
+        per_prompt=per_prompt,
+    )

@@ -1,0 +1,415 @@
+"""llama.cpp as the CPU serving engine (issue #36): its counters and logs read as llama-server b11434
+writes them, its command line per method, what it refuses; then, with the build scripts/setup.sh
+makes, the real converter and server on the tiny target and a 2-step drafter: the export's GGUF
+drafts beside the target, a drafter of another target is refused, every method gives the target's
+own greedy tokens and llama.cpp's dspark accepts what the reference loop accepts, a broken build
+names its log, and nothing is left running."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dspark.core.config import DSparkConfig
+from dspark.core.llama_server import (
+    Counters,
+    ServerSpec,
+    prompt_chunks,
+    proposer_stats,
+    read_counters,
+    speculation_problem,
+    steps_problem,
+)
+from dspark.core.serving import LLAMA_CPP_BY_NAME, LLAMA_CPP_METHODS
+from dspark.gguf import llama_cpp_problem
+
+REPO = Path(__file__).resolve().parents[2]
+
+# /metrics of llama-server b11434 after one 16-token answer with a 4-token DSpark block
+METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 12
+llamacpp:tokens_predicted_total 16
+llamacpp:n_decode_total 9
+llamacpp:n_tokens_max 27
+llamacpp:spec_decode_num_draft_tokens_total 26
+llamacpp:spec_decode_num_accepted_tokens_total 7
+llamacpp:spec_decode_num_drafts_total 7
+llamacpp:requests_processing 0
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 7
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 0
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 0
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 0
+"""
+
+STATS_LOG = """0.00.680.606 I spec common_specu: adding speculative implementation 'ngram-simple'
+0.00.680.658 I common_speculative_impl_draft_dflash: adding speculative implementation 'draft-dspark'
+0.05.184.416 I spec common_specu: statistics     ngram-simple: #calls(b,g,a) =    1      7      0, #gen drafts =      0, #acc drafts =     0, #gen tokens =      0, #acc tokens =     0, dur(b,g,a) = 0.001, 0.009, 0.000 ms
+0.05.184.438 I spec common_specu: statistics     draft-dspark: #calls(b,g,a) =    1      7      7, #gen drafts =      7, #acc drafts =     7, #gen tokens =     26, #acc tokens =     7, #mean acc len = 2.00, #acc rate/pos = (1.000), dur(b,g,a) = 0.000, 103.894, 0.012 ms
+0.05.302.260 I spec common_specu: statistics     draft-dspark: #calls(b,g,a) =    2     14     14, #gen drafts =     14, #acc drafts =    14, #gen tokens =     52, #acc tokens =    14, #mean acc len = 2.00, #acc rate/pos = (1.000), dur(b,g,a) = 0.001, 156.463, 0.018 ms
+"""  # noqa: E501
+
+
+class _Metrics:
+    """A stand-in server whose /metrics is a fixed text (read_counters takes a Server's url)."""
+
+    def __init__(self, text: str):
+        import http.server
+        import threading
+
+        body = text.encode()
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = http.server.HTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+def test_the_counters_are_read_from_llama_servers_metrics():
+    m = _Metrics(METRICS)
+    try:
+        c = read_counters(m)
+    finally:
+        m.httpd.shutdown()
+    assert (c.drafts, c.draft_tokens, c.accepted, c.decodes, c.predicted) == (7, 26, 7, 9, 16)
+    assert c.accepted_per_pos == [7, 0, 0, 0]  # by position label, not by line order
+    d = c.minus(Counters(drafts=2, draft_tokens=8, accepted=1, decodes=3, predicted=4, accepted_per_pos=[1, 0]))
+    assert (d.drafts, d.draft_tokens, d.accepted, d.decodes, d.predicted) == (5, 18, 6, 6, 12)
+    assert d.accepted_per_pos == [6, 0, 0, 0]
+
+
+def test_steps_are_decodes_after_the_prompt_checked_against_the_output():
+    # that answer: 12-token prompt = 1 chunk, 9 decodes -> 8 steps = 16 generated - 1 - 7 accepted
+    assert prompt_chunks(12) == 1 and prompt_chunks(2048) == 1 and prompt_chunks(2049) == 2
+    assert steps_problem(9 - prompt_chunks(12), 16, 7, gamma=4) is None
+    assert steps_problem(11, 16, 7, gamma=4) is None  # a stop may cut up to gamma accepted tokens
+    problem = steps_problem(13, 16, 7, gamma=4)
+    assert problem is not None and "8 to 12" in problem and "n_decode_total" in problem
+    assert steps_problem(7, 16, 7, gamma=4) is not None
+
+
+def test_each_proposers_cumulative_draft_time_is_read_from_the_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(STATS_LOG)
+    stats = proposer_stats(log)
+    assert set(stats) == {"ngram-simple", "draft-dspark"}
+    d = stats["draft-dspark"]  # the last line of each proposer: cumulative
+    assert (d.drafts, d.draft_tokens, d.accepted_tokens, d.draft_ms) == (14, 52, 14, 156.463)
+    assert stats["ngram-simple"].drafts == 0 and stats["ngram-simple"].draft_ms == 0.009
+
+
+def test_a_proposer_llama_cpp_did_not_add_is_reported(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(STATS_LOG)
+    assert speculation_problem(log, LLAMA_CPP_BY_NAME["ngram-then-dspark"]) is None
+    assert speculation_problem(log, LLAMA_CPP_BY_NAME["none"]) is None
+    log.write_text("0.00.1 I adding speculative implementation 'ngram-simple'\n")
+    problem = speculation_problem(log, LLAMA_CPP_BY_NAME["ngram-then-dspark"])
+    assert problem == "llama.cpp did not add the proposer(s) ['draft-dspark'] (it added ['ngram-simple'])"
+    log.write_text("E failed to initialize speculative decoding context: bad tensor fc.weight\n")
+    problem = speculation_problem(log, LLAMA_CPP_BY_NAME["dspark"])
+    assert problem is not None and "bad tensor fc.weight" in problem
+
+
+def test_the_command_line_of_each_method(tmp_path):
+    tree = type("T", (), {"server": Path("/x/llama-server")})()
+    target, draft = tmp_path / "t.gguf", tmp_path / "d.gguf"
+
+    def cmd(name, **kw):
+        spec = ServerSpec(target, LLAMA_CPP_BY_NAME[name], 7, 4096, draft_gguf=draft, threads=2, **kw)
+        return spec.command(tree, host="127.0.0.1", port=9)
+
+    def flag(c, f):
+        return c[c.index(f) + 1] if f in c else None
+
+    none = cmd("none")
+    assert none[0] == "/x/llama-server" and flag(none, "-m") == str(target) and flag(none, "-np") == "1"
+    assert flag(none, "-c") == "4096" and "--metrics" in none and "--spec-type" not in none and "-md" not in none
+    chain = cmd("ngram-then-dspark", p_min=0.3)
+    assert flag(chain, "--spec-type") == "ngram-simple,draft-dspark"  # the draftless proposer first
+    assert flag(chain, "--spec-draft-n-max") == "7" and flag(chain, "--spec-ngram-simple-size-m") == "7"
+    assert flag(chain, "--spec-ngram-simple-size-n") == "3" and flag(chain, "-md") == str(draft)
+    assert flag(chain, "--spec-draft-p-min") == "0.3" and flag(chain, "-t") == flag(chain, "-td") == "2"
+    ngram = cmd("ngram")
+    assert flag(ngram, "--spec-type") == "ngram-simple" and "-md" not in ngram
+    assert flag(cmd("dflash"), "--spec-type") == "draft-dflash"
+    with pytest.raises(ValueError, match="needs a drafter GGUF"):
+        ServerSpec(target, LLAMA_CPP_BY_NAME["dspark"], 7, 4096).command(tree, host="h", port=1)
+    assert [m.name for m in LLAMA_CPP_METHODS] == ["none", "ngram", "dspark", "dflash", "ngram-then-dspark"]
+
+
+def test_what_llama_cpp_cannot_serve_is_refused_in_one_line():
+    assert llama_cpp_problem(DSparkConfig(), "dspark", "EXP") is None
+    k3 = llama_cpp_problem(DSparkConfig(family="k3_mla"), "dspark", "EXP")
+    assert (
+        k3 is not None
+        and k3.startswith("EXP: drafter family 'k3_mla'; llama.cpp serves Qwen3-style")
+        and "\n" not in k3
+    )
+    gated = llama_cpp_problem(DSparkConfig(markov_head_type="gated"), "dspark", "EXP")
+    assert gated is not None and "markov_head_type 'gated'" in gated and "vanilla" in gated
+    assert llama_cpp_problem(DSparkConfig(markov_rank=0, markov_head_type="gated"), "dspark", "EXP") is None
+
+
+# --- the real build ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """The build scripts/setup.sh made; CI (DSPARK_REQUIRE_LLAMA_CPP=1) fails without it."""
+    from dspark.core.llama_cpp import cache_dir, find
+
+    tree = find()
+    if tree is None:
+        msg = f"llama.cpp is not built in {cache_dir()} (python -m dspark.core.llama_cpp build)"
+        if os.environ.get("DSPARK_REQUIRE_LLAMA_CPP") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return tree
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory, llama_cpp, tiny_trained_drafter):
+    """(target GGUF f32, drafter GGUF f32, export dir, target dir): the tiny target and its 2-step
+    drafter, exported and converted by llama.cpp's own converter."""
+    from dspark.export import export
+    from dspark.gguf import convert_export, target_gguf
+
+    target_dir, _, ckpt = tiny_trained_drafter
+    root = tmp_path_factory.mktemp("llama_cpp")
+    exp = root / "export"
+    export(ckpt, exp, layout="dspark", target_dir=target_dir)
+    draft = convert_export(llama_cpp, exp, target_dir, "f32")
+    target = target_gguf(llama_cpp, target_dir, "f32", cache=root / "cache")
+    return target, draft, exp, target_dir
+
+
+def _servers_left() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"]
+
+
+@pytest.mark.slow
+def test_the_export_cli_writes_the_gguf_beside_and_llama_cpp_drafts_with_it(tmp_path, llama_cpp, tiny_pair):
+    target, _, _, target_dir = tiny_pair
+    out = tmp_path / "exp"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dspark.export",
+            "export",
+            str(_ckpt_of(tiny_pair)),
+            "--out",
+            str(out),
+            "--target-dir",
+            str(target_dir),
+            "--gguf",
+            "--gguf-target",
+            str(target),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    gguf = out.with_name("exp.f32.gguf")
+    assert gguf.is_file() and f"llama.cpp drafter GGUF: {gguf}" in run.stdout
+    assert "llama.cpp check:" in run.stdout and "as draft-dspark" in run.stdout
+    assert not _servers_left()
+
+
+def _ckpt_of(pair) -> Path:
+    import json
+
+    return Path(json.loads((Path(pair[2]) / "export.json").read_text())["source"])
+
+
+@pytest.mark.slow
+def test_a_drafter_of_another_target_is_refused_in_one_error_line(tmp_path, llama_cpp, tiny_pair):
+    """The tiny drafter (2 layers x 64 wide) beside SmolLM2's Q4_1 file (576 wide): llama.cpp does
+    not check a DSpark drafter against its target; we do, before serving."""
+    from dspark.core.target import embedded_gguf_path
+
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dspark.export",
+            "export",
+            str(_ckpt_of(tiny_pair)),
+            "--out",
+            str(tmp_path / "exp"),
+            "--target-dir",
+            str(tiny_pair[3]),
+            "--gguf",
+            "--gguf-target",
+            str(embedded_gguf_path()),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    err = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "fc reads 128 values per token (2 target layers)" in err[0], run.stderr[-2000:]
+    assert "576 wide: 1152 expected" in err[0]
+    assert "Traceback" not in run.stderr and not _servers_left()
+
+
+def _prompts():
+    from eval.prompts import EvalPrompt
+
+    base = [5, 17, 300, 4000, 12, 999, 5, 17, 300, 4000, 12, 77]
+    return [
+        EvalPrompt("0", 64, list(range(100, 164)), 64, "test", "", None, []),
+        EvalPrompt("1", 64, base * 5, 60, "test", "", None, []),
+    ]
+
+
+@pytest.mark.slow
+def test_every_method_gives_the_targets_greedy_tokens_and_llama_cpp_accepts_what_the_reference_does(
+    tmp_path, llama_cpp, tiny_pair
+):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dspark.core.target import load_target_heads
+    from dspark.serving_format import load_drafter, read_export
+    from eval.llama_serve import LlamaCppServing, serve_prompts
+    from eval.reference import DecodeConfig, DraftRunner, TargetRunner, plain_generate, speculative_generate
+
+    target, draft, exp_dir, target_dir = tiny_pair
+    prompts, gamma, n = _prompts(), 4, 24
+    s = LlamaCppServing(llama_cpp, target, ctx=512, gamma=gamma, max_new_tokens=n, temperature=0.0, seed=0)
+    runs = {
+        name: serve_prompts(s, LLAMA_CPP_BY_NAME[name], None if name in ("none", "ngram") else draft, prompts,
+                            tmp_path / f"{name}.log")
+        for name in ("none", "ngram", "dspark", "ngram-then-dspark")
+    }  # fmt: skip
+    assert not _servers_left()
+    exp = read_export(exp_dir)
+    heads = load_target_heads(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    cfg = DecodeConfig(gamma=gamma, max_new_tokens=n, budget_blocks=True)
+    for i, p in enumerate(prompts):
+        plain = plain_generate(TargetRunner(model, []), p.prompt_token_ids, cfg, set(), torch.Generator())
+        for name, per_prompt in runs.items():
+            rec = per_prompt[i]
+            assert rec["output_ids"] == plain.tokens, (name, p.prompt_id)  # lossless: the target's own tokens
+            assert rec["num_steps"] == n - 1 - rec["num_accepted"]  # no stop cut: every step accounted for
+            assert rec["decode_tokens"] == n - 1 and rec["decode_ms"] > 0
+        none = runs["none"][i]
+        assert none["num_drafts"] == none["num_accepted"] == 0 and none["draft_ms"] == 0
+        ref = speculative_generate(
+            TargetRunner(model, exp.context_layer_ids),
+            DraftRunner(load_drafter(exp, heads)),
+            p.prompt_token_ids,
+            cfg,
+            set(),
+            torch.Generator().manual_seed(0),
+        )
+        ours = runs["dspark"][i]
+        assert ours["num_drafts"] == ref.counts.num_drafts and ours["num_accepted"] == ref.counts.num_accepted
+        assert ours["accepted_per_pos"] == ref.counts.accepted_per_pos and ours["draft_ms"] > 0
+        assert (
+            set(ours["proposers"]) == {"draft-dspark"}
+            and ours["proposers"]["draft-dspark"]["drafts"] == ours["num_drafts"]
+        )
+    # the chain: both proposers asked, each draft one proposer's (the random target repeats one token,
+    # where ngram-simple never drafts: its most recent match overlaps the key and leaves < n to copy)
+    for chain in runs["ngram-then-dspark"]:
+        assert set(chain["proposers"]) == {"ngram-simple", "draft-dspark"}
+        assert chain["num_drafts"] == sum(v["drafts"] for v in chain["proposers"].values())
+
+
+@pytest.mark.slow
+def test_a_server_that_does_not_come_up_is_one_error_naming_its_log_and_nothing_is_left(tmp_path, llama_cpp):
+    from dspark.core.servers import ServerStartError
+    from eval.llama_serve import LlamaCppServing, serve_prompts
+
+    bad = tmp_path / "target.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    s = LlamaCppServing(llama_cpp, bad, ctx=256, gamma=4, max_new_tokens=4, temperature=0.0, seed=0)
+    log = tmp_path / "none.log"
+    with pytest.raises(ServerStartError) as e:
+        serve_prompts(s, LLAMA_CPP_BY_NAME["none"], None, _prompts(), log)
+    assert str(e.value).startswith("llama.cpp none: the llama.cpp server exited with status")
+    assert f"its log: {log}" in str(e.value) and not _servers_left()
+
+
+def _fake_sdist(path: Path, cmakelists: str) -> Path:
+    from dspark.core.llama_cpp import SDIST_URL
+
+    name = SDIST_URL.rsplit("/", 1)[1].removesuffix(".tar.gz")
+    with tarfile.open(path, "w:gz") as tar:
+        data = cmakelists.encode()
+        info = tarfile.TarInfo(f"{name}/llama.cpp/CMakeLists.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_a_failed_build_names_its_log_and_leaves_nothing_that_looks_built(tmp_path, monkeypatch):
+    import dspark.core.llama_cpp as lc
+
+    sdist = _fake_sdist(
+        tmp_path / "sdist.tar.gz", 'cmake_minimum_required(VERSION 3.14)\nmessage(FATAL_ERROR "boom")\n'
+    )
+    monkeypatch.setenv(lc.SDIST_ENV, str(sdist))
+    monkeypatch.setattr(lc, "SDIST_SHA256", lc.file_sha256(sdist))
+    with pytest.raises(lc.LlamaCppBuildError) as e:
+        lc.ensure_built(tmp_path / "cache", jobs=1)
+    msg = str(e.value)
+    log = Path(msg.split("its log: ")[1].split("\n")[0])
+    assert msg.startswith("the llama.cpp build failed at 'configure' (exit 1)") and log.is_file()
+    assert "boom" in log.read_text() and "boom" in msg
+    assert lc.find(tmp_path / "cache") is None
+    assert not [p for p in (tmp_path / "cache" / "llama.cpp").iterdir() if p.is_dir()]  # no half tree
+
+
+def test_a_sdist_that_is_not_the_pinned_one_is_refused(tmp_path, monkeypatch):
+    import dspark.core.llama_cpp as lc
+
+    sdist = _fake_sdist(tmp_path / "sdist.tar.gz", "project(x)\n")
+    monkeypatch.setenv(lc.SDIST_ENV, str(sdist))
+    with pytest.raises(lc.LlamaCppError, match=f"sha256 {lc.file_sha256(sdist)}, expected {lc.SDIST_SHA256}"):
+        lc.ensure_built(tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_the_quantized_files_run_on_the_portable_build(tmp_path, llama_cpp, tiny_pair):
+    """The wheel's Q4_1 target and a q8_0 drafter: the build for every x86-64 machine runs them
+    (a -march=native build died with SIGILL on both, issue #36) with a CPU variant it chose."""
+    from dspark.core.target import embedded_gguf_path
+    from dspark.gguf import check_pair, convert_export
+    from eval.llama_serve import LlamaCppServing, serve_prompts
+
+    target, _, exp_dir, target_dir = tiny_pair
+    q8 = convert_export(llama_cpp, exp_dir, target_dir, "q8_0")
+    assert q8.name == "export.q8_0.gguf" and q8.stat().st_size < exp_dir.joinpath("model.safetensors").stat().st_size
+    check = check_pair(llama_cpp, target, q8, layout="dspark", gamma=4, log_dir=tmp_path)
+    assert check.drafts >= 1 and check.spec_type == "draft-dspark"
+    s = LlamaCppServing(llama_cpp, embedded_gguf_path(), ctx=256, gamma=4, max_new_tokens=8, temperature=0.0, seed=0)
+    log = tmp_path / "q4_1.log"
+    (rec,) = serve_prompts(s, LLAMA_CPP_BY_NAME["none"], None, _prompts()[:1], log)
+    assert len(rec["output_ids"]) == 8 and rec["num_steps"] == 7
+    variant = [line for line in log.read_text().splitlines() if "loaded CPU backend from" in line]
+    assert variant and "libggml-cpu-" in variant[0], log.read_text()[-2000:]
+    assert not _servers_left()
