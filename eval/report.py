@@ -294,6 +294,32 @@ def _checks_section(checks: list[Check]) -> list[str]:
     return ["## Quality checks", "", note, ""] + _table(["check", "target", "measured", "result", "detail"], rows)
 
 
+def _parity_section(results: EvalResults) -> list[str]:
+    """llama.cpp's rows against their reference-loop twins, per prompt (``eval.run.llama_cpp_parity``)."""
+    parity = results.conditions.extra.get("llama_cpp_parity") or {}
+    if not parity:
+        return []
+    rows = []
+    for name, p in parity.items():
+        for r in p["per_prompt"]:
+            rows.append(
+                [
+                    name,
+                    str(r["prompt_id"]),
+                    "yes" if r["tokens_equal"] else f"no (from token {r['first_difference']})",
+                    f"{r['accepted'][0]} / {r['accepted'][1]}",
+                    f"{r['drafts'][0]} / {r['drafts'][1]}",
+                    f"{r['steps'][0]} / {r['steps'][1]}",
+                ]
+            )
+    note = (
+        "Greedy, both lossless: equal tokens where the two targets' numerics agree (a quantized target GGUF "
+        "parts from the fp32 reference); accepted, drafts and steps as llama.cpp / the reference loop."
+    )
+    head = ["drafter", "prompt", "tokens equal", "accepted", "drafts", "steps"]
+    return ["## llama.cpp against the reference loop", "", note, ""] + _table(head, rows)
+
+
 def render_markdown(results: EvalResults, plots: dict[str, Path], *, checks: list[Check] | None = None) -> str:
     """The report: conditions first, since no number means anything without them."""
     sections = [
@@ -303,6 +329,7 @@ def render_markdown(results: EvalResults, plots: dict[str, Path], *, checks: lis
         _position_section(results),
         _speedup_section(speedup_table(results)),
         _calibration_section(results),
+        _parity_section(results),
     ]
     if checks is not None:
         sections.append(_checks_section(checks))
@@ -317,9 +344,14 @@ def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
     lines = []
     for d in results.drafters:
         share = pct(AcceptanceCounts.from_dict(d.overall).draft_share)
+        clock = ""
+        if d.runner == "llama.cpp" and d.tokens_per_s:
+            clock = f", {d.tokens_per_s:.1f} tok/s" + (
+                f" = {d.measured_speedup:.2f}x none" if d.measured_speedup else ""
+            )
         lines.append(
             f"eval     {d.name:<18} tokens/step {fmt(d.tokens_per_step)}{interval_text(d.interval('tokens_per_step'))}"
-            f"  (tau {fmt(d.tau)} over drafted steps, {share} drafted; {d.runner})"
+            f"  (tau {fmt(d.tau)} over drafted steps, {share} drafted; {d.runner}{clock})"
         )
     return lines + [f"check    {c.name}: {c.verdict} ({c.detail})" for c in checks]
 

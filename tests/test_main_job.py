@@ -68,9 +68,12 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     report_dir = tmp_path / "eval" / "smollm2-135m" / "markov16-L1-i256"
     results = json.loads((report_dir / "results.json").read_text())
     names = {d["name"]: d for d in results["drafters"]}
-    assert set(names) == {"dspark", "markov-off", "ngram-then-dspark", "ngram"}
-    for d in names.values():  # every bin measured, by the reference loop and by vLLM's counters
-        assert set(d["per_bin"]) == {"256", "512"} and d["overall"]["num_drafts"] > 0
+    # llama.cpp (built by scripts/setup.sh) serves ours with its Markov head, the chain, its ngram and none
+    served = {f"llama.cpp-{m}" for m in ("none", "ngram", "dspark", "ngram-then-dspark", "markov-off")}
+    assert set(names) == {"dspark", "markov-off", "ngram-then-dspark", "ngram"} | served
+    for d in names.values():  # every bin measured, by the reference loop, vLLM's and llama.cpp's counters
+        assert set(d["per_bin"]) == {"256", "512"}
+        assert d["overall"]["num_drafts"] > 0 or d["name"] in ("llama.cpp-none", "llama.cpp-ngram")
         o = d["overall"]  # every target step counted, drafted or not
         assert o["num_steps"] >= o["num_drafts"] and o["tokens_per_step"] == 1 + o["num_accepted"] / o["num_steps"]
         assert sum(p["num_steps"] for p in d["per_prompt"]) == o["num_steps"]
@@ -83,6 +86,18 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     assert equal["ngram"]["equal"] == 2 and all(len(p["output_ids"]) > 0 for p in names["dspark"]["per_prompt"])
     # the chain drafts on every step too: the lookup where it matches, our block otherwise
     assert names["ngram-then-dspark"]["overall"]["num_drafts"] == names["ngram-then-dspark"]["overall"]["num_steps"]
+    none = names["llama.cpp-none"]  # no speculation: one token per step; the wall clock every row is compared with
+    assert none["overall"]["num_drafts"] == 0 and none["overall"]["tokens_per_step"] == 1.0
+    for name in served:  # llama.cpp drafts each step but a last one with a single token left
+        o, d = names[name]["overall"], names[name]
+        assert (
+            d["runner"] == "llama.cpp" and d["tokens_per_s"] > 0 and d["baseline_tokens_per_s"] == none["tokens_per_s"]
+        )
+        if name not in ("llama.cpp-none", "llama.cpp-ngram"):
+            assert o["num_steps"] - 2 <= o["num_drafts"] <= o["num_steps"] and d["draft_cost_ratio"] > 0
+    parity = results["conditions"]["extra"]["llama_cpp_parity"]  # llama.cpp's rows beside their reference twins
+    assert set(parity) == {"llama.cpp-dspark", "llama.cpp-ngram-then-dspark"}
+    assert all(p["prompts"] == 2 and len(p["per_prompt"]) == 2 for p in parity.values())
     assert {c["name"] for c in results["checks"]} >= {
         "DSpark over its Markov-off ablation",
         "DSpark over vLLM ngram",
@@ -92,12 +107,15 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
         assert (report_dir / png).stat().st_size > 1000
     report = (report_dir / "report.md").read_text()
     assert "markov-off" in report and "ngram" in report and "| gamma | 4 |" in report
+    assert "## llama.cpp against the reference loop" in report
     assert f"report   {report_dir / 'report.md'}" in log
     for name in ("DSpark over its Markov-off ablation", "DSpark over vLLM ngram", "no long-context collapse"):
         assert re.search(rf"check    {name}: (PASS|MISS|inside the noise) \(", log), name  # in the closing summary
     assert re.search(
         r"eval     ngram +tokens/step \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]  \(tau \d\.\d{3} over drafted steps", log
     )
+    assert re.search(r"eval     llama.cpp-dspark +tokens/step .*; llama.cpp, \d+\.\d tok/s = \d\.\d\dx none\)", log)
+    assert re.search(r"check    wall-clock speedup over plain decoding \(bs=1, llama.cpp-dspark\): ", log)
     assert list((tmp_path / "wandb").glob("offline-run-*")) or list(report_dir.glob("wandb/offline-run-*"))
 
     log = _main_job(tmp_path, "logging.wandb=false")
