@@ -190,7 +190,7 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
     (``parts``). ``none`` is measured first: every row's speedup is over it, in this eval."""
     from dspark.core.llama_cpp import ensure_built
     from dspark.core.serving import LLAMA_CPP_BY_NAME
-    from dspark.gguf import check_pair, convert_export
+    from dspark.gguf import check_pair, convert_export, export_problem
     from eval.inputs import vllm_max_model_len
     from eval.results import DrafterResult
 
@@ -221,6 +221,10 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
                 continue
             if m.layout not in ex:
                 log.info("llama.cpp %s: the %s export has no %s layout; not served", name, who, m.layout)
+                continue
+            problem = export_problem(ex[m.layout].out_dir)
+            if problem:
+                log.warning("llama.cpp %s: the %s export is not served: %s", name, who, problem)
                 continue
             draft = convert_export(tree, ex[m.layout].out_dir, target_dir, e.llama_cpp_draft_type)
             label = name if who == "ours" else "markov-off"

@@ -163,7 +163,10 @@ def test_what_llama_cpp_cannot_serve_is_refused_in_one_line():
     )
     gated = llama_cpp_problem(DSparkConfig(markov_head_type="gated"), "dspark", "EXP")
     assert gated is not None and "markov_head_type 'gated'" in gated and "vanilla" in gated
-    assert llama_cpp_problem(DSparkConfig(markov_rank=0, markov_head_type="gated"), "dspark", "EXP") is None
+    off = DSparkConfig(markov_rank=0, markov_head_type="gated")  # Markov off: its head type is moot, but
+    problem = llama_cpp_problem(off, "dspark", "EXP")  # its confidence head reads the state alone
+    assert problem is not None and "llama.cpp b11434 reads it over [state; Markov embedding] only" in problem
+    assert llama_cpp_problem(DSparkConfig(markov_rank=0, enable_confidence_head=False), "dspark", "EXP") is None
 
 
 # --- the real build ----------------------------------------------------------------------------
