@@ -206,41 +206,28 @@ def _servers_left() -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["name"]) if p.info["name"] == "llama-server"]
 
 
+def _ckpt_of(pair) -> Path:
+    import json
+
+    return Path(json.loads((Path(pair[2]) / "export.json").read_text())["source"])
+
+
+def _export_with_gguf(pair, out: Path, gguf_target: Path) -> subprocess.CompletedProcess:
+    """``python -m dspark.export export CKPT --out OUT --gguf --gguf-target GGUF_TARGET`` of the pair's drafter."""
+    cmd = [sys.executable, "-m", "dspark.export", "export", str(_ckpt_of(pair)), "--out", str(out)]
+    cmd += ["--target-dir", str(pair[3]), "--gguf", "--gguf-target", str(gguf_target)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.slow
 def test_the_export_cli_writes_the_gguf_beside_and_llama_cpp_drafts_with_it(tmp_path, llama_cpp, tiny_pair):
-    target, _, _, target_dir = tiny_pair
     out = tmp_path / "exp"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dspark.export",
-            "export",
-            str(_ckpt_of(tiny_pair)),
-            "--out",
-            str(out),
-            "--target-dir",
-            str(target_dir),
-            "--gguf",
-            "--gguf-target",
-            str(target),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = _export_with_gguf(tiny_pair, out, tiny_pair[0])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     gguf = out.with_name("exp.f32.gguf")
     assert gguf.is_file() and f"llama.cpp drafter GGUF: {gguf}" in run.stdout
     assert "llama.cpp check:" in run.stdout and "as draft-dspark" in run.stdout
     assert not _servers_left()
-
-
-def _ckpt_of(pair) -> Path:
-    import json
-
-    return Path(json.loads((Path(pair[2]) / "export.json").read_text())["source"])
 
 
 @pytest.mark.slow
@@ -249,26 +236,7 @@ def test_a_drafter_of_another_target_is_refused_in_one_error_line(tmp_path, llam
     not check a DSpark drafter against its target; we do, before serving."""
     from dspark.core.target import embedded_gguf_path
 
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dspark.export",
-            "export",
-            str(_ckpt_of(tiny_pair)),
-            "--out",
-            str(tmp_path / "exp"),
-            "--target-dir",
-            str(tiny_pair[3]),
-            "--gguf",
-            "--gguf-target",
-            str(embedded_gguf_path()),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = _export_with_gguf(tiny_pair, tmp_path / "exp", embedded_gguf_path())
     assert run.returncode == 2, run.stderr[-3000:]
     err = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "fc reads 128 values per token (2 target layers)" in err[0], run.stderr[-2000:]

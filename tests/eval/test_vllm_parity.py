@@ -89,6 +89,7 @@ def test_dflash_export_served_by_vllm_matches_the_reference_loop(tmp_path, smoll
             "eval.baselines=[ngram]",
             "eval.reference_proposers=[dspark,ngram]",
             "eval.measure_plain=false",
+            "eval.llama_cpp=never",  # vLLM against the reference loop here; llama.cpp's: test_llama_cpp.py
             f"hydra.run.dir={tmp_path}/run2",
         ]
     )
