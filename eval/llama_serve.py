@@ -252,22 +252,16 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
 def _row(
     name: str, m: LlamaCppMethod, draft: Optional[Path], target: Path, per_prompt: list, gamma: int, tree: LlamaCpp
 ) -> Any:
-    from eval.results import AcceptanceCounts, DrafterResult
+    from eval.results import AcceptanceCounts, DrafterResult, per_bin_summary
 
-    total, per_bin = AcceptanceCounts(gamma), {}
-    for b in sorted({p["bin"] for p in per_prompt}):
-        c = AcceptanceCounts(gamma)
-        group = [p for p in per_prompt if p["bin"] == b]
-        for p in group:
-            c.merge(AcceptanceCounts.from_dict(p))
-        per_bin[str(b)] = {**c.summary(), "num_prompts": len(group)}
-        total.merge(c)
+    bins = [p["bin"] for p in per_prompt]
+    overall, per_bin = per_bin_summary(bins, [AcceptanceCounts.from_dict(p) for p in per_prompt], gamma)
     spec = ",".join(m.spec_types) or "no speculation"
     return DrafterResult(
         name,
         "llama.cpp",
         m.name,
-        total.summary(),
+        overall,
         per_bin,
         draft_cost_ratio=draft_cost_ratio(per_prompt),
         tokens_per_s=decode_tokens_per_s(per_prompt),

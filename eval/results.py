@@ -136,6 +136,22 @@ class AcceptanceCounts:
         }
 
 
+def per_bin_summary(
+    prompt_bins: list[int], counts: list[AcceptanceCounts], gamma: int
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The summed counters of every prompt, and of each context bin's (with its ``num_prompts``):
+    a :class:`DrafterResult`'s ``overall`` and ``per_bin``."""
+    total, per = AcceptanceCounts(gamma), {}
+    for b in sorted(set(prompt_bins)):
+        c = AcceptanceCounts(gamma)
+        for pb, pc in zip(prompt_bins, counts):
+            if pb == b:
+                c.merge(pc)
+        per[str(b)] = {**c.summary(), "num_prompts": prompt_bins.count(b)}
+        total.merge(c)
+    return total.summary(), per
+
+
 # --- noise ----------------------------------------------------------------------------------
 
 CONFIDENCE = 0.95

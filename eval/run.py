@@ -39,6 +39,7 @@ from eval.results import (
     load_results,
     nan_to_none,
     outputs_equal,
+    per_bin_summary,
 )
 from eval.serve import ServeSpec, run_in_subprocess
 
@@ -52,18 +53,6 @@ class EvalOutcome:
     exports: dict[str, Path] = field(default_factory=dict)
     report: Any = None
     checks: list[Check] = field(default_factory=list)  # the quality targets, measured
-
-
-def _per_bin(prompt_bins: list[int], counts: list[AcceptanceCounts], gamma: int) -> tuple[dict, dict]:
-    total, per = AcceptanceCounts(gamma), {}
-    for b in sorted(set(prompt_bins)):
-        c = AcceptanceCounts(gamma)
-        for pb, pc in zip(prompt_bins, counts):
-            if pb == b:
-                c.merge(pc)
-        per[str(b)] = {**c.summary(), "num_prompts": prompt_bins.count(b)}
-        total.merge(c)
-    return total.summary(), per
 
 
 def _per_prompt(prompts: list, counts: list[AcceptanceCounts], outputs: list[list[int]]) -> list[dict[str, Any]]:
@@ -115,7 +104,7 @@ def reference_eval(
         conf += g.confidence
         tokens += len(g.tokens) - 1  # the first token comes from prefill
         dec_s, draft_s, verify_s = dec_s + g.decode_s, draft_s + g.draft_s, verify_s + g.verify_s
-    overall, per_bin = _per_bin([p.bin for p in prompts], counts, dcfg.gamma)
+    overall, per_bin = per_bin_summary([p.bin for p in prompts], counts, dcfg.gamma)
     steps = max(overall["num_steps"], 1)
     where = f"export {export_dir}" if export_dir is not None else "no drafter"
     if lookup is not None:
