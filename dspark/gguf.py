@@ -59,17 +59,6 @@ def llama_cpp_problem(drafter: DSparkConfig, layout: str, where: object) -> Opti
             f"{where}: markov_head_type {drafter.markov_head_type!r}; llama.cpp serves the vanilla Markov head only "
             "(drafter.markov_head_type=vanilla)"
         )
-    if (
-        layout == "dspark"
-        and drafter.enable_confidence_head
-        and not (drafter.markov_rank and drafter.confidence_head_with_markov)
-    ):
-        return (
-            f"{where}: its confidence head reads the draft state alone (markov_rank {drafter.markov_rank}, "
-            f"confidence_head_with_markov {drafter.confidence_head_with_markov}); llama.cpp b11434 reads it over "
-            "[state; Markov embedding] only and refuses the file (conf_proj: expected hidden + rank inputs); "
-            "train with drafter.enable_confidence_head=false to serve it there"
-        )
     return None
 
 

@@ -38,6 +38,7 @@ from dspark.core.files import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
 from dspark.core.serving import LAYOUTS
 from dspark.families import family_of_architecture, get_family, served_architectures
+from dspark.families.base import confidence_zero_columns
 from dspark.model import DrafterDims
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,11 @@ def serving_weights(ckpt: TrainingCheckpoint, layout: str, dtype: torch.dtype) -
         v = ckpt.dims.vocab_size
         out["markov_head.markov_w1.weight"] = torch.zeros(v, 1, dtype=dtype)
         out["markov_head.markov_w2.weight"] = torch.zeros(v, 1, dtype=dtype)
+    pad = confidence_zero_columns(ckpt.drafter) if layout == "dspark" else 0
+    if pad:
+        name = family.to_serving(CONFIDENCE_WEIGHT)
+        w = out[name]
+        out[name] = torch.cat([w, w.new_zeros(w.shape[0], pad)], dim=1).contiguous()
     return out
 
 
@@ -151,6 +157,8 @@ class ExportedDrafter:
     def architecture(self) -> str:
         return architecture(self.drafter, self.layout)
 
+
+CONFIDENCE_WEIGHT = "confidence_head.proj.weight"  # our name
 
 REEXPORT = "export it again: python -m dspark.export export CHECKPOINT --out {dir}"
 
@@ -232,6 +240,16 @@ def read_export(path: Path) -> ExportedDrafter:
         raise ExportError(f"{path / WEIGHTS_FILE}: cannot be read as safetensors ({type(e).__name__}: {e})") from e
     if layout == "dspark" and drafter.markov_rank == 0:
         weights = {k: v for k, v in weights.items() if not k.startswith("markov_head.")}
+    pad = confidence_zero_columns(drafter) if layout == "dspark" else 0
+    if pad and CONFIDENCE_WEIGHT in weights:  # served over [state; Markov embedding]: back to the state alone
+        w = weights[CONFIDENCE_WEIGHT]
+        if w.shape[-1] != dims.hidden_size + pad or torch.count_nonzero(w[:, dims.hidden_size :]):
+            raise ExportError(
+                f"{path / WEIGHTS_FILE}: tensor {family.to_serving(CONFIDENCE_WEIGHT)} has shape {list(w.shape)}; "
+                f"expected [1, {dims.hidden_size} + {pad}] with zeros in its last {pad} columns (a confidence head "
+                f"trained on the draft state alone); {REEXPORT.format(dir=path)}"
+            )
+        weights[CONFIDENCE_WEIGHT] = w[:, : dims.hidden_size].contiguous()
     check_weights(weights, drafter, dims, where=str(path / WEIGHTS_FILE))
     return ExportedDrafter(path, config, prov, layout, drafter, dims, ctx_ids, weights)
 

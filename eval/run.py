@@ -411,7 +411,11 @@ def greedy_outputs_equal(cfg: RunConfig, drafters: list[DrafterResult]) -> dict[
     return out
 
 
-LLAMA_CPP_TWINS = (("llama.cpp-dspark", "dspark"), ("llama.cpp-ngram-then-dspark", "ngram-then-dspark"))
+LLAMA_CPP_TWINS = (
+    ("llama.cpp-dspark", "dspark"),
+    ("llama.cpp-ngram-then-dspark", "ngram-then-dspark"),
+    ("llama.cpp-markov-off", "markov-off"),
+)
 """llama.cpp rows and their twins in the reference loop (the exact acceptance instrument)."""
 
 

@@ -106,6 +106,16 @@ class DrafterFamily:
         return name
 
 
+def confidence_zero_columns(cfg: DSparkConfig) -> int:
+    """How many zero input columns the served confidence head gets (0: none). Every DSpark export
+    serves its confidence head over [state; Markov embedding], the one form llama.cpp reads: a head
+    trained on the state alone gets zero weights for the Markov part (the rank-1 zero head's when
+    markov_rank is 0), which leaves its logit as it was, in vLLM and in llama.cpp alike."""
+    if not cfg.enable_confidence_head or (cfg.markov_rank > 0 and cfg.confidence_head_with_markov):
+        return 0
+    return max(cfg.markov_rank, 1)
+
+
 def dspark_head_fields(cfg: DSparkConfig) -> dict[str, Any]:
     """The Markov and confidence heads' config.json fields, as vLLM's ``DSparkMarkovHead`` /
     ``DSparkConfidenceHead`` read them (shared by every family's DSpark class)."""
@@ -113,9 +123,7 @@ def dspark_head_fields(cfg: DSparkConfig) -> dict[str, Any]:
         "markov_rank": max(cfg.markov_rank, 1),  # rank 0 is served as a zero rank-1 head (same logits)
         "markov_head_type": "vanilla",
         "enable_confidence_head": cfg.enable_confidence_head,
-        "confidence_head_with_markov": cfg.enable_confidence_head
-        and cfg.confidence_head_with_markov
-        and cfg.markov_rank > 0,
+        "confidence_head_with_markov": cfg.enable_confidence_head,  # see confidence_zero_columns
     }
 
 

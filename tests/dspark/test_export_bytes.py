@@ -135,3 +135,62 @@ def test_qwen3_family_numbers_are_pinned():
     got.append(float(out.confidence_logits.double().sum()))
     print(got)
     assert got == pytest.approx(PINNED_NUMBERS, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(num_layers=1, block_size=4, markov_rank=0),  # the Markov-off ablation: a rank-1 zero head
+        dict(num_layers=1, block_size=4, markov_rank=4, confidence_head_with_markov=False),
+    ],
+    ids=["markov0", "state-only"],
+)
+def test_confidence_head_on_the_state_alone_is_served_over_state_and_markov_with_zero_columns(tmp_path, fields):
+    """llama.cpp reads a DSpark confidence head over [state; Markov embedding] only: a head trained
+    on the state alone is exported with zero Markov columns, gives the same logits as served, and
+    reads back as it was trained."""
+    from safetensors.torch import load_file
+
+    from dspark.families import get_family
+    from dspark.model import DSparkDrafter
+    from dspark.serving_format import read_export
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TARGET_CONFIG))
+    ckpt = checkpoint(tmp_path, fields)
+    export(ckpt, tmp_path / "out", layout="dspark", target_dir=target)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    rank = max(fields["markov_rank"], 1)
+    assert config["confidence_head_with_markov"] is True and config["markov_rank"] == rank
+    family = get_family("qwen3")
+    served = {family.from_serving(k): v for k, v in load_file(str(tmp_path / "out" / "model.safetensors")).items()}
+    conf = served["confidence_head.proj.weight"]
+    h = DIMS.hidden_size
+    assert conf.shape == (1, h + rank) and torch.equal(conf[:, h:], torch.zeros(1, rank))
+    assert torch.equal(conf[:, :h], ckpt.weights["confidence_head.proj.weight"])
+    back = read_export(tmp_path / "out")
+    assert back.drafter == ckpt.drafter and set(back.weights) == set(ckpt.weights)
+    assert all(torch.equal(back.weights[k], v) for k, v in ckpt.weights.items())
+
+    v = DIMS.vocab_size
+    shared = dict(
+        embed_tokens=torch.sin(torch.arange(v * h, dtype=torch.float64)).float().reshape(v, h),
+        lm_head=torch.cos(torch.arange(v * h, dtype=torch.float64)).float().reshape(v, h),
+        target_norm=torch.ones(h),
+        target_norm_eps=1e-6,
+    )
+    trained = DSparkDrafter(ckpt.drafter, DIMS, **shared)
+    trained.load_state_dict(ckpt.weights, strict=False)
+    as_served = DSparkDrafter(
+        DSparkConfig(**{**fields, "markov_rank": rank, "confidence_head_with_markov": True}), DIMS, **shared
+    )
+    missing, unexpected = as_served.load_state_dict(served, strict=False)
+    assert not unexpected and not [k for k in missing if k in served]
+    ids = (torch.arange(12) * 7 % v).reshape(1, 12)
+    states = torch.sin(torch.arange(11 * 3 * h, dtype=torch.float64)).float().reshape(1, 11, 3 * h)
+    with torch.no_grad():
+        a = trained(ids, states, torch.tensor([[1, 4, 6]]))
+        b = as_served(ids, states, torch.tensor([[1, 4, 6]]))
+    assert a.confidence_logits.abs().sum() > 0
+    torch.testing.assert_close(b.confidence_logits, a.confidence_logits, rtol=1e-6, atol=1e-6)

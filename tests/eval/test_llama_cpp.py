@@ -163,10 +163,10 @@ def test_what_llama_cpp_cannot_serve_is_refused_in_one_line():
     )
     gated = llama_cpp_problem(DSparkConfig(markov_head_type="gated"), "dspark", "EXP")
     assert gated is not None and "markov_head_type 'gated'" in gated and "vanilla" in gated
-    off = DSparkConfig(markov_rank=0, markov_head_type="gated")  # Markov off: its head type is moot, but
-    problem = llama_cpp_problem(off, "dspark", "EXP")  # its confidence head reads the state alone
-    assert problem is not None and "llama.cpp b11434 reads it over [state; Markov embedding] only" in problem
-    assert llama_cpp_problem(DSparkConfig(markov_rank=0, enable_confidence_head=False), "dspark", "EXP") is None
+    # Markov off: its head type is moot, and its confidence head (on the state alone) is exported
+    # with zero Markov columns (tests/dspark/test_export_bytes.py), the form llama.cpp reads
+    assert llama_cpp_problem(DSparkConfig(markov_rank=0, markov_head_type="gated"), "dspark", "EXP") is None
+    assert llama_cpp_problem(DSparkConfig(confidence_head_with_markov=False), "dspark", "EXP") is None
 
 
 # --- the real build ----------------------------------------------------------------------------
@@ -308,6 +308,55 @@ def test_every_method_gives_the_targets_greedy_tokens_and_llama_cpp_accepts_what
     for chain in runs["ngram-then-dspark"]:
         assert set(chain["proposers"]) == {"ngram-simple", "draft-dspark"}
         assert chain["num_drafts"] == sum(v["drafts"] for v in chain["proposers"].values())
+
+
+@pytest.mark.slow
+def test_a_markov_off_drafter_with_a_confidence_head_is_served_and_accepts_what_the_reference_does(
+    tmp_path, llama_cpp, tiny_pair
+):
+    """The Markov-off ablation's confidence head reads the draft state alone; its export gives it a
+    zero Markov column, and llama.cpp (which refused the state-only form) now serves it."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dspark.checkpoint import load_training_checkpoint
+    from dspark.core.target import load_target_heads
+    from dspark.export import export
+    from dspark.gguf import check_pair, convert_export
+    from dspark.serving_format import load_drafter, read_export
+    from eval.llama_serve import LlamaCppServing, serve_prompts
+    from eval.reference import DecodeConfig, DraftRunner, TargetRunner, speculative_generate
+
+    target, _, _, target_dir = tiny_pair
+    ckpt = load_training_checkpoint(_ckpt_of(tiny_pair))
+    h = ckpt.dims.hidden_size
+    weights = {k: v for k, v in ckpt.weights.items() if not k.startswith("markov_head.")}
+    weights["confidence_head.proj.weight"] = weights["confidence_head.proj.weight"][:, :h].contiguous()
+    off = dataclasses.replace(ckpt, drafter=dataclasses.replace(ckpt.drafter, markov_rank=0), weights=weights)
+    export(off, tmp_path / "off", layout="dspark", target_dir=target_dir)
+    draft = convert_export(llama_cpp, tmp_path / "off", target_dir, "f32")
+    check_pair(llama_cpp, target, draft, layout="dspark", gamma=4, log_dir=tmp_path / "check")
+    gamma, n, prompts = 4, 24, _prompts()
+    s = LlamaCppServing(llama_cpp, target, ctx=512, gamma=gamma, max_new_tokens=n, temperature=0.0, seed=0)
+    served = serve_prompts(s, LLAMA_CPP_BY_NAME["dspark"], draft, prompts, tmp_path / "off.log")
+    assert not _servers_left()
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    exp = read_export(tmp_path / "off")
+    assert exp.drafter.markov_rank == 0 and exp.weights["confidence_head.proj.weight"].shape == (1, h)
+    cfg = DecodeConfig(gamma=gamma, max_new_tokens=n, budget_blocks=True)
+    for p, got in zip(prompts, served):
+        ref = speculative_generate(
+            TargetRunner(model, exp.context_layer_ids),
+            DraftRunner(load_drafter(exp, load_target_heads(target_dir))),
+            p.prompt_token_ids,
+            cfg,
+            set(),
+            torch.Generator().manual_seed(0),
+        )
+        assert got["output_ids"] == ref.tokens and got["num_drafts"] == ref.counts.num_drafts > 0
+        assert got["accepted_per_pos"] == ref.counts.accepted_per_pos
 
 
 @pytest.mark.slow
