@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from dspark.core.config import RunConfig
 from dspark.core.files import atomic_write_json, atomic_write_text
-from dspark.core.serving import BENCH_CONFIGS
+from dspark.core.serving import BENCH_CONFIGS, LLAMA_CPP_PREFIX
 from dspark.core.wandb_run import init_wandb
 from eval.bench_client import METRICS
 from eval.report import fmt, pct
@@ -29,16 +29,21 @@ log = logging.getLogger(__name__)
 # --- serve_bench.json ----------------------------------------------------------------------------
 
 
+def baseline_of(name: str) -> str:
+    """The configuration a configuration's speedup is over: no speculation on the same engine."""
+    return LLAMA_CPP_PREFIX + "none" if name.startswith(LLAMA_CPP_PREFIX) else "none"
+
+
 def speedups(configs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Output tokens/s of each configuration over no speculation's, per concurrency level."""
-    base = next((c for c in configs if c["name"] == "none"), None)
-    if base is None:
-        return {}
-    ref = {lv["concurrency"]: lv["metrics"]["output_tokens_per_s"] for lv in base["levels"]}
+    """Output tokens/s of each configuration over no speculation's on the same engine (vLLM's
+    ``none``, llama.cpp's ``llama.cpp-none``), per concurrency level."""
+    by = {c["name"]: c for c in configs}
     out = {}
     for c in configs:
-        if c["name"] == "none":
+        base = by.get(baseline_of(c["name"]))
+        if base is None or base is c:
             continue
+        ref = {lv["concurrency"]: lv["metrics"]["output_tokens_per_s"] for lv in base["levels"]}
         out[c["name"]] = {
             str(lv["concurrency"]): lv["metrics"]["output_tokens_per_s"] / ref[lv["concurrency"]]
             for lv in c["levels"]
@@ -109,7 +114,14 @@ def render_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
         f"{c['num_requests']} requests per level from the {c['traffic_kind']} `{c['traffic']}`, "
         f"{_answers(c)}{' (EOS ignored)' if c['ignore_eos'] else ''}, temperature "
         f"{c['temperature']:g}, request rate {c['request_rate'] or 'unbounded'}; vLLM's OpenAI server and its "
-        "`vllm bench serve` client.",
+        "`vllm bench serve` client"
+        + (
+            f"; the llama.cpp rows: llama-server (target `{c['llama_cpp_target']}`, drafter GGUF "
+            f"{c['llama_cpp_draft_type']}), the same client, its spec-decode counters from llama-server's /metrics, "
+            "speedups over llama.cpp-none."
+            if c.get("llama_cpp_target")
+            else "."
+        ),
         "",
         "| config | conc. | out tok/s | req/s | TTFT p50/p95/p99 ms | TPOT p50/p95 ms | ITL p50/p95 ms "
         "| E2E p50/p95 ms | tok/step | tau (drafted steps) | drafted | accept pos 1 | peak mem GiB "
@@ -126,6 +138,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
                 else lv["memory"]["peak_rss_gib"]
             )
             x = sp.get(cf["name"], {}).get(str(conc))
+            speedup = "1.00" if cf["name"] == baseline_of(cf["name"]) else (fmt(x, 2) + "x" if x is not None else "n/a")
             lines.append(
                 f"| {cf['label']} | {conc} | {fmt(m['output_tokens_per_s'], 1)} | {fmt(m['requests_per_s'], 2)} | "
                 f"{fmt(m['ttft_p50_ms'], 0)}/{fmt(m['ttft_p95_ms'], 0)}/{fmt(m['ttft_p99_ms'], 0)} | "
@@ -135,7 +148,7 @@ def render_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
                 f"{fmt(s.get('tokens_per_step'), 3) if s else '-'} | {fmt(s['tau'], 3) if s else '-'} | "
                 f"{pct(s.get('draft_share')) if s else '-'} | "
                 f"{fmt(s['accept_per_pos'][0], 3) if s else '-'} | {fmt(mem, 2)} | "
-                f"{'1.00' if cf['name'] == 'none' else (fmt(x, 2) + 'x' if x is not None else 'n/a')} |"
+                f"{speedup} |"
             )
     lines += [
         "",

@@ -2,8 +2,12 @@
 
 For each configuration in ``serve_bench.configs`` (``none``: no speculation; ``ngram``; ``ours``:
 this run's export, served as ``dspark`` on GPUs and as the ``dflash`` layout on CPU, as the eval
-does) a real OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``, the
-eval's engine arguments) is started on a free port, waited for (``/health``) and always stopped;
+does; ``llama.cpp-none``, ``llama.cpp-ngram``, ``llama.cpp-dspark``, ``llama.cpp-ngram-then-dspark``:
+llama.cpp's ``llama-server`` with the eval's target GGUF and this run's drafter GGUF, one slot per
+concurrent request, its counters read from its ``/metrics`` around each level and its warm-ups sent
+outside them, speedups over ``llama.cpp-none``) a real OpenAI-compatible server (``python -m
+vllm.entrypoints.openai.api_server``, the eval's engine arguments; or llama-server) is started
+on a free port, waited for (``/health``) and always stopped;
 vLLM's own benchmark client (``vllm bench serve``, through :mod:`eval.bench_client`) drives it at
 each level of ``serve_bench.concurrency`` over the eval set or your traffic file. Per
 configuration and level: output tokens/s, requests/s, TTFT p50/p95/p99, TPOT and ITL p50/p95,
@@ -34,6 +38,7 @@ line. Each ends the command with one ``error:`` line and exit status 2.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -46,7 +51,9 @@ import torch
 from dspark.core.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
 from dspark.core.errors import UserError, exit_on_user_error
 from dspark.core.files import atomic_write_json, file_sha256, read_jsonl, write_jsonl
-from dspark.core.serving import BY_NAME, OURS, export_method, speculative_config
+from dspark.core.llama_server import Counters, ServerSpec, complete, counters_after, llama_server, read_counters
+from dspark.core.servers import Server
+from dspark.core.serving import BY_NAME, LLAMA_CPP_BY_NAME, LLAMA_CPP_PREFIX, OURS, export_method, speculative_config
 from dspark.core.target import prepare_target, resolve_target
 from dspark.core.vllm_engine import run_headless_workers
 from eval.bench_client import Level, client_argv, level_record, run_client
@@ -79,6 +86,9 @@ def resolve_configs(cfg: RunConfig, target_dir: Path, *, gpu: bool) -> list[Conf
     CPU; left out, with a log line, when the drafter has no dflash layout)."""
     out = []
     for name in cfg.serve_bench.configs:
+        if name.startswith(LLAMA_CPP_PREFIX):
+            out.append(llama_cpp_configuration(cfg, target_dir, name))
+            continue
         if name == OURS:
             m = export_method(
                 gpu=gpu, has_layout=lambda x: ensure_export(cfg, target_dir, x, required=False) is not None
@@ -94,6 +104,20 @@ def resolve_configs(cfg: RunConfig, target_dir: Path, *, gpu: bool) -> list[Conf
         draft = ensure_export(cfg, target_dir, m.layout, required=True) if m.layout is not None else None
         out.append(Configuration.serving(name, m, draft))
     return out
+
+
+def llama_cpp_configuration(cfg: RunConfig, target_dir: Path, name: str) -> Configuration:
+    """``llama.cpp-METHOD``: llama-server with that method; a drafter's export converted to GGUF
+    by llama.cpp's own converter (``eval.llama_cpp_draft_type``), as the eval serves it."""
+    from dspark.core.llama_cpp import ensure_built
+    from dspark.gguf import convert_export
+
+    m = LLAMA_CPP_BY_NAME[name[len(LLAMA_CPP_PREFIX) :]]
+    draft = None
+    if m.layout is not None:
+        export = ensure_export(cfg, target_dir, m.layout, required=True)
+        draft = convert_export(ensure_built(), export, target_dir, cfg.eval.llama_cpp_draft_type)
+    return Configuration(name, m.name if m.spec_types else None, draft, engine="llama.cpp")
 
 
 def ensure_export(cfg: RunConfig, target_dir: Path, layout: str, *, required: bool) -> Optional[Path]:
@@ -186,6 +210,13 @@ class BenchSetup:
     engine_kwargs: dict[str, Any]
     kvcache_gib: int
     gpu: bool
+    llama_cpp: Optional[tuple[Any, Path]] = None
+    """(the llama.cpp build, the target GGUF) when a configuration is llama.cpp's."""
+    llama_cpp_threads: int = 0
+    p_min: Optional[float] = None
+    warmup_prompt: str = ""
+    """What a llama.cpp level's warm-ups send (the traffic's first prompt) for ``warmup_tokens``."""
+    warmup_tokens: int = 16
 
     def conditions(self, cfg: RunConfig) -> dict[str, Any]:
         sb = cfg.serve_bench
@@ -208,6 +239,16 @@ class BenchSetup:
             "device": "cuda" if self.gpu else "cpu",
             # where the workers meet is no condition: each configuration's step has its own port
             "engine_kwargs": {k: v for k, v in self.engine_kwargs.items() if k not in RENDEZVOUS},
+            **(
+                {
+                    "llama_cpp_target": str(self.llama_cpp[1]),
+                    "llama_cpp_draft_type": cfg.eval.llama_cpp_draft_type,
+                    "llama_cpp_threads": self.llama_cpp_threads,
+                    "p_min": self.p_min,
+                }
+                if self.llama_cpp
+                else {}
+            ),
         }
 
 
@@ -239,10 +280,37 @@ class ConfigResult:
     server_pids: list[int] = field(default_factory=list)
 
 
-def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir: Path) -> ConfigResult:
-    """One server, every concurrency level, stopped afterwards."""
+def start_server(
+    c: Configuration, s: BenchSetup, sb: ServeBenchConfig, log_path: Path, what: str
+) -> contextlib.AbstractContextManager[Server]:
+    """The configuration's server (vLLM's OpenAI server or llama-server) on a free port, healthy;
+    stopped with its process tree on the way out."""
     host = sb.host
     port = choose_port(host, sb.port)
+    if c.engine == "llama.cpp":
+        tree, target_gguf = s.llama_cpp
+        spec = ServerSpec(
+            target_gguf,
+            LLAMA_CPP_BY_NAME[c.name[len(LLAMA_CPP_PREFIX) :]],
+            s.gamma,
+            s.max_model_len,
+            draft_gguf=c.draft,
+            threads=s.llama_cpp_threads,
+            p_min=s.p_min if c.draft is not None else None,
+            seed=s.seed,
+            parallel=max(sb.concurrency),  # one slot per concurrent request, each with the whole window
+            prompt_cache=sb.prefix_caching,
+        )
+        return llama_server(
+            tree,
+            spec,
+            host=host,
+            port=port,
+            log_path=log_path,
+            timeout_s=sb.start_timeout_s,
+            what=what,
+            timeout_key="serve_bench.start_timeout_s",
+        )
     cmd = server_command(
         s.target,
         c,
@@ -257,17 +325,28 @@ def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir:
     )
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(s.kvcache_gib))
+    return running_server(
+        cmd, host=host, port=port, log_path=log_path, timeout_s=sb.start_timeout_s, env=env, what=what
+    )
+
+
+def llama_cpp_spec_fields(d: Counters) -> dict[str, Any]:
+    """llama-server's counters over one level, in the names vLLM's client gives its own server's
+    (``vllm:spec_decode_*``), so that :func:`~eval.bench_client.level_record` counts both alike."""
+    return {
+        "spec_decode_num_drafts": d.drafts,
+        "spec_decode_draft_tokens": d.draft_tokens,
+        "spec_decode_accepted_tokens": d.accepted,
+        "spec_decode_per_position_acceptance_rates": [a / d.drafts if d.drafts else 0.0 for a in d.accepted_per_pos],
+    }
+
+
+def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir: Path) -> ConfigResult:
+    """One server, every concurrency level, stopped afterwards."""
     what = f"serve_bench {c.label}"
     logs = out_dir / "logs"
-    with running_server(
-        cmd,
-        host=host,
-        port=port,
-        log_path=logs / f"server_{c.name}.log",
-        timeout_s=sb.start_timeout_s,
-        env=env,
-        what=what,
-    ) as server:
+    llama = c.engine == "llama.cpp"
+    with start_server(c, s, sb, logs / f"server_{c.name}.log", what) as server:
         sampler = MemorySampler(server.proc.pid, gpu=s.gpu)
         result = ConfigResult(
             c.name,
@@ -293,7 +372,17 @@ def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir:
                     seed=s.seed,
                 )
                 log.info("%s, concurrency %d: %d requests", what, conc, s.num_requests)
+                if llama:  # llama-server's counters are read here, so the warm-ups are sent here, outside them
+                    argv[argv.index("--num-warmups") + 1] = "0"
+                    for _ in range(sb.num_warmups):
+                        complete(
+                            server, s.warmup_prompt, n_predict=s.warmup_tokens, temperature=sb.temperature, seed=s.seed
+                        )
+                    before = read_counters(server)
                 raw = run_client(argv, out, timeout_s=sb.level_timeout_s, what=f"{what}, concurrency {conc}")
+                if llama and c.method is not None:
+                    done = counters_after(server, before, int(raw.get("total_output_tokens") or 0))
+                    raw.update(llama_cpp_spec_fields(done))
                 if not raw.get("completed"):
                     raise RuntimeError(
                         f"{what}, concurrency {conc}: no request completed ({raw.get('first_errors')}); client log "
@@ -335,6 +424,13 @@ def run_serve_bench(cfg: RunConfig, heads: Any, target_dir: Path) -> BenchOutcom
             f"serve_bench.configs={sb.configs}: nothing vLLM can serve here (on CPU 'ours' needs the dflash layout); "
             "add none or ngram"
         )
+    llama = None
+    if any(c.engine == "llama.cpp" for c in configs):
+        from dspark.core.llama_cpp import ensure_built
+        from eval.llama_serve import target_gguf_for
+
+        tree = ensure_built()
+        llama = (tree, target_gguf_for(cfg, tree, target_dir))
     setup = BenchSetup(
         target=target_dir,
         traffic=traffic,
@@ -349,6 +445,11 @@ def run_serve_bench(cfg: RunConfig, heads: Any, target_dir: Path) -> BenchOutcom
         engine_kwargs=engine_kwargs(cfg),
         kvcache_gib=e.vllm_cpu_kvcache_gib,
         gpu=gpu,
+        llama_cpp=llama,
+        llama_cpp_threads=e.llama_cpp_threads,
+        p_min=e.confidence_threshold,
+        warmup_prompt=str(rows[0]["prompt"]),
+        warmup_tokens=int(sb.output_len or rows[0].get("output_tokens") or 16),
     )
     conditions = setup.conditions(cfg)
     fp = config_fingerprint(conditions)

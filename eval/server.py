@@ -46,6 +46,8 @@ class Configuration:
     name: str
     method: Optional[str] = None
     draft: Optional[Path] = None
+    engine: str = "vllm"
+    """vllm, or llama.cpp (``llama-server``; ``draft`` is then the drafter's GGUF)."""
 
     @classmethod
     def serving(cls, name: str, m: ServingMethod, draft: Optional[Path] = None) -> Configuration:

@@ -784,7 +784,9 @@ class ServeBenchConfig:
     configs: list[str] = field(default_factory=lambda: ["none", "ngram", "ours"])
     """none: no speculation; ngram: vLLM's free baseline; ours: this run's export, served as
     ``dspark`` on GPUs and as the ``dflash`` layout on CPU (where the drafter has it), as the
-    eval does; dspark / dflash: that method explicitly."""
+    eval does; dspark / dflash: that method explicitly; llama.cpp-none, llama.cpp-ngram,
+    llama.cpp-dspark, llama.cpp-ngram-then-dspark: llama.cpp's llama-server (CPU machines where
+    scripts/setup.sh built it), its speedups over llama.cpp-none."""
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4])
     """Client concurrency levels (vLLM bench --max-concurrency); GPU presets: 1 to 64."""
     request_rate: Optional[float] = None

@@ -67,6 +67,10 @@ class ServerSpec:
     p_min: Optional[float] = None
     """``--spec-draft-p-min``: a DSpark block ends at the first position its confidence head puts below."""
     seed: int = 0
+    parallel: int = 1
+    """``-np``: slots, each with a window of ``ctx`` (the serving benchmark's concurrency)."""
+    prompt_cache: bool = True
+    """False: ``--no-cache-prompt`` (the serving benchmark sends the same prompts at every level)."""
 
     def command(self, tree: LlamaCpp, *, host: str, port: int) -> list[str]:
         threads = str(self.threads or os.cpu_count() or 1)
@@ -79,9 +83,9 @@ class ServerSpec:
             "--port",
             str(port),
             "-np",
-            "1",
+            str(self.parallel),
             "-c",
-            str(self.ctx),
+            str(self.ctx * self.parallel),
             "-b",
             str(N_BATCH),
             "-t",
@@ -93,6 +97,8 @@ class ServerSpec:
             "-lv",
             str(TRACE),
         ]
+        if not self.prompt_cache:
+            cmd.append("--no-cache-prompt")
         if not self.method.spec_types:
             return cmd
         cmd += ["--spec-type", ",".join(self.method.spec_types), "--spec-draft-n-max", str(self.gamma)]
@@ -184,11 +190,17 @@ class Completion:
 
 
 def complete(
-    server: Server, prompt_ids: list[int], *, n_predict: int, temperature: float, seed: int, timeout_s: float = 3600
+    server: Server,
+    prompt_ids: list[int] | str,
+    *,
+    n_predict: int,
+    temperature: float,
+    seed: int,
+    timeout_s: float = 3600,
 ) -> Completion:
-    """One completion of ``prompt_ids`` (used as given: no BOS added), no prompt cache."""
+    """One completion of ``prompt_ids`` (used as given: no BOS added; or a text), no prompt cache."""
     body = {
-        "prompt": list(prompt_ids),
+        "prompt": prompt_ids if isinstance(prompt_ids, str) else list(prompt_ids),
         "n_predict": n_predict,
         "temperature": temperature,
         "seed": seed,

@@ -53,7 +53,7 @@ BASELINES = tuple(m.name for m in METHODS if m.vllm_method is not None and m.lay
 """``eval.baselines`` choices: the methods that speculate without a drafter of ours."""
 BENCH_CONFIGS = (*(m.name for m in METHODS if m.layout is None), OURS, *(m.name for m in METHODS if m.layout))
 """``serve_bench.configs`` choices, in the report's order: the methods without a drafter, ours,
-then each method with a drafter by name."""
+then each method with a drafter by name; llama.cpp's methods follow (below)."""
 
 PROMPT_LOOKUP_MIN, PROMPT_LOOKUP_MAX = 2, 4
 """vLLM ``ngram``'s n-gram lengths, for the served baseline and the reference loop's lookup alike."""
@@ -90,6 +90,9 @@ LLAMA_CPP_METHODS = (
 )
 """Every llama.cpp method, in the order reports list them (``eval.llama_cpp_methods``)."""
 LLAMA_CPP_BY_NAME = {m.name: m for m in LLAMA_CPP_METHODS}
+LLAMA_CPP_PREFIX = "llama.cpp-"
+"""The serving benchmark's and the eval's names for llama.cpp's methods: ``llama.cpp-dspark``."""
+BENCH_CONFIGS = (*BENCH_CONFIGS, *(LLAMA_CPP_PREFIX + m.name for m in LLAMA_CPP_METHODS))
 
 
 def export_method(*, gpu: bool, has_layout: Callable[[str], bool]) -> Optional[ServingMethod]:

@@ -360,6 +360,51 @@ def test_a_markov_off_drafter_with_a_confidence_head_is_served_and_accepts_what_
 
 
 @pytest.mark.slow
+def test_the_serving_benchmark_drives_llama_server_with_vllms_client_and_counts_from_its_metrics(
+    tmp_path, llama_cpp, tiny_pair
+):
+    """serve_bench's llama.cpp configurations: llama-server started by the same code, vLLM's own
+    benchmark client against its OpenAI endpoint, the counters from llama-server's /metrics;
+    every step accounted for, and nothing left running."""
+    import json
+
+    from dspark.core.config import ServeBenchConfig
+    from eval.serve_bench import BenchSetup, bench_config
+    from eval.server import Configuration
+
+    target, draft, _, target_dir = tiny_pair
+    traffic = tmp_path / "traffic.jsonl"
+    words = "the cat sat on the mat and the dog sat on the log " * 6
+    traffic.write_text("".join(json.dumps({"prompt": words + str(i)}) + "\n" for i in range(3)))
+    sb = ServeBenchConfig(concurrency=[1], output_len=16, temperature=0.0, num_warmups=1, start_timeout_s=300)
+    setup = BenchSetup(
+        target=target_dir,
+        traffic=traffic,
+        templated=True,
+        num_requests=3,
+        max_model_len=512,
+        gamma=4,
+        dtype="float32",
+        seed=0,
+        engine_kwargs={},
+        kvcache_gib=1,
+        gpu=False,
+        llama_cpp=(llama_cpp, target),
+        warmup_prompt=words,
+        warmup_tokens=16,
+    )
+    none = bench_config(Configuration("llama.cpp-none", engine="llama.cpp"), setup, sb, tmp_path)
+    ours = bench_config(Configuration("llama.cpp-dspark", "dspark", draft, engine="llama.cpp"), setup, sb, tmp_path)
+    assert not _servers_left()
+    (n1,), (o1,) = none.levels, ours.levels
+    assert n1.spec is None and n1.metrics["output_tokens_per_s"] > 0 and o1.metrics["output_tokens_per_s"] > 0
+    s = o1.spec  # 3 requests x 16 tokens (EOS ignored): 3 from prefill, the rest from steps of 1 + accepted
+    assert s["num_steps"] + s["num_accepted"] == 3 * 16 - 3
+    # the drafter drafts on every step but, at most, a request's last (a single token left)
+    assert s["num_steps"] - 3 <= s["num_drafts"] <= s["num_steps"] and s["num_draft_tokens"] >= s["num_drafts"]
+
+
+@pytest.mark.slow
 def test_a_server_that_does_not_come_up_is_one_error_naming_its_log_and_nothing_is_left(tmp_path, llama_cpp):
     from dspark.core.servers import ServerStartError
     from eval.llama_serve import LlamaCppServing, serve_prompts

@@ -335,6 +335,36 @@ def test_the_json_has_every_metric_the_counters_and_the_speedup(tmp_path):
     assert dict(zip(TABLE_COLUMNS, table[0]))["tokens_per_step"] is None  # no speculation: no spec
 
 
+def test_llama_cpp_rows_count_from_its_counters_and_their_speedup_is_over_llama_cpp_none(tmp_path):
+    """llama-server's /metrics counters go through the same counting as vLLM's, and each engine's
+    rows are compared with no speculation on the same engine."""
+    from dspark.core.llama_server import Counters
+    from eval.serve_bench import llama_cpp_spec_fields
+
+    mem = {"peak_rss_gib": 1.0, "peak_gpu_gib": None}
+    d = Counters(drafts=10, draft_tokens=40, accepted=12, accepted_per_pos=[6, 4, 2, 0])
+    rows = []
+    for c, tps, extra in (
+        (Configuration("none"), 20.0, {}),
+        (Configuration("llama.cpp-none", engine="llama.cpp"), 10.0, {}),
+        (Configuration("llama.cpp-dspark", "dspark", Path("/d.gguf"), engine="llama.cpp"), 5.0, d),
+    ):
+        raw = vllm_result(tps)
+        if extra:
+            raw.update(llama_cpp_spec_fields(extra))
+        lv = level_record(raw, c, 4, 1, mem, tmp_path / "c.log")
+        rows.append({"name": c.name, "label": c.label, "method": c.method, "levels": [lv.__dict__], "memory": mem})
+    data = assemble({}, list(reversed(rows)))
+    assert [c["name"] for c in data["configs"]] == ["none", "llama.cpp-none", "llama.cpp-dspark"]
+    assert data["speedup_over_none"] == {"llama.cpp-dspark": {"1": 0.5}}  # over llama.cpp-none, not vLLM's none
+    spec = data["configs"][2]["levels"][0]["spec"]
+    # 48 output tokens of 4 requests: 4 from prefill, 12 accepted -> 32 steps, 10 of them drafted
+    assert spec["num_steps"] == 32 and spec["tokens_per_step"] == pytest.approx(1 + 12 / 32)
+    assert spec["tau"] == pytest.approx(1 + 12 / 10) and spec["accepted_per_pos"] == [6, 4, 2, 0]
+    assert spec["draft_share"] == pytest.approx(10 / 32)
+    assert data["configs"][1]["levels"][0]["spec"] is None
+
+
 def test_steps_come_from_the_output_tokens_and_are_unknown_without_them(tmp_path):
     mem = {"peak_rss_gib": 1.0, "peak_gpu_gib": None}
     ngram = Configuration("ngram", "ngram")
