@@ -20,10 +20,10 @@ from typing import Any, Optional
 
 from safetensors.torch import save_file
 
-from dspark.checkpoint import TrainingCheckpoint, load_training_checkpoint
+from dspark.checkpoint import TrainingCheckpoint, latest_tag, load_training_checkpoint
 from dspark.core.config import TORCH_DTYPES, TargetConfig
 from dspark.core.errors import exit_on_user_error
-from dspark.core.files import atomic_path, remove_stale_temporaries, reporting_disk_full
+from dspark.core.files import atomic_path, remove_stale_temporaries, replace_problem, reporting_disk_full
 from dspark.core.layer_ids import CONVENTION
 from dspark.core.serving import BY_LAYOUT, LAYOUTS
 from dspark.core.target_dir import read_text_config
@@ -42,6 +42,9 @@ from dspark.serving_format import (
 )
 
 log = logging.getLogger(__name__)
+
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, PROVENANCE_FILE)
+"""What an export directory holds (:func:`_write_export`): the only files a replaced export may have."""
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -112,6 +115,8 @@ def export(
 ) -> ExportSummary:
     """Write ``out_dir`` (config.json, model.safetensors, export.json) from a training checkpoint
     (its path, or one already read: a ZeRO checkpoint is merged once for several layouts)."""
+    out_dir = Path(out_dir).expanduser()
+    check_out_dir(out_dir, checkpoint.path if isinstance(checkpoint, TrainingCheckpoint) else Path(checkpoint))
     ckpt = checkpoint if isinstance(checkpoint, TrainingCheckpoint) else load_training_checkpoint(checkpoint)
     check_layout(ckpt.drafter, layout)
     dtype = dtype or str(ckpt.run_config.get("train", {}).get("dtype", "float32"))
@@ -124,17 +129,42 @@ def export(
         raise ExportError(f"{ckpt.path}: context layer ids {bad} are outside [1, {n_target}] for target {tdir}")
     weights = serving_weights(ckpt, layout, TORCH_DTYPES[dtype])
     config = draft_config(ckpt, layout, tcfg, dtype)
-    out_dir = Path(out_dir).expanduser()
     needed = sum(t.numel() * t.element_size() for t in weights.values())
     todo = "free space there or pass another --out, then export again"
     with reporting_disk_full(out_dir.parent, what=f"export {out_dir.name}", needed=needed, todo=todo):
         # a unique temporary directory, renamed when complete: a killed export leaves no half
         # out_dir, and concurrent exports never collide
         remove_stale_temporaries(out_dir)  # a killed export's half directory
-        with atomic_path(out_dir) as tmp:
+        if (out_dir / PROVENANCE_FILE).is_file():
+            log.warning("export: replacing the earlier export at %s", out_dir)
+        with atomic_path(out_dir, owner_marker=PROVENANCE_FILE, owned_files=EXPORT_FILES) as tmp:
             tmp.mkdir()
             _write_export(tmp, weights, config, ckpt, layout, dtype, tdir)
     return _summary(out_dir, ckpt, layout, dtype, weights, config)
+
+
+def check_out_dir(out_dir: Path, checkpoint: Path) -> None:
+    """Refuse an ``--out`` that export may not write: the checkpoint's tag directory, any directory
+    above it, anything inside the run's checkpoint directory, or a directory that holds what an
+    earlier export did not write (:func:`~dspark.core.files.replace_problem`). One error each,
+    before anything is written."""
+    out, tag = out_dir.resolve(), Path(checkpoint).expanduser().resolve()
+    if not tag.exists():
+        return  # the checkpoint's own error comes first (dspark.checkpoint names it)
+    run_dir = tag if latest_tag(tag) is not None else tag.parent  # the run's directory, or a tag in it
+    if out == tag or out in tag.parents:
+        raise ExportError(
+            f"--out {out_dir}: it holds the checkpoint {tag} being exported; pick a directory outside the run's "
+            f"checkpoints ({run_dir})"
+        )
+    if run_dir in out.parents:
+        raise ExportError(
+            f"--out {out_dir}: inside the run's checkpoint directory {run_dir}; pick a directory outside it "
+            "(the run's later saves and resumes manage that directory)"
+        )
+    problem = replace_problem(out_dir, PROVENANCE_FILE, EXPORT_FILES)
+    if problem:
+        raise ExportError(f"--out {out_dir}: {problem}")
 
 
 def _write_export(

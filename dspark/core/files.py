@@ -18,7 +18,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Collection, Iterator, Optional
 
 from dspark.core.errors import UserError
 
@@ -69,20 +69,67 @@ def remove_stale_temporaries(path: Path | str) -> list[Path]:
     return removed
 
 
-@contextlib.contextmanager
-def atomic_path(path: Path | str) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path`` (file or directory) to write; on success it replaces
-    ``path`` (a directory already at ``path`` is removed first), on error it is removed."""
+class DirectoryInUseError(UserError):
+    """A directory that holds something this project did not write there, where it would be replaced."""
+
+
+def replace_problem(
+    path: Path, owner_marker: Optional[str], owned_files: Optional[Collection[str]] = None
+) -> Optional[str]:
+    """Why the directory at ``path`` may not be replaced (None: it may): it may when it is missing,
+    empty, or an earlier output of the same kind (it holds ``owner_marker``, a file that kind of
+    output always has, and, with ``owned_files``, nothing else than those). Anything else is a
+    user's, and is never deleted."""
     path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return None
+    if path.is_symlink() or not path.is_dir():
+        return f"{path} is {'a link' if path.is_symlink() else 'a file'}, expected a directory to write or nothing"
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries:
+        return None
+    if owner_marker is not None and owner_marker in entries:
+        foreign = [e for e in entries if owned_files is not None and e not in owned_files]
+        if not foreign:
+            return None
+        return (
+            f"{path} is an earlier output ({owner_marker}) but also holds {', '.join(foreign[:5])}, which it did not "
+            "write; refusing to replace it: move those files, or pick another directory"
+        )
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    what = f"no {owner_marker}, so it is not an earlier output of this kind" if owner_marker else "not empty"
+    return f"{path} holds {shown} ({what}); refusing to replace it: pick another directory, or empty it yourself"
+
+
+@contextlib.contextmanager
+def atomic_path(
+    path: Path | str, *, owner_marker: Optional[str] = None, owned_files: Optional[Collection[str]] = None
+) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` (file or directory) to write; on success it replaces
+    ``path``, on error it is removed. A directory already at ``path`` is replaced only if it is
+    empty or holds ``owner_marker`` (:func:`replace_problem`), checked before anything is written
+    and again before the swap; otherwise :class:`DirectoryInUseError`, and nothing is touched."""
+    path = Path(path)
+    if path.is_dir() or path.is_symlink():
+        problem = replace_problem(path, owner_marker, owned_files)
+        if problem:
+            raise DirectoryInUseError(problem)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
     try:
         yield tmp
         for f in [tmp] if tmp.is_file() else sorted(tmp.iterdir()) if tmp.is_dir() else []:
             _fsync(f)
-        if path.is_dir() and tmp.is_dir():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        if tmp.is_dir() and (path.is_dir() or path.is_symlink()):
+            problem = replace_problem(path, owner_marker, owned_files)
+            if problem:
+                raise DirectoryInUseError(problem)
+            old = _tmp_name(path)
+            os.replace(path, old)  # the earlier output moves aside, the new one takes its name, then it goes
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -97,7 +97,7 @@ def convert_gguf_once(gguf: Path, out_dir: Path) -> ResolvedTarget:
             return ResolvedTarget(path=out_dir, converted=False)
         t0 = time.perf_counter()
         log.info("converting %s -> %s (fp32 transformers directory, once)", gguf, out_dir)
-        with atomic_path(out_dir) as tmp:  # replaces incomplete leftovers of a killed run
+        with atomic_path(out_dir, owner_marker=COMPLETE_MARKER) as tmp:  # empty or ours, else refused
             _convert_gguf(gguf, tmp)
             (tmp / COMPLETE_MARKER).write_text(json.dumps({"gguf": str(gguf), "seconds": time.perf_counter() - t0}))
         log.info("converted in %.1fs", time.perf_counter() - t0)

@@ -84,7 +84,7 @@ def fixed_weights(cfg: DSparkConfig, dims: DrafterDims) -> dict[str, torch.Tenso
 def checkpoint(tmp_path: Path, fields: dict) -> TrainingCheckpoint:
     cfg = DSparkConfig(**fields)
     return TrainingCheckpoint(
-        path=tmp_path / "step00000007",
+        path=tmp_path / "ckpt" / "step00000007",
         step=7,
         drafter=cfg,
         dims=DIMS,
