@@ -40,6 +40,7 @@ from dspark.core.files import (
     atomic_write_json,
     atomic_write_text,
     disk_full_message,
+    file_sha256,
     free_bytes,
     is_disk_full,
     reporting_disk_full,
@@ -281,15 +282,90 @@ def checkpoint_config_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:
     return diffs
 
 
+RUN_CONTROL = {
+    "train": (
+        "max_steps",  # a longer run resumes this one
+        "log_every",
+        "eval_every",
+        "eval_at_steps",
+        "save_every",
+        "resume",
+        "dist_timeout_s",
+        "run_name",
+        "checkpoint_dir",
+        "fused_optimizer",  # the same AdamW, one kernel or per tensor
+        "recompute_vocab_chunks",  # memory, not numbers
+    ),
+}
+"""``train`` fields that say how a run is driven, not what it trains: they may change between a
+run and its rerun. Every other ``train`` field shapes the result."""
+SHAPING_DATA = ("mode", "train_sequences", "val_fraction")
+"""``data`` fields that shape training in every mode (the offline dataset itself is its manifest)."""
+SHAPING_ONLINE = ("source", "hf_split", "num_prompts", "temperature", "seed", "max_new_tokens", "max_seq_len")
+"""``data`` fields that make an online run's sequences (an offline run's are in its manifest)."""
+
+
+def dataset_identity(cfg: RunConfig) -> dict[str, Any]:
+    """The offline dataset a run trains on, as ``run.json`` records it: its manifest's SHA-256
+    (every shard's name, rows and sha), so another dataset under any path is told apart."""
+    if cfg.data.mode != "offline":
+        return {}
+    manifest = Path(cfg.data.shards_dir).expanduser() / "manifest.json"
+    return {"manifest_sha256": file_sha256(manifest) if manifest.is_file() else None}
+
+
+def run_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:
+    """What shapes a run (every ``train`` field but :data:`RUN_CONTROL`'s, the data fields, the
+    seed, the target, the dataset's manifest) where the tag's ``run.json`` differs from ``cfg``, as
+    "key: checkpoint X, now Y"; empty when equal or when the tag has no run.json. The drafter's
+    own fields are :func:`checkpoint_config_differences`'."""
+    run_file = Path(tag_dir) / RUN_FILE
+    if not run_file.is_file():
+        return []
+    record = json.loads(run_file.read_text())
+    saved, now = record["config"], cfg.to_dict()
+    keys = [("train", k) for k in now["train"] if k not in RUN_CONTROL["train"]]
+    keys += [("data", k) for k in SHAPING_DATA + (SHAPING_ONLINE if now["data"]["mode"] != "offline" else ())]
+    keys += [("target", "name"), ("seed", None)]
+    diffs = []
+    for group, k in keys:
+        old = saved.get(group) if k is None else (saved.get(group) or {}).get(k, now[group][k])
+        new = now[group] if k is None else now[group][k]
+        if old != new:
+            diffs.append(f"{group if k is None else f'{group}.{k}'}: checkpoint {old!r}, now {new!r}")
+    if "dataset" in record:  # tags written before it was recorded are judged by their config alone
+        old, new = record["dataset"].get("manifest_sha256"), dataset_identity(cfg).get("manifest_sha256")
+        if old != new:
+            diffs.append(
+                f"the dataset ({Path(cfg.data.shards_dir) / 'manifest.json'}): checkpoint's manifest sha256 "
+                f"{str(old)[:12]}, now {str(new)[:12]}"
+            )
+    return diffs
+
+
+def changed_run_error(tag: Path, diffs: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"{tag}: this run was trained with other settings ({'; '.join(diffs)}); it is neither skipped nor "
+        "resumed as if it were this one. Train this one under its own name (train.run_name=...), continue that "
+        f"checkpoint with the new settings anyway (train.resume={tag}), or start over (train.resume=never)"
+    )
+
+
 def finished_checkpoint(cfg: RunConfig) -> Optional[Path]:
     """The newest checkpoint when it already is at ``train.max_steps`` for this very drafter
-    config (so the stage can be skipped without starting DeepSpeed); None otherwise."""
+    config (so the stage can be skipped without starting DeepSpeed); None otherwise. A finished
+    run whose settings or dataset changed (:func:`run_differences`) is refused, not skipped."""
     tag = latest_tag(Path(cfg.train.checkpoint_dir))
     if str(cfg.train.resume) != "auto" or tag is None:
         return None
     if not (tag / RUN_FILE).is_file() or checkpoint_config_differences(tag, cfg):
         return None
-    return tag if tag_step(tag) >= cfg.train.max_steps else None
+    if tag_step(tag) < cfg.train.max_steps:
+        return None
+    diffs = run_differences(tag, cfg)
+    if diffs:
+        raise changed_run_error(tag, diffs)
+    return tag
 
 
 HISTORY_WINDOW = 1000
@@ -364,6 +440,7 @@ def provenance(cfg: RunConfig) -> dict[str, Any]:
         sha = ""
     return {
         "config": cfg.to_dict(),
+        "dataset": dataset_identity(cfg),
         "git_sha": sha,
         "argv": sys.argv,
         "versions": {
@@ -521,6 +598,10 @@ class Checkpointer:
                 f"under its own name (train.run_name=...), start over with train.resume=never, or "
                 f"point train.checkpoint_dir elsewhere"
             )
+        if str(self.cfg.train.resume) == "auto":  # a tag named explicitly is continued with the new settings
+            diffs = run_differences(tag_dir, self.cfg)
+            if diffs:
+                raise changed_run_error(tag_dir, diffs)
 
     # --- validation record --------------------------------------------------------------------
     def write_validations(self, validations: list[dict]) -> None:

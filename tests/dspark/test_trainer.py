@@ -115,6 +115,33 @@ def test_resume_continues_the_same_loss_curve(compose_config, tiny, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
+def test_a_finished_run_with_changed_settings_or_dataset_is_refused_not_skipped(compose_config, tiny, tmp_path):
+    """Issue #37: another lr, another dataset (even a bad path) printed "train up to date, skipped".
+    A run is skipped only if nothing that shapes it changed; run-control keys may change."""
+    from dspark.checkpoint import CheckpointError, finished_checkpoint
+
+    target, data = tiny
+    make_trainer(compose_config, tiny, tmp_path, "train.max_steps=2", "train.save_every=2").train()
+    same = compose_config(*overrides(target, data, tmp_path, "train.max_steps=2", "train.log_every=5"))
+    assert finished_checkpoint(same) == tmp_path / "ckpt" / "step00000002"  # run control: still skipped
+    tag = tmp_path / "ckpt" / "step00000002"
+    with pytest.raises(CheckpointError, match=r"train.lr: checkpoint 0.003, now 0.001.*train.resume=" + str(tag)):
+        finished_checkpoint(compose_config(*overrides(target, data, tmp_path, "train.max_steps=2", "train.lr=1e-3")))
+    other = tmp_path / "other_data"  # the same shards, one of them re-listed: another manifest
+    shutil.copytree(data, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["shards"] = manifest["shards"][:-1]
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"the dataset \(.*other_data/manifest.json\): checkpoint's manifest"):
+        finished_checkpoint(compose_config(*overrides(target, other, tmp_path, "train.max_steps=2")))
+    with pytest.raises(CheckpointError, match=r"manifest sha256 [0-9a-f]{12}, now None"):
+        finished_checkpoint(compose_config(*overrides(target, tmp_path / "nowhere", tmp_path, "train.max_steps=2")))
+    with pytest.raises(CheckpointError, match=r"train.lr: checkpoint 0.003, now 0.001"):  # nor resumed by auto
+        make_trainer(compose_config, tiny, tmp_path, "train.max_steps=3", "train.lr=1e-3")
+    tr = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=3", "train.lr=1e-3", f"train.resume={tag}")
+    assert tr.train().step == 3  # named explicitly: continued with the new settings
+
+
 def test_finished_run_is_skipped_and_another_drafter_is_not_resumed(compose_config, tiny, tmp_path):
     from dspark.checkpoint import finished_checkpoint
 
