@@ -452,6 +452,28 @@ def provenance(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+def check_resume_tag(tag_dir: Path, named_by: str) -> None:
+    """A tag fit to resume, before DeepSpeed reads it: a directory, with DeepSpeed's model states
+    and the trainer's ``run.json`` (written last: without it the save did not finish, and its
+    drafter could not be checked). One error each, naming the tag and ``named_by``."""
+    if not tag_dir.is_dir():
+        raise CheckpointError(
+            f"{named_by}={tag_dir}: no such checkpoint tag directory; expected a stepNNNNNNNN directory the trainer "
+            "wrote (train.resume=auto resumes the one 'latest' names, train.resume=never starts over)"
+        )
+    if not any(tag_dir.glob("*mp_rank_00_model_states.pt")):
+        raise CheckpointError(
+            f"{named_by}={tag_dir}: not a DeepSpeed checkpoint tag (no *mp_rank_00_model_states.pt); expected a "
+            "stepNNNNNNNN directory the trainer wrote"
+        )
+    if not (tag_dir / RUN_FILE).is_file():
+        raise CheckpointError(
+            f"{named_by}={tag_dir}: no {RUN_FILE}, so its save did not finish (the trainer writes it last) and its "
+            "drafter cannot be checked against this config; resume a complete tag (train.resume=auto: the one "
+            "'latest' names) or start over (train.resume=never)"
+        )
+
+
 class Checkpointer:
     """One run's ``train.checkpoint_dir``: held for the run (rank 0 takes the directory's lock,
     :func:`lock_checkpoint_dir`), saved to, resumed from, and the home of ``validation.jsonl``.
@@ -570,8 +592,9 @@ class Checkpointer:
                 return None
             path, tag = self.directory, None  # DeepSpeed reads latest itself
         else:
-            tag_dir = Path(mode)
+            tag_dir = Path(mode).expanduser()
             path, tag = tag_dir.parent, tag_dir.name
+        check_resume_tag(tag_dir, "train.resume" if mode != "auto" else f"{self.directory / LATEST_FILE}")
         self._check_resume_config(tag_dir)
         loaded, client = engine.load_checkpoint(str(path), tag=tag)
         if loaded is None:

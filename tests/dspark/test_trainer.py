@@ -142,6 +142,27 @@ def test_a_finished_run_with_changed_settings_or_dataset_is_refused_not_skipped(
     assert tr.train().step == 3  # named explicitly: continued with the new settings
 
 
+def test_resume_paths_and_tags_are_checked_before_deepspeed_reads_them(compose_config, tiny, tmp_path):
+    """Issue #37: a missing resume path gave DeepSpeed's AssertionError, a tag without run.json and
+    another drafter its load_state_dict traceback."""
+    from dspark.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"train.resume=/nonexistent/step00000001: no such checkpoint tag"):
+        make_trainer(
+            compose_config, tiny, tmp_path / "a", "train.max_steps=2", "train.resume=/nonexistent/step00000001"
+        )
+    empty = tmp_path / "empty" / "step00000001"
+    empty.mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"not a DeepSpeed checkpoint tag \(no \*mp_rank_00_model_states.pt\)"):
+        make_trainer(compose_config, tiny, tmp_path / "a", "train.max_steps=2", f"train.resume={empty}")
+    make_trainer(compose_config, tiny, tmp_path / "b", "train.max_steps=2", "train.save_every=2").train()
+    tag = tmp_path / "b" / "ckpt" / "step00000002"
+    (tag / "run.json").unlink()
+    for how in (f"train.resume={tag}", "train.resume=auto"):
+        with pytest.raises(CheckpointError, match=r"step00000002: no run.json, so its save did not finish"):
+            make_trainer(compose_config, tiny, tmp_path / "b", "train.max_steps=3", "drafter.num_layers=2", how)
+
+
 def test_finished_run_is_skipped_and_another_drafter_is_not_resumed(compose_config, tiny, tmp_path):
     from dspark.checkpoint import finished_checkpoint
 
