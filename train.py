@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 from dspark.core.config import DSparkConfig, RunConfig, load_config  # also registers the schemas
-from dspark.core.errors import exit_on_user_error
+from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.target import TargetHeads, prepare_target
 
 log = logging.getLogger("train")
@@ -119,9 +119,10 @@ def main(cfg: DictConfig) -> None:
     """A user error (a config value, no dataset, a damaged shard, a checkpoint of another drafter)
     ends the command with ``error: <message>`` and exit status 2; ``HYDRA_FULL_ERROR=1`` or
     ``DSPARK_DEBUG=1`` shows the traceback. :func:`run` raises, for tests."""
+    task_started()
     with exit_on_user_error():
         run(load_config(cfg))
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra_command(main)

@@ -40,7 +40,7 @@ from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from data_tools.storage import StorageEstimate, sequence_tokens, storage_estimate
 from dspark.core.config import DataConfig, RunConfig, TargetConfig, load_config
-from dspark.core.errors import exit_on_user_error
+from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import file_sha256, text_sha256
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
 from dspark.core.shard_format import (
@@ -533,9 +533,10 @@ def capture_shards(
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    task_started()
     with exit_on_user_error():  # error: <message> and exit status 2, no traceback
         extract(load_config(cfg))
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra_command(main)

@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 from data_tools.extract import capture_rows, engine_kwargs, make_engine, plan_requests
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from dspark.core.config import ConfigError, RunConfig, load_config
-from dspark.core.errors import exit_on_user_error
+from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.stream import BlockProducer, StreamClosed, stream_to_trainer
 from dspark.core.target import read_config, resolve_target
 from dspark.core.vllm_engine import interrupt_generate, run_headless_workers
@@ -194,9 +194,10 @@ def serve(cfg: RunConfig, target_dir: Optional[Path] = None) -> int:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    task_started()
     with exit_on_user_error():
         serve(load_config(cfg))
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra_command(main)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from dspark.checkpoint import checkpoint_model_file, latest_tag
 from dspark.core.config import ConfigError, RunConfig, config_fingerprint, load_config
-from dspark.core.errors import exit_on_user_error
+from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import atomic_write_json, read_json
 from dspark.core.serving import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_method
 from dspark.export import ExportSummary
@@ -531,12 +531,13 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(raw: DictConfig) -> None:
+        task_started()
         with exit_on_user_error():  # error: <message> and exit status 2, no traceback
             cfg = load_config(raw)
             heads, target_dir = prepare_target(cfg)
             run_eval(cfg, heads, target_dir)
 
-    _main()
+    run_hydra_command(_main)
 
 
 if __name__ == "__main__":

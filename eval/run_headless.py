@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from dspark.core.config import load_or_exit
-from dspark.core.errors import exit_on_user_error
+from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.target import resolve_target
 from eval.inputs import engine_kwargs, export_path, vllm_max_model_len, wait_for_export
 from eval.serve import main as serve_main
@@ -24,6 +24,7 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(raw: DictConfig) -> None:
+        task_started()
         cfg = load_or_exit(raw)
         target_dir = resolve_target(cfg.target, cache_dir=Path(cfg.paths.cache_dir).expanduser()).path
         export = export_path(cfg, "dspark", "dspark")
@@ -51,7 +52,7 @@ def main() -> None:
             ]
         )
 
-    _main()
+    run_hydra_command(_main)
 
 
 if __name__ == "__main__":

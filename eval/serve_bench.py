@@ -49,7 +49,7 @@ from typing import Any, Optional
 import torch
 
 from dspark.core.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
-from dspark.core.errors import UserError, exit_on_user_error
+from dspark.core.errors import UserError, exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import atomic_write_json, file_sha256, read_jsonl, write_jsonl
 from dspark.core.llama_server import Counters, ServerSpec, complete, counters_after, llama_server, read_counters
 from dspark.core.servers import Server
@@ -504,6 +504,7 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(raw: DictConfig) -> None:
+        task_started()
         with exit_on_user_error():
             cfg = load_config(raw)
             if cfg.serve_bench.headless:
@@ -514,7 +515,7 @@ def main() -> None:
             outcome = run_serve_bench(cfg, heads, target_dir)
             print(f"serve_bench: {outcome.summary_line()}\nreport {outcome.markdown}")
 
-    _main()
+    run_hydra_command(_main)
 
 
 if __name__ == "__main__":

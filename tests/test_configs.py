@@ -291,6 +291,39 @@ def test_a_bad_value_stops_the_main_job_before_any_stage(tmp_path):
     assert "Traceback" not in out.stderr and "target smollm2" not in out.stdout + out.stderr  # no stage ran
 
 
+def test_keys_the_schema_lacks_are_refused_naming_them(compose_config):
+    """Issue #37: ``+train.lrr=1`` (what Hydra's own error suggests typing) and ``+foo=1`` were
+    accepted and ignored; ``+drafter.foo=1`` failed on eval.export_dir. A dict-typed field still
+    takes any key."""
+    from dspark.core.config import ConfigError, load_config
+    from tests.conftest import compose_raw
+
+    for extra, message in (
+        ("+train.lrr=1", r"unknown config key\(s\): train.lrr \(did you mean train.lr\?\)"),
+        ("+foo=1", r"unknown config key\(s\): foo;"),
+        ("+drafter.foo=1", r"unknown config key\(s\): drafter.foo;"),
+        ("+data.online.portt=3", r"data.online.portt \(did you mean data.online.port\?\)"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(compose_raw(extra))
+    assert load_config(compose_raw("+eval.vllm_engine_kwargs.block_size=32")).eval.vllm_engine_kwargs == {
+        "block_size": 32
+    }
+
+
+def test_every_config_error_exits_2_hydras_own_too(tmp_path):
+    """Hydra's composition errors (a key without +, a missing option) exited 1, ours 2: one status."""
+    for extra, says in (("train.lrr=1", "Key 'lrr' not in 'TrainConfig'"), ("+train.lrr=1", "train.lrr")):
+        out = subprocess.run(
+            [sys.executable, "train.py", extra, "stages=[]", f"hydra.run.dir={tmp_path / 'run'}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
 def test_generic_target_reads_name_shape_and_layers_from_its_checkpoint(tiny_qwen3_dir, caplog):
     with caplog.at_level(logging.INFO, logger="dspark.core.config"):
         cfg = _load("+experiment=smollm2_cpu_smoke", "target=hf", f"target.path={tiny_qwen3_dir}")

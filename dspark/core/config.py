@@ -968,11 +968,59 @@ class RunConfig:
         return asdict(self)
 
 
+def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
+    """Keys of ``node`` (a composed tree, unresolved) that ``schema``'s dataclass tree does not
+    have: what ``+group.key=...`` adds and Hydra accepts (``+`` adds a key to any node). A field
+    typed as a dict (engine kwargs, W&B settings) takes any key."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    names = {f.name for f in dataclasses.fields(schema)}
+    out = []
+    for key in node.keys() if OmegaConf.is_dict(node) else []:
+        key = str(key)
+        if key not in names:
+            out.append(prefix + key)
+            continue
+        hint = hints[key]
+        args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is not None else []
+        sub = hint if dataclasses.is_dataclass(hint) else next((a for a in args if dataclasses.is_dataclass(a)), None)
+        child = node._get_node(key)
+        if sub is not None and OmegaConf.is_dict(child):
+            out += unknown_keys(child, sub, f"{prefix}{key}.")
+    return out
+
+
+def _unknown_key_error(cfg: Any) -> Optional[ConfigError]:
+    import difflib
+
+    bad = unknown_keys(cfg, RunConfig)
+    if not bad:
+        return None
+    parts = []
+    for key in bad:
+        group, _, name = key.rpartition(".")
+        node = OmegaConf.select(cfg, group) if group else cfg
+        known = [k for k in (node.keys() if OmegaConf.is_dict(node) else []) if f"{group}.{k}".lstrip(".") not in bad]
+        close = difflib.get_close_matches(name, [str(k) for k in known], n=1)
+        hint = f" (did you mean {(group + '.') if group else ''}{close[0]}?)" if close else ""
+        parts.append(f"{key}{hint}")
+    return ConfigError(
+        f"unknown config key(s): {', '.join(parts)}; '+KEY=VALUE' adds a key Hydra does not check, and nothing "
+        "reads it. Every key: python train.py --help"
+    )
+
+
 def load_config(cfg: DictConfig | RunConfig) -> RunConfig:
     """The composed tree -> a validated :class:`RunConfig` (every ``__post_init__`` check runs).
-    Entry points call this before any stage starts; a bad value raises :class:`ConfigError`."""
+    Entry points call this before any stage starts; a bad value or a key the schema does not have
+    (``+train.lrr=1``) raises :class:`ConfigError`."""
     if isinstance(cfg, RunConfig):
         return cfg
+    err = _unknown_key_error(cfg)
+    if err is not None:
+        raise err
     if not OmegaConf.is_config(cfg) or OmegaConf.get_type(cfg) is not RunConfig:
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
     cfg = resolve_target_config(cfg)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 DEBUG_ENV = ("HYDRA_FULL_ERROR", "DSPARK_DEBUG")
 """Either set to a value other than 0 shows the traceback of a user error."""
@@ -40,3 +41,26 @@ def exit_on_user_error() -> Iterator[None]:
             raise
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT) from None
+
+
+_started: list[bool] = []
+
+
+def task_started() -> None:
+    """Called first by a ``@hydra.main`` function that :func:`run_hydra_command` runs."""
+    _started.append(True)
+
+
+def run_hydra_command(main: Callable[[], Any]) -> None:
+    """Run a ``@hydra.main`` command so that every config error exits with :data:`USER_ERROR_EXIT`:
+    Hydra reports a composition error (a key without ``+`` that the schema lacks, a missing group
+    option, a value of the wrong type) with exit status 1 before the command's function starts
+    (:func:`task_started`); the project's own config errors exit 2 from inside it
+    (:func:`exit_on_user_error`). An exit 1 after the function started stays 1."""
+    _started.clear()
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not _started:
+            raise SystemExit(USER_ERROR_EXIT) from None
+        raise
