@@ -72,8 +72,13 @@ def eval_set(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[list[EvalPrompt
     """The prompts (a prepared set, e.g. your own traffic, or one built per context bin), saved
     as ``out_dir/eval_set.jsonl`` for the vLLM engines."""
     e = cfg.eval
-    if e.prompts_file:
-        prompts = load_eval_set(Path(e.prompts_file).expanduser())
+    if e.prompts_file:  # checked line by line against the target before anything is exported or served
+        prompts = load_eval_set(
+            Path(e.prompts_file).expanduser(),
+            vocab_size=heads.vocab_size,
+            window=int(heads.config.get("max_position_embeddings") or 0),
+            max_new_tokens=e.max_new_tokens,
+        )
     else:
         prompts = build_eval_set(
             heads.tokenizer,

@@ -235,11 +235,11 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
         )
         return done
     t0 = time.perf_counter()
+    prompts, prompts_file = eval_set(cfg, heads, out_dir)  # a bad prompts file stops it before any export
     exports = {"ours": export_all(cfg, ckpt, target_dir, "dspark")}
     if ablation is not None:
         log.info("Markov-off ablation: %s", ablation)
         exports["ablation"] = export_all(cfg, ablation, target_dir, "ablation")
-    prompts, prompts_file = eval_set(cfg, heads, out_dir)
     parts = Parts(out_dir / "parts", _parts_key(fp, prompts), reuse=not e.force)
     drafters = []
     if e.reference:

@@ -3,6 +3,7 @@
 import csv
 import itertools
 import json
+import logging
 import re
 
 import pytest
@@ -254,6 +255,57 @@ def test_save_load_round_trip_and_bad_line(tmp_path, tokenizer):
     bad = re.escape(f"{path}:2: prompt 'offline-s0-b512-1': num_tokens is")
     with pytest.raises(EvalPromptError, match=bad):
         load_eval_set(path)
+
+
+def _one_prompt(**change) -> dict:
+    rec = dict(
+        prompt_id="p0", bin=512, prompt_token_ids=[1, 2, 3], num_tokens=3, source="mine", question="q",
+        reference_answer=None, document_names=[],
+    )  # fmt: skip
+    return {**rec, **change}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, r"eval.prompts_file=.*missing.jsonl: no such file"),
+        (b"", r"eval.prompts_file=.*: no prompts in it"),
+        (b"\n\n", r"eval.prompts_file=.*: no prompts in it"),
+        (b"\xff\xfe{}\n", r"eval.prompts_file=.*: not UTF-8 text \(invalid start byte at byte 0\)"),
+        (
+            json.dumps(_one_prompt(prompt_token_ids=[1, 999999, 3], num_tokens=3)).encode(),
+            r":1: field 'prompt_token_ids'\[1\] is 999999, expected a token id in \[0, 49152\)",
+        ),
+        (
+            json.dumps(_one_prompt(prompt_token_ids=["1", "2"], num_tokens=2)).encode(),
+            r":1: field 'prompt_token_ids'\[0\] is '1', expected a token id",
+        ),
+        (json.dumps(_one_prompt(bin="512")).encode(), r":1: field 'bin' is '512', expected int"),
+        (json.dumps(_one_prompt(num_tokens=True)).encode(), r":1: field 'num_tokens' is True, expected int"),
+        (json.dumps(_one_prompt(prompt_token_ids=[], num_tokens=0)).encode(), r":1: field 'prompt_token_ids' is empty"),
+        (b'{"prompt_id": "p0", "bin": }\n', r":1: not valid JSON \(Expecting value at column 28\)"),
+    ],
+    ids=["missing", "empty", "blank", "not-utf8", "out-of-vocab", "string-ids", "bin-type", "bool", "no-ids", "json"],
+)
+def test_a_prompts_file_is_checked_line_by_line_with_one_clear_error(tmp_path, content, message):
+    path = tmp_path / ("missing.jsonl" if content is None else "p.jsonl")
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(EvalPromptError, match=message):
+        load_eval_set(path, vocab_size=49152, window=8192, max_new_tokens=128)
+
+
+def test_prompts_over_the_window_are_left_out_and_counted(tmp_path, caplog):
+    path = tmp_path / "p.jsonl"
+    long = _one_prompt(prompt_id="long", prompt_token_ids=[5] * 9000, num_tokens=9000)
+    path.write_text(json.dumps(_one_prompt()) + "\n" + json.dumps(long) + "\n")
+    with caplog.at_level(logging.WARNING, logger="eval.prompts"):
+        got = load_eval_set(path, vocab_size=49152, window=8192, max_new_tokens=128)
+    assert [p.prompt_id for p in got] == ["p0"]
+    assert "1 of 2 prompts left out" in caplog.text and "window of 8192 (the longest has 9000 tokens)" in caplog.text
+    path.write_text(json.dumps(long) + "\n")
+    with pytest.raises(EvalPromptError, match=r"every prompt's tokens \+ eval.max_new_tokens=128 exceed"):
+        load_eval_set(path, vocab_size=49152, window=8192, max_new_tokens=128)
 
 
 def test_cli_prints_a_table_per_bin(smollm2_dir, tmp_path, capsys):
