@@ -36,6 +36,7 @@ from dspark.core.shard_format import (
     ShardInfo,
     check_row,
     decode_hidden_states,
+    stale_caches,
 )
 
 
@@ -166,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
                 "integrity only"
             )
     problems, pool = check_shards(args.directory, manifest)
+    stale = stale_caches(args.directory, manifest)
+    for cache in stale:  # built from other bytes than the manifest's shards, or before shards were verified
+        cache.unlink()
+    if stale:
+        print(f"dropped {len(stale)} Arrow cache(s) no verified shard of this manifest produced: " + ", ".join(
+            str(c.relative_to(args.directory)) for c in stale[:5]) + (" ..." if len(stale) > 5 else ""))  # fmt: skip
     rows = len(pool)
     print(f"{args.directory}: {len(manifest.shards)} shards in manifest, {rows} rows decoded, {len(problems)} problems")
     for p in problems:

@@ -11,6 +11,7 @@ trainer (``keep_fp8``), kept as fp8 values and scales until the batch reaches th
 from __future__ import annotations
 
 import bisect
+import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pyarrow.parquet as pq
 import torch
 
@@ -29,6 +31,8 @@ from dspark.core.shard_format import (
     DatasetError,
     Manifest,
     ShardInfo,
+    cache_path,
+    check_row,
     decode_hidden_states,
     split_scaled,
 )
@@ -85,15 +89,19 @@ class ShardDataset:
                 "(the same command with stages=[extract] resumes it)"
             )
         self.split = split
-        self.shards = [s for s in self.manifest.shards if s.split == split and s.rows > 0]
+        self.shards = [s for s in self.manifest.shards if s.split == split]
         self._batches: list[pa.RecordBatch] = []
         self._starts: list[int] = []  # global index of each batch's first row
+        self._batch_shard: list[tuple[ShardInfo, int]] = []  # each batch's shard and its first row there
         total = 0
         for info in self.shards:
+            first = 0
             for batch in self._open(info):
                 self._batches.append(batch)
                 self._starts.append(total)
+                self._batch_shard.append((info, first))
                 total += batch.num_rows
+                first += batch.num_rows
         self._len = total if limit is None else min(total, limit)
         self.n_layers = len(self.manifest.layer_ids)
         self.hidden_size = self.manifest.hidden_size
@@ -101,7 +109,11 @@ class ShardDataset:
         """Set by the trainer (:class:`dspark.target_topk.TargetTopK`): attached to every sequence read."""
 
     def _open(self, info: ShardInfo) -> list[pa.RecordBatch]:
-        cache = self.directory / ".arrow_cache" / info.split / f"{info.name}-{info.sha256[:12]}.arrow"
+        """The shard's memory-mapped Arrow cache, built once from the Parquet file after that file's
+        size and SHA-256 matched the manifest and every row passed :func:`check_row`: the cache's
+        name carries the verified hash, so only a verified shard ever produces one (a cache under
+        that name was verified when it was built; a rerun does not hash the shard again)."""
+        cache = cache_path(self.directory, info)
         if not cache.is_file():
             table = self._read_shard(info)
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -126,12 +138,31 @@ class ShardDataset:
         )
         if not shard.is_file():
             raise DatasetError(f"{shard}: missing file, listed in manifest.json. {rebuild}")
+        if self.directory.resolve() not in shard.resolve().parents:
+            raise DatasetError(f"{shard}: a link to {shard.resolve()}, outside the dataset {self.directory}")
+        data = shard.read_bytes()  # hashed and parsed from the same bytes
+        if len(data) != info.bytes or hashlib.sha256(data).hexdigest() != info.sha256:
+            raise DatasetError(
+                f"{shard}: {len(data)} bytes with sha256 {hashlib.sha256(data).hexdigest()[:16]}, but manifest.json "
+                f"records {info.bytes} bytes with sha256 {info.sha256[:16]}: truncated or altered on disk. {rebuild}"
+            )
         try:
-            return pq.read_table(shard, schema=SCHEMA)
+            table = pq.read_table(pa.BufferReader(data), schema=SCHEMA)
         except (pa.ArrowException, OSError) as e:
             raise DatasetError(
                 f"{shard}: cannot be read as a Parquet shard ({type(e).__name__}: {e}); truncated or damaged. {rebuild}"
             ) from e
+        if table.num_rows != info.rows:
+            raise DatasetError(f"{shard}: {table.num_rows} rows, but manifest.json records {info.rows}. {rebuild}")
+        tokens = int(pa.compute.sum(table.column("num_tokens")).as_py() or 0)
+        if tokens != info.tokens:
+            raise DatasetError(f"{shard}: {tokens} tokens, but manifest.json records {info.tokens}. {rebuild}")
+        m = self.manifest
+        for i, row in enumerate(table.to_pylist()):
+            bad = check_row(row, n_layers=len(m.layer_ids), hidden_size=m.hidden_size, dtype=m.dtype)
+            if bad:
+                raise DatasetError(f"{shard}: row {i} (sequence {row['seq_id']}): {bad}. {rebuild}")
+        return table
 
     def __len__(self) -> int:
         return self._len
@@ -166,6 +197,16 @@ class ShardDataset:
             states, scales = split_scaled(cell, dtype=self.manifest.dtype, **layout)
         else:
             states = decode_hidden_states(cell, dtype=self.manifest.dtype, out_dtype=self.states_dtype, **layout)
+        if scales is None and not bool(torch.isfinite(states).all()):  # fp8 kept as bytes: scales checked at build
+            info, first = self._batch_shard[b]
+            bad = ~torch.isfinite(states)
+            token, layer, _ = (int(i) for i in bad.nonzero()[0])
+            raise DatasetError(
+                f"{self.directory / info.path}: row {first + row} (sequence {batch.column(0)[row].as_py()}): "
+                f"{int(bad.sum())} non-finite hidden-state values (first at token {token}, captured layer {layer}); "
+                f"the target produced them or the shard was altered before its cache was built. Check it: "
+                f"python -m data_tools.verify {self.directory} --recompute 4"
+            )
         return ShardSequence(
             seq_id=batch.column(0)[row].as_py(),
             input_ids=torch.from_numpy(ids.astype(np.int64)),

@@ -31,6 +31,7 @@ Imports pyarrow, torch and the stdlib only, so it runs in a vLLM-only environmen
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -200,6 +201,9 @@ class Manifest:
         if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
             found = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
             raise DatasetError(f"{path}: field 'schema_version' is {found!r}, this code reads {SCHEMA_VERSION}")
+        problem = manifest_problem(data)
+        if problem:
+            raise DatasetError(f"{path}: {problem}")
         try:
             data["shards"] = [ShardInfo(**s) for s in data.get("shards", [])]
             manifest = cls(**data)
@@ -224,6 +228,104 @@ class Manifest:
     def save(self, directory: Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(directory) / MANIFEST, self.to_json())
+
+
+_STR, _INT = (str,), (int,)
+MANIFEST_FIELDS: dict[str, tuple[tuple[type, ...], Optional[int]]] = {
+    # field: (JSON types, minimum for integers)
+    "target": (_STR, None),
+    "target_path": (_STR, None),
+    "revision": ((str, type(None)), None),
+    "architecture": (_STR, None),
+    "tokenizer_sha256": (_STR, None),
+    "chat_template_sha256": (_STR, None),
+    "layer_ids": ((list,), None),
+    "num_hidden_layers": (_INT, 1),
+    "hidden_size": (_INT, 1),
+    "dtype": (_STR, None),
+    "compression": (_STR, None),
+    "scale_granularity": (_STR, None),
+    "prompt_set_sha256": (_STR, None),
+    "rows_per_shard": (_INT, 0),
+    "prompt_settings": ((dict,), None),
+    "layer_id_convention": (_STR, None),
+    "schema_version": (_INT, None),
+    "shards": ((list,), None),
+    "complete": ((bool,), None),
+}
+SHARD_FIELDS: dict[str, tuple[tuple[type, ...], Optional[int]]] = {
+    "split": (_STR, None),
+    "name": (_STR, None),
+    "rows": (_INT, 0),  # a shard whose prompts were all left out is written, empty
+    "tokens": (_INT, 0),
+    "bytes": (_INT, 1),
+    "sha256": (_STR, None),
+    "skipped": ((dict,), None),
+}
+_SHARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _field_problem(where: str, key: str, value: Any, types: tuple[type, ...], minimum: Optional[int]) -> Optional[str]:
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        want = " or ".join("null" if t is type(None) else {"str": "a string", "int": "an integer"}.get(
+            t.__name__, f"a {t.__name__}") for t in types)  # fmt: skip
+        return f"{where}'{key}' is {value!r:.60}, expected {want}"
+    if minimum is not None and value < minimum:
+        return f"{where}'{key}' is {value}, expected an integer >= {minimum}"
+    return None
+
+
+def manifest_problem(data: dict[str, Any]) -> Optional[str]:
+    """What is wrong with a manifest read as JSON, checked as data before any of it is used (None:
+    nothing): each field's type and range, layer ids as integers, and every shard entry's, whose
+    name must be a plain name inside the dataset (no path separators, no ``..``, not hidden: a
+    name is joined to the dataset directory to read the shard and to write its cache)."""
+    for key, (types, minimum) in MANIFEST_FIELDS.items():
+        if key in data:
+            problem = _field_problem("field ", key, data[key], types, minimum)
+            if problem:
+                return problem
+    ids = data.get("layer_ids", [])
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return f"field 'layer_ids' is {ids!r:.80}, expected a non-empty list of integers >= 0"
+    for n, shard in enumerate(data.get("shards", [])):
+        where = f"shards[{n}]."
+        if not isinstance(shard, dict):
+            return f"shards[{n}] is {shard!r:.60}, expected an object"
+        for key, (types, minimum) in SHARD_FIELDS.items():
+            if key not in shard and key != "skipped":
+                return f"{where}'{key}' missing"
+            if key in shard:
+                problem = _field_problem(where, key, shard[key], types, minimum)
+                if problem:
+                    return problem
+        if shard["split"] not in SPLITS:
+            return f"{where}'split' is {shard['split']!r}, expected one of {list(SPLITS)}"
+        if not _SHARD_NAME.fullmatch(shard["name"]) or ".." in shard["name"]:
+            return (
+                f"{where}'name' is {shard['name']!r}, expected a plain file name inside the dataset (letters, digits, "
+                "'_', '.', '-'; no path separators or '..'), as data_tools.extract writes: shard-00000"
+            )
+        if not _SHA256.fullmatch(shard["sha256"]):
+            return f"{where}'sha256' is {shard['sha256']!r:.80}, expected 64 lowercase hex digits"
+    return None
+
+
+CACHE_DIR = ".arrow_cache"
+
+
+def cache_path(directory: Path, info: ShardInfo) -> Path:
+    """Where a shard's Arrow cache is: named by the SHA-256 its shard was verified against."""
+    return Path(directory) / CACHE_DIR / info.split / f"{info.name}-{info.sha256[:16]}.verified.arrow"
+
+
+def stale_caches(directory: Path, manifest: Manifest) -> list[Path]:
+    """Arrow caches under the dataset that no shard of ``manifest`` would read: another version of a
+    shard, or a cache built before shards were verified (``NAME-SHA12.arrow``)."""
+    wanted = {cache_path(directory, info) for info in manifest.shards}
+    root = Path(directory) / CACHE_DIR
+    return sorted(p for p in root.rglob("*.arrow") if p not in wanted) if root.is_dir() else []
 
 
 def _recorded(settings: dict[str, Any], key: str) -> str:

@@ -1,6 +1,7 @@
 """The shard reader on shards written in the declared schema."""
 
 import json
+import shutil
 from collections import Counter
 
 import pytest
@@ -14,7 +15,7 @@ from dspark.shards import ShardDataset, open_dataset, require_dataset
 from tests.toy import toy_manifest
 
 
-def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=8, val_rows=1):
+def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=8, val_rows=1, nan_in=None):
     """Random sequences written through the extractor's own encoder, writer and finaliser;
     returns seq_id -> (ids, states as stored: fp32 originals for fp8)."""
     gen = torch.Generator().manual_seed(0)
@@ -27,6 +28,8 @@ def make_dataset(directory, *, dtype="float32", rows=(3, 2), n_layers=3, hidden=
             for r in range(n):
                 t = int(torch.randint(3, 12, (1,), generator=gen))
                 hs = torch.randn(t - 1, n_layers, hidden, generator=gen).to(store)
+                if nan_in == f"{split}{k}-{r}":  # what a target that overflowed would have written
+                    hs[-1, 1, 2] = float("nan")
                 ids = torch.randint(0, 100, (t,), generator=gen).tolist()
                 row = {
                     "seq_id": f"{split}{k}-{r}",
@@ -163,15 +166,111 @@ def test_a_truncated_or_missing_shard_names_the_file_and_the_way_out(tmp_path):
     before = shard.read_bytes()
     with pytest.raises(DatasetError) as err:
         ShardDataset(tmp_path)
-    assert str(err.value) == (
-        f"{shard}: cannot be read as a Parquet shard (ArrowInvalid: {err.value.__cause__}); truncated or damaged. "
-        f"Check the dataset: python -m data_tools.verify {tmp_path} --recompute 0; re-extract the shard: delete "
-        f"{shard} and run stages=[extract] again with the same settings (complete shards are kept)"
+    assert str(err.value).startswith(f"{shard}: {len(before)} bytes with sha256 ") and str(err.value).endswith(
+        f"truncated or altered on disk. Check the dataset: python -m data_tools.verify {tmp_path} --recompute 0; "
+        f"re-extract the shard: delete {shard} and run stages=[extract] again with the same settings (complete "
+        "shards are kept)"
     )
     assert shard.read_bytes() == before and not list((tmp_path / ".arrow_cache").rglob("shard-00001*"))
     shard.unlink()
     with pytest.raises(DatasetError, match=r"shard-00001.parquet: missing file, listed in manifest.json\. Check"):
         ShardDataset(tmp_path)
+
+
+def test_bytes_flipped_in_a_shard_of_the_same_size_are_caught_and_never_cached(tmp_path):
+    """Issue #37: eight bytes flipped mid-shard trained with rc 0 and poisoned the Arrow cache,
+    which kept serving them after the good shard was put back."""
+    make_dataset(tmp_path)
+    shard = tmp_path / "train" / "shard-00000.parquet"
+    good = shard.read_bytes()
+    mid = len(good) // 2
+    shard.write_bytes(good[:mid] + bytes(b ^ 0xFF for b in good[mid : mid + 8]) + good[mid + 8 :])
+    with pytest.raises(DatasetError, match=r"shard-00000.parquet: \d+ bytes with sha256 [0-9a-f]{16}, but manifest"):
+        ShardDataset(tmp_path)
+    assert not list((tmp_path / ".arrow_cache").rglob("shard-00000*"))  # nothing cached from the bad bytes
+    shard.write_bytes(good)
+    ds = ShardDataset(tmp_path)
+    (cache,) = (tmp_path / ".arrow_cache" / "train").glob("shard-00000-*.arrow")
+    assert cache.name.endswith(".verified.arrow") and len(ds) == 5
+
+
+def test_a_non_finite_state_names_the_shard_row_and_sequence(tmp_path):
+    make_dataset(tmp_path, nan_in="train1-1")
+    ds = ShardDataset(tmp_path)
+    ds.read(0)  # the others read
+    with pytest.raises(DatasetError) as err:
+        ds.read(4)
+    assert str(err.value).startswith(
+        f"{tmp_path / 'train' / 'shard-00001.parquet'}: row 1 (sequence train1-1): 1 non-finite hidden-state values "
+    ) and "captured layer 1" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda m: m["shards"][0].update(name="../../../elsewhere/evil"), r"shards\[0\].'name' is '../../../elsewhere"),
+        (lambda m: m["shards"][0].update(name="/abs/shard"), r"expected a plain file name inside the dataset"),
+        (lambda m: m["shards"][0].update(rows="32"), r"shards\[0\].'rows' is '32', expected an integer"),
+        (lambda m: m["shards"][0].update(rows=-1), r"shards\[0\].'rows' is -1, expected an integer >= 0"),
+        (lambda m: m["shards"][0].update(split="test"), r"'split' is 'test', expected one of \['train', 'val'\]"),
+        (lambda m: m["shards"][0].update(sha256="abc"), r"'sha256' is 'abc', expected 64 lowercase hex digits"),
+        (lambda m: m.update(layer_ids=None), r"field 'layer_ids' is None, expected a list"),
+        (lambda m: m.update(layer_ids=[0, "1"]), r"field 'layer_ids' is \[0, '1'\], expected a non-empty list of"),
+        (lambda m: m.update(hidden_size="576"), r"field 'hidden_size' is '576', expected an integer"),
+        (lambda m: m.update(complete="yes"), r"field 'complete' is 'yes', expected a bool"),
+        (lambda m: m["shards"].append(7), r"shards\[3\] is 7, expected an object"),
+    ],
+    ids=["dotdot", "absolute", "rows-str", "rows-neg", "split", "sha", "layers-null", "layers-str", "width", "bool",
+         "entry"],
+)  # fmt: skip
+def test_a_manifest_is_checked_as_data_field_by_field(tmp_path, change, message):
+    make_dataset(tmp_path)
+    path = tmp_path / "manifest.json"
+    m = json.loads(path.read_text())
+    change(m)
+    path.write_text(json.dumps(m))
+    with pytest.raises(DatasetError, match=message):
+        ShardDataset(tmp_path)
+    assert not (tmp_path / ".arrow_cache").exists() and not (tmp_path.parent / "elsewhere").exists()
+
+
+def test_rows_and_tokens_must_agree_with_the_files_and_links_out_are_refused(tmp_path):
+    """Issue #37: rows 0 silently dropped a shard (244 -> 212 sequences)."""
+    make_dataset(tmp_path)
+    path = tmp_path / "manifest.json"
+    good = path.read_text()
+    for key, value, says in (("rows", 0, "3 rows, but manifest.json records 0"), ("tokens", 1, "records 1")):
+        m = json.loads(good)
+        m["shards"][0][key] = value
+        path.write_text(json.dumps(m))
+        shutil.rmtree(tmp_path / ".arrow_cache", ignore_errors=True)
+        with pytest.raises(DatasetError, match=says):
+            ShardDataset(tmp_path)
+    path.write_text(good)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.parquet"
+    shard = tmp_path / "train" / "shard-00000.parquet"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    shutil.rmtree(tmp_path / ".arrow_cache", ignore_errors=True)
+    with pytest.raises(DatasetError, match=r"shard-00000.parquet: a link to .*-outside.parquet, outside the dataset"):
+        ShardDataset(tmp_path)
+
+
+def test_verify_drops_caches_no_verified_shard_produced(tmp_path, capsys):
+    from data_tools.verify import main as verify
+
+    make_dataset(tmp_path)
+    ShardDataset(tmp_path)
+    old = tmp_path / ".arrow_cache" / "train" / "shard-00000-0123456789ab.arrow"  # unverified, as built before
+    old.write_bytes(b"poisoned")
+    kept = sorted((tmp_path / ".arrow_cache").rglob("*.verified.arrow"))
+    assert verify([str(tmp_path), "--recompute", "0"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "dropped 1 Arrow cache(s) no verified shard of this manifest produced: .arrow_cache/train/shard-00000-0123"
+        in out
+    )
+    assert not old.exists() and sorted((tmp_path / ".arrow_cache").rglob("*.arrow")) == kept and len(kept) == 2
 
 
 def test_a_damaged_arrow_cache_is_named(tmp_path):
