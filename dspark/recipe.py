@@ -23,7 +23,7 @@ from dspark.batching import Batch, RankBatches
 from dspark.checkpoint import Checkpointer, TrainState
 from dspark.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
 from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
-from dspark.core.files import file_sha256
+from dspark.core.files import file_sha256, text_sha256
 from dspark.core.shard_format import DatasetError
 from dspark.core.stream import SequenceSource
 from dspark.core.target import TargetHeads, load_target_layer
@@ -173,7 +173,7 @@ def shard_datasets(
     """``data.shards_dir``'s train split (checked against the target) and its val split, if any."""
     shards = Path(cfg.data.shards_dir).expanduser()
     train_ds = ShardDataset(shards, "train", states_dtype=dtype, keep_fp8=True, limit=cfg.data.train_sequences)
-    check_shards_match_target(train_ds, cfg.target, heads)
+    check_shards_match_target(train_ds, cfg.target, heads, allow_other_target=cfg.data.allow_other_target)
     has_val = any(s.split == "val" and s.rows for s in train_ds.manifest.shards)
     return train_ds, ShardDataset(shards, "val", states_dtype=dtype, keep_fp8=True) if has_val else None
 
@@ -185,7 +185,7 @@ def colocated_datasets(
     this rank's own copy of the target computing the captured layers' states, on its device."""
     shards = Path(cfg.data.shards_dir).expanduser()
     base = ShardDataset(shards, "train", states_dtype=dtype, keep_fp8=True, limit=cfg.data.train_sequences)
-    check_shards_match_target(base, cfg.target, heads, states=False)
+    check_shards_match_target(base, cfg.target, heads, states=False, allow_other_target=cfg.data.allow_other_target)
     device = device_for_rank()
     target = ColocatedTarget(
         heads.path,
@@ -201,7 +201,7 @@ def colocated_datasets(
 
 
 def check_shards_match_target(
-    ds: ShardDataset, target: TargetConfig, heads: TargetHeads, *, states: bool = True
+    ds: ShardDataset, target: TargetConfig, heads: TargetHeads, *, states: bool = True, allow_other_target: bool = False
 ) -> None:
     """Refuse shards made for another target before the first step (``states=False``: only the
     token ids are read, so any captured layers will do)."""
@@ -214,14 +214,38 @@ def check_shards_match_target(
             "data.engine=vllm into a new data.shards_dir"
         )
     check_dataset(ds, expect_layer_ids=expected if states else None, expect_hidden_size=heads.hidden_size)
-    tok = heads.path / "tokenizer.json"
-    tok_sha = file_sha256(tok) if tok.is_file() else None
-    if tok_sha is not None and m.tokenizer_sha256 != tok_sha:
+    differences = dataset_target_differences(m, target, heads)
+    if differences and allow_other_target:
+        log.warning("%s: made for another target (%s); data.allow_other_target=true: trained anyway", where,
+                    "; ".join(differences))  # fmt: skip
+    elif differences:
         raise DatasetError(
-            f"{where}: field 'tokenizer_sha256' is {m.tokenizer_sha256[:12]}..., the target's tokenizer.json hashes "
-            f"to {tok_sha[:12]}..., expected the same tokenizer; extract with this target into a new data.shards_dir "
-            "(stages=[extract,train])"
+            f"{where}: made for another target: {'; '.join(differences)}. Extract with this target into a new "
+            "data.shards_dir (stages=[extract,train]), or, if the states fit (the same weights under another name), "
+            "set data.allow_other_target=true"
         )
+
+
+def dataset_target_differences(m: Any, target: TargetConfig, heads: TargetHeads) -> list[str]:
+    """Each identity field the manifest records that differs from the target being trained for,
+    as "field 'F' is X, the target has Y": its name, architecture, depth, tokenizer (tokenizer.json,
+    or the vocabulary where there is none, as the extractor hashes it) and chat template."""
+    tok = heads.path / "tokenizer.json"
+    tok_sha = file_sha256(tok) if tok.is_file() else text_sha256(str(sorted(heads.tokenizer.get_vocab().items())))
+    ours = {
+        "target": target.name,
+        "architecture": heads.architecture,
+        "num_hidden_layers": int(heads.config["num_hidden_layers"]),
+        "tokenizer_sha256": tok_sha,
+        "chat_template_sha256": text_sha256(getattr(heads.tokenizer, "chat_template", None)),
+    }
+    out = []
+    for key, value in ours.items():
+        theirs = getattr(m, key)
+        if theirs != value:
+            short = (lambda v: f"{v[:12]}...") if key.endswith("sha256") else repr
+            out.append(f"field '{key}' is {short(theirs)}, the target has {short(value)}")
+    return out
 
 
 def attach_target_topk(

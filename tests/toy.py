@@ -217,9 +217,10 @@ def build_target_and_shards(root: Path, smollm2_dir: Path, *, n_train=12, n_val=
     from collections import Counter
 
     import torch
+    from transformers import AutoTokenizer
 
     from data_tools.shard_writer import finalize, write_shard
-    from dspark.core.files import file_sha256
+    from dspark.core.files import file_sha256, text_sha256
     from dspark.core.layer_ids import reference_hidden_states
 
     target = root / "target"
@@ -235,7 +236,7 @@ def build_target_and_shards(root: Path, smollm2_dir: Path, *, n_train=12, n_val=
         revision=None,
         architecture="LlamaForCausalLM",
         tokenizer_sha256=file_sha256(target / "tokenizer.json"),
-        chat_template_sha256="",
+        chat_template_sha256=text_sha256(AutoTokenizer.from_pretrained(str(target)).chat_template),
         layer_ids=TINY_LAYERS + [4],
         num_hidden_layers=4,
         hidden_size=64,

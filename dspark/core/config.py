@@ -470,6 +470,10 @@ class DataConfig:
     """Window per sequence, prompt + answer."""
     on_overlong: str = "skip"
     """skip | truncate: a prompt that does not fit is counted, never fatal."""
+    allow_other_target: bool = False
+    """Train on a dataset whose manifest names another target (name, architecture, depth,
+    tokenizer or chat template), with a warning instead of the refusal: for a user who knows the
+    states fit (the same weights under another name)."""
     store_dtype: str = "float32"
     """float32 | float16 on CPU, bfloat16 on GPU; float8_e4m3 | float8_e5m2 halve bf16's bytes
     (a scale per token and layer; the reader dequantizes, error bound in dspark/core/fp8.py)."""

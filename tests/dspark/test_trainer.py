@@ -3,6 +3,7 @@ declared schema (the real path reads what data_tools.extract writes)."""
 
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -259,12 +260,39 @@ def test_training_without_a_dataset_says_to_extract_first_and_writes_nothing(com
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "empty").exists()
 
 
-def test_nan_loss_names_step_and_sequences(compose_config, tmp_path, smollm2_dir):
+def test_a_dataset_of_another_target_is_refused_unless_allowed(compose_config, tiny, tmp_path, caplog):
+    """Issue #37: a manifest naming another model, 36 layers and another chat template trained."""
+    from dspark.core.shard_format import DatasetError
+
+    target, data = tiny
+    other = tmp_path / "other"
+    shutil.copytree(data, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m.update(target="qwen3-8b", num_hidden_layers=36, chat_template_sha256="0" * 64)
+    (other / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DatasetError) as err:
+        build_trainer(compose_config(*overrides(target, other, tmp_path / "a")), load_target_heads(target))
+    msg = str(err.value)
+    assert msg.startswith(f"{other / 'manifest.json'}: made for another target: field 'target' is 'qwen3-8b', the ")
+    assert "field 'num_hidden_layers' is 36, the target has 4" in msg
+    assert "field 'chat_template_sha256' is 000000" in msg
+    assert "data.allow_other_target=true" in msg and "architecture" not in msg
+    allowed = overrides(target, other, tmp_path / "b", "data.allow_other_target=true", "train.max_steps=1")
+    with caplog.at_level(logging.WARNING, logger="dspark.recipe"):
+        tr = build_trainer(compose_config(*allowed), load_target_heads(target))
+    assert "made for another target" in caplog.text and "trained anyway" in caplog.text
+    assert tr.train().step == 1
+
+
+def test_a_non_finite_state_stops_training_naming_shard_row_and_sequence(compose_config, tmp_path, smollm2_dir):
+    """Issue #37: it was a FloatingPointError from the step naming sequence ids, not the shard."""
+    from dspark.core.shard_format import DatasetError
+
     target, data = build_target_and_shards(tmp_path, smollm2_dir, n_train=4, n_val=0, nan_in=("train", 2))
     tr = build_trainer(
         compose_config(*overrides(target, data, tmp_path, "train.max_steps=3")), load_target_heads(target)
     )
-    with pytest.raises(FloatingPointError, match=r"non-finite loss nan at step 1, sequences \[.*'train-02'.*\]"):
+    with pytest.raises(DatasetError, match=r"train/shard-\d+.parquet: row \d+ \(sequence train-02\): 1 non-finite"):
         tr.train()
 
 
