@@ -184,6 +184,7 @@ def serve(cfg: RunConfig, target_dir: Optional[Path] = None) -> int:
             "hidden_size": source.hidden_size,
             "store_dtype": source.store_dtype,
             "num_prompts": source.num_prompts,
+            "max_seq_len": cfg.data.max_seq_len,  # bounds every frame the trainer accepts
         }
         return stream_to_trainer(
             source, online.trainer_addr, online.port, timeout_s=online.connect_timeout_s, meta=meta

@@ -45,6 +45,7 @@ import datetime
 import json
 import logging
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,8 +55,16 @@ import pyarrow as pa
 import torch
 
 from dspark.core.config import ConfigError
-from dspark.core.frames import FRAME_PREFIX, MAX_FRAME_BYTES, StreamError, decode_row, encode_row, value_kind
-from dspark.core.shard_format import SCHEMA, check_row
+from dspark.core.frames import (
+    FRAME_PREFIX,
+    MAX_FRAME_BYTES,
+    MAX_HEADER_BYTES,
+    StreamError,
+    decode_row,
+    encode_row,
+    value_kind,
+)
+from dspark.core.shard_format import SCHEMA, STORE_DTYPES, bytes_per_token, check_row
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +349,22 @@ class StreamLink:
 
         self.rank = {"trainer": TRAINER, "producer": PRODUCER}[role]
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, 2, self.rank == TRAINER, timeout=timeout)
+        self._listener = listen_on(host, port) if self.rank == TRAINER else None
+        try:
+            self.store = dist.TCPStore(
+                host,
+                port,
+                2,
+                self.rank == TRAINER,
+                timeout=timeout,
+                # the store listens on data.online.trainer_addr's interface only, not on every one
+                master_listen_fd=self._listener.fileno() if self._listener is not None else None,
+            )
+        except dist.DistError as e:  # a trainer that is not there (the producer's side)
+            raise StreamError(
+                f"online: no trainer store at {host}:{port} within data.online.connect_timeout_s={timeout_s:g} "
+                f"({type(e).__name__}); start the trainer first, or raise data.online.connect_timeout_s"
+            ) from None
         self.pg = dist.ProcessGroupGloo(self.store, self.rank, 2, timeout)
         self.peer = 1 - self.rank
         self.where, self.max_frame_bytes, self.received = f"{host}:{port}", max_frame_bytes, 0
@@ -373,8 +397,13 @@ class StreamLink:
         self.store.set(key, json.dumps(value))
 
     def get(self, key: str) -> Any:
-        """Blocks until the other side has set ``key`` (up to the link's timeout)."""
-        return json.loads(self.store.get(key))
+        """Blocks until the other side has set ``key`` (up to the link's timeout); a value that is
+        not JSON is a :class:`StreamError` naming the key."""
+        raw = self.store.get(key)
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise StreamError(f"online: the link at {self.where} carries {key!r} that is not JSON ({e})") from None
 
     def has(self, key: str) -> bool:
         return self.store.check([key])
@@ -395,10 +424,21 @@ class RemoteSource:
             port + producers - 1,
             timeout_s,
         )
+        import torch.distributed as dist
+
         self.links, metas = [], []
         for k in range(producers):
             self.links.append(StreamLink(host, port + k, role="trainer", timeout_s=timeout_s))
-            metas.append(self.links[-1].get("meta"))
+            try:
+                metas.append(check_meta(self.links[-1].get("meta"), f"online: producer {k} on {host}:{port + k}"))
+            except dist.DistError:
+                raise StreamError(
+                    f"online: no producer connected to {host}:{port + k} within data.online.connect_timeout_s="
+                    f"{timeout_s:g} s; start it (python -m data_tools.online ... data.online.producer_rank={k}) or "
+                    "raise data.online.connect_timeout_s"
+                ) from None
+            # the largest frame this stream can carry, not the link's default bound
+            self.links[-1].max_frame_bytes = stream_frame_bound(metas[-1])
         check_producers(metas, producers, port)
         meta = metas[0]
         self.layer_ids, self.hidden_size = list(meta["layer_ids"]), int(meta["hidden_size"])
@@ -533,6 +573,56 @@ def producer_failed(k: int, why: str) -> RuntimeError:
     return RuntimeError(
         f"online: producer {k} failed: {why}; rerun the job (trainer and producers) to resume from the last checkpoint"
     )
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host``'s interface (the TCPStore's, handed to it by descriptor): a
+    trainer at 127.0.0.1 is not reachable from other machines. A port in use is one error."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise StreamError(
+            f"online: cannot listen on {host}:{port} ({e.strerror}); another run holds data.online.port={port}, or "
+            "data.online.trainer_addr is not this machine's"
+        ) from None
+    sock.listen(128)
+    return sock
+
+
+META_FIELDS = {"layer_ids": list, "hidden_size": int, "store_dtype": str, "num_prompts": int, "max_seq_len": int}
+"""What a producer's ``meta`` must hold (:func:`check_meta`)."""
+
+
+def check_meta(meta: Any, where: str) -> dict[str, Any]:
+    """A producer's description of its stream, checked as data: each field's type and range, the
+    store dtype one this code decodes; one :class:`StreamError` naming the field."""
+    if not isinstance(meta, dict):
+        raise StreamError(f"{where}: meta is {meta!r:.60}, expected a JSON object with {sorted(META_FIELDS)}")
+    for key, kind in META_FIELDS.items():
+        value = meta.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise StreamError(f"{where}: meta field {key!r} is {value!r:.60}, expected {kind.__name__}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in meta["layer_ids"]):
+        raise StreamError(f"{where}: meta field 'layer_ids' is {meta['layer_ids']!r:.80}, expected integers >= 0")
+    for key in ("hidden_size", "num_prompts", "max_seq_len"):
+        if meta[key] < 1:
+            raise StreamError(f"{where}: meta field {key!r} is {meta[key]}, expected an integer >= 1")
+    if meta["store_dtype"] not in STORE_DTYPES:
+        raise StreamError(f"{where}: meta field 'store_dtype' is {meta['store_dtype']!r}, expected one of "
+                          f"{sorted(STORE_DTYPES)}")  # fmt: skip
+    return meta
+
+
+def stream_frame_bound(meta: dict[str, Any]) -> int:
+    """The largest frame a stream of ``meta`` carries: a row of ``max_seq_len`` tokens (its states
+    in the store dtype, ids as int64, the loss mask), its JSON header and the frame prefix."""
+    t = int(meta["max_seq_len"])
+    per_token = bytes_per_token(meta["store_dtype"], n_layers=len(meta["layer_ids"]), hidden=int(meta["hidden_size"]))
+    return FRAME_PREFIX.size + MAX_HEADER_BYTES + t * (per_token + 8 + 8)
 
 
 def check_producers(metas: list[dict[str, Any]], producers: int, port: int) -> None:

@@ -226,3 +226,64 @@ def test_over_the_real_link_rows_arrive_whole_and_a_pickle_is_refused(tmp_path):
     t.join(30)
     assert not t.is_alive() and not marker.exists()
     assert os.listdir(tmp_path) == []  # nothing else written either
+
+
+def _meta(**change):
+    return {"layer_ids": [1, 8, 15], "hidden_size": 576, "store_dtype": "float32", "num_prompts": 10,
+            "max_seq_len": 1024, **change}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        ([1, 2], r"meta is \[1, 2\], expected a JSON object"),
+        ({k: v for k, v in _meta().items() if k != "max_seq_len"}, r"meta field 'max_seq_len' is None, expected int"),
+        (_meta(hidden_size="576"), r"meta field 'hidden_size' is '576', expected int"),
+        (_meta(layer_ids=[1, -2]), r"meta field 'layer_ids' is \[1, -2\], expected integers >= 0"),
+        (_meta(max_seq_len=0), r"meta field 'max_seq_len' is 0, expected an integer >= 1"),
+        (_meta(store_dtype="int4"), r"meta field 'store_dtype' is 'int4', expected one of"),
+    ],
+    ids=["list", "missing", "type", "layers", "range", "dtype"],
+)
+def test_a_producers_meta_is_checked_as_data(meta, message):
+    from dspark.core.stream import check_meta
+
+    with pytest.raises(StreamError, match=message):
+        check_meta(meta, "online: producer 0")
+    assert check_meta(_meta(), "p") == _meta()
+
+
+def test_the_link_is_bounded_by_its_stream_binds_its_address_and_names_what_is_missing(tmp_path):
+    """Issue #37: a producer announcing a 16 GiB frame made the trainer reserve it (the bound was
+    64 GiB, not the stream's ~14 MB); non-JSON meta gave a traceback; a missing producer a raw
+    DistStoreError; the store listened on every interface even with trainer_addr=127.0.0.1."""
+    import psutil
+
+    from dspark.core.files import free_port
+    from dspark.core.stream import RemoteSource, check_meta, stream_frame_bound
+
+    bound = stream_frame_bound(_meta())
+    assert bound == FRAME_PREFIX.size + (1 << 20) + 1024 * (3 * 576 * 4 + 16) and bound < 16 << 20
+    port = free_port()
+
+    def producer():
+        link = StreamLink("127.0.0.1", port, role="producer", timeout_s=30)
+        link.store.set("meta", b"{not json")
+        link.set("meta2", _meta())
+        link.pg.send([torch.tensor([5, 16 << 30], dtype=torch.int64)], link.peer, 0).wait()
+
+    t = threading.Thread(target=producer, daemon=True)
+    t.start()
+    trainer = StreamLink("127.0.0.1", port, role="trainer", timeout_s=30)
+    listening = {c.laddr for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+    assert {a.ip for a in listening} == {"127.0.0.1"}  # not 0.0.0.0 nor ::
+    with pytest.raises(StreamError, match=rf"the link at 127.0.0.1:{port} carries 'meta' that is not JSON"):
+        trainer.get("meta")
+    trainer.max_frame_bytes = stream_frame_bound(check_meta(trainer.get("meta2"), "p"))
+    with pytest.raises(StreamError, match=rf"declares a frame of {16 << 30} bytes, expected {FRAME_PREFIX.size} to {bound}"):
+        trainer.recv()
+    t.join(30)
+    with pytest.raises(
+        StreamError, match=r"no producer connected to 127.0.0.1:\d+ within data.online.connect_timeout_s=1"
+    ):
+        RemoteSource("127.0.0.1", free_port(), buffer_size=2, timeout_s=1)
