@@ -52,16 +52,18 @@ class DecodeConfig:
     budget_blocks: bool = False
     """llama.cpp's rule at the end of the answer: a block of at most (tokens left - 1) drafts, none
     with one token left (``server_slot::get_n_draft_max``); off: every block has gamma drafts, as
-    vLLM drafts. On for the parity with llama.cpp (benchmarks/llama_cpp_parity.py)."""
+    vLLM drafts. On for the rows with a drafter when the eval measures llama.cpp's rows too, so
+    that each llama.cpp row and its reference twin count the same steps (``llama_cpp_parity``)."""
 
     @classmethod
-    def of(cls, e: EvalConfig) -> DecodeConfig:
+    def of(cls, e: EvalConfig, *, budget_blocks: bool = False) -> DecodeConfig:
         return cls(
             gamma=e.gamma,
             max_new_tokens=e.max_new_tokens,
             temperature=e.temperature,
             confidence_threshold=e.confidence_threshold,
             seed=e.seed,
+            budget_blocks=budget_blocks,
         )
 
 

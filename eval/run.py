@@ -77,6 +77,7 @@ def reference_eval(
     or both chained (the lookup first)."""
     from tqdm import tqdm
 
+    from eval.llama_serve import llama_cpp_wanted
     from eval.reference import (
         DecodeConfig,
         DraftRunner,
@@ -85,7 +86,9 @@ def reference_eval(
         speculative_generate,
     )
 
-    dcfg = DecodeConfig.of(cfg.eval)
+    # beside llama.cpp's rows, the drafter's rows end an answer as llama.cpp does (their twins);
+    # the lookup alone stays vLLM's ngram's twin
+    dcfg = DecodeConfig.of(cfg.eval, budget_blocks=export_dir is not None and llama_cpp_wanted(cfg))
     dr, layers, method = None, [], "ngram"
     if export_dir is not None:  # its block holds eval.gamma drafts: export_all validated it at that many
         exp = read_export(export_dir)
@@ -203,16 +206,22 @@ def ablation_checkpoint(cfg: RunConfig) -> Optional[Path]:
     return path if latest_tag(path) is not None else None
 
 
-def fingerprint(cfg: RunConfig, checkpoints: list[Path]) -> str:
-    """What an eval report depends on: the eval settings (not how it is run: ``force``,
-    ``vllm_timeout_s``), the target, and which checkpoint files it read (path, size, mtime).
-    Equal fingerprints: the report is up to date."""
+NOT_SETTINGS = ("force", "vllm_timeout_s", "llama_cpp_timeout_s")
+"""Eval fields that say how an eval is run, not what it measures."""
+LLAMA_CPP_SETTINGS = ("llama_cpp", "llama_cpp_methods", "llama_cpp_target", "llama_cpp_draft_type", "llama_cpp_threads")
+"""Eval fields only llama.cpp's rows depend on: the reference loop's and vLLM's parts are kept across them."""
+
+
+def fingerprint(cfg: RunConfig, checkpoints: list[Path], *, without: tuple[str, ...] = ()) -> str:
+    """What an eval report depends on: the eval settings (not how it is run: ``force``, the
+    timeouts; nor those in ``without``), the target, and which checkpoint files it read (path,
+    size, mtime). Equal fingerprints: the report is up to date."""
     files = []
     for c in checkpoints:
         f = checkpoint_model_file(c)
         st = f.stat()
         files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
-    settings = {k: v for k, v in asdict(cfg.eval).items() if k not in ("force", "vllm_timeout_s")}
+    settings = {k: v for k, v in asdict(cfg.eval).items() if k not in NOT_SETTINGS + without}
     return config_fingerprint({"eval": settings, "target": asdict(cfg.target), "files": files})
 
 
@@ -226,7 +235,7 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt = Path(e.checkpoint or Path(cfg.train.checkpoint_dir)).expanduser()
     ablation = ablation_checkpoint(cfg)
-    fp = fingerprint(cfg, [ckpt] + ([ablation] if ablation else []))
+    fp = fingerprint(cfg, [ckpt] + ([ablation] if ablation else []))  # the whole report's
     done = _up_to_date(out_dir, fp)
     if done is not None and not e.force:
         log.info(
@@ -240,13 +249,22 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     if ablation is not None:
         log.info("Markov-off ablation: %s", ablation)
         exports["ablation"] = export_all(cfg, ablation, target_dir, "ablation")
-    parts = Parts(out_dir / "parts", _parts_key(fp, prompts), reuse=not e.force)
+    checkpoints = [ckpt] + ([ablation] if ablation else [])
+    # the reference loop's and vLLM's parts do not depend on llama.cpp's settings: another llama.cpp
+    # target or method list measures llama.cpp's rows again and keeps the rest
+    # (whether llama.cpp's rows are measured at all is in their key: the reference loop then ends
+    # each answer as llama.cpp does)
+    core = config_fingerprint(
+        {"eval": fingerprint(cfg, checkpoints, without=LLAMA_CPP_SETTINGS), "llama_cpp_beside": llama_cpp_wanted(cfg)}
+    )
+    parts = Parts(out_dir / "parts", _parts_key(core, prompts), not e.force)
     drafters = []
     if e.reference:
         drafters += parts.get_or_run("reference", lambda: reference_results(cfg, heads, target_dir, prompts, exports))
     drafters += vllm_results(cfg, target_dir, prompts, prompts_file, out_dir, exports, parts=parts)
     if llama_cpp_wanted(cfg):
-        drafters += llama_cpp_results(cfg, target_dir, prompts, out_dir, exports, parts)
+        llama_parts = Parts(out_dir / "parts", _parts_key(fp, prompts), reuse=not e.force)
+        drafters += llama_cpp_results(cfg, target_dir, prompts, out_dir, exports, llama_parts)
     equal = greedy_outputs_equal(cfg, drafters)
     parity = llama_cpp_parity(drafters)
     conditions = _conditions(

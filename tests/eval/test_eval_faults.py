@@ -251,3 +251,26 @@ def test_a_part_is_reused_only_whole_and_with_this_runs_key(tmp_path, caplog):
     assert parts.get_or_run("reference", run) == first and len(calls) == 2
     assert path.read_text() == whole
     assert [p.name for p in path.parent.iterdir()] == ["reference.json"]  # no temporary file left
+
+
+def test_llama_cpp_settings_leave_the_reference_and_vllm_parts_kept(tmp_path, compose_config):
+    """Another llama.cpp target or method list measures llama.cpp's rows again and keeps the
+    reference loop's and vLLM's parts (their key leaves llama.cpp's settings out); the report's
+    fingerprint still changes, and a setting they read (gamma) changes theirs."""
+    from eval.run import LLAMA_CPP_SETTINGS, fingerprint
+
+    ckpt = tmp_path / "step00000001"
+    ckpt.mkdir()
+    (ckpt / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    base = compose_config()
+    for other in ("eval.llama_cpp_target=f32", "eval.llama_cpp_methods=[none,dspark]", "eval.llama_cpp_timeout_s=9"):
+        changed = compose_config(other)
+        assert fingerprint(changed, [ckpt], without=LLAMA_CPP_SETTINGS) == fingerprint(
+            base, [ckpt], without=LLAMA_CPP_SETTINGS
+        ), other
+        if "timeout" not in other:  # how long to wait is not what is measured
+            assert fingerprint(changed, [ckpt]) != fingerprint(base, [ckpt]), other
+    gamma = compose_config("eval.gamma=3")
+    assert fingerprint(gamma, [ckpt], without=LLAMA_CPP_SETTINGS) != fingerprint(
+        base, [ckpt], without=LLAMA_CPP_SETTINGS
+    )
