@@ -360,9 +360,15 @@ class StreamLink:
                 # the store listens on data.online.trainer_addr's interface only, not on every one
                 master_listen_fd=self._listener.fileno() if self._listener is not None else None,
             )
-        except dist.DistError as e:  # a trainer that is not there (the producer's side)
+        except dist.DistError as e:  # the other side never came
+            if self.rank == TRAINER:
+                raise StreamError(
+                    f"online: no producer connected to {host}:{port} within data.online.connect_timeout_s="
+                    f"{timeout_s:g} s ({type(e).__name__}); start it (python -m data_tools.online ... with "
+                    f"data.online.trainer_addr={host}) or raise data.online.connect_timeout_s"
+                ) from None
             raise StreamError(
-                f"online: no trainer store at {host}:{port} within data.online.connect_timeout_s={timeout_s:g} "
+                f"online: no trainer store at {host}:{port} within data.online.connect_timeout_s={timeout_s:g} s "
                 f"({type(e).__name__}); start the trainer first, or raise data.online.connect_timeout_s"
             ) from None
         self.pg = dist.ProcessGroupGloo(self.store, self.rank, 2, timeout)

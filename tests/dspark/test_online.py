@@ -81,7 +81,11 @@ class FakeSource(BlockProducer):
 
     def meta(self) -> dict:
         return dict(
-            layer_ids=self.layer_ids, hidden_size=self.hidden_size, store_dtype="float32", num_prompts=len(self.rows)
+            layer_ids=self.layer_ids,
+            hidden_size=self.hidden_size,
+            store_dtype="float32",
+            num_prompts=len(self.rows),
+            max_seq_len=64,  # the toy rows' 32 tokens fit; it bounds the frames the trainer accepts
         )
 
     def close(self):
@@ -399,7 +403,8 @@ class Rows(BlockProducer):
 
 
 src = Rows(block=3, buffer_size=2, rank=rank, producers=producers)
-meta = {"layer_ids": [1, 2, 4], "hidden_size": 64, "store_dtype": "float32", "num_prompts": len(rows["train"])}
+meta = {"layer_ids": [1, 2, 4], "hidden_size": 64, "store_dtype": "float32", "num_prompts": len(rows["train"]),
+        "max_seq_len": 64}
 print("exit", stream_to_trainer(src, "127.0.0.1", port, timeout_s=120, meta=meta), flush=True)
 src.stop_thread()
 """
