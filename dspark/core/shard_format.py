@@ -287,8 +287,8 @@ def manifest_problem(data: dict[str, Any]) -> Optional[str]:
             if problem:
                 return problem
     ids = data.get("layer_ids", [])
-    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        return f"field 'layer_ids' is {ids!r:.80}, expected a non-empty list of integers >= 0"
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):  # [] for token-id shards
+        return f"field 'layer_ids' is {ids!r:.80}, expected a list of integers >= 0"
     for n, shard in enumerate(data.get("shards", [])):
         where = f"shards[{n}]."
         if not isinstance(shard, dict):

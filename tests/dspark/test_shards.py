@@ -215,7 +215,7 @@ def test_a_non_finite_state_names_the_shard_row_and_sequence(tmp_path):
         (lambda m: m["shards"][0].update(split="test"), r"'split' is 'test', expected one of \['train', 'val'\]"),
         (lambda m: m["shards"][0].update(sha256="abc"), r"'sha256' is 'abc', expected 64 lowercase hex digits"),
         (lambda m: m.update(layer_ids=None), r"field 'layer_ids' is None, expected a list"),
-        (lambda m: m.update(layer_ids=[0, "1"]), r"field 'layer_ids' is \[0, '1'\], expected a non-empty list of"),
+        (lambda m: m.update(layer_ids=[0, "1"]), r"field 'layer_ids' is \[0, '1'\], expected a list of integers"),
         (lambda m: m.update(hidden_size="576"), r"field 'hidden_size' is '576', expected an integer"),
         (lambda m: m.update(complete="yes"), r"field 'complete' is 'yes', expected a bool"),
         (lambda m: m["shards"].append(7), r"shards\[3\] is 7, expected an object"),
