@@ -535,7 +535,12 @@ def _checked_prompt(record: Any, where: str, vocab_size: int | None) -> EvalProm
 
 
 def load_eval_set(
-    path: PathLike, *, vocab_size: int | None = None, window: int = 0, max_new_tokens: int = 0
+    path: PathLike,
+    *,
+    vocab_size: int | None = None,
+    window: int = 0,
+    max_new_tokens: int = 0,
+    key: str | None = "eval.prompts_file",
 ) -> list[EvalPrompt]:
     """A prepared eval set (``eval.prompts_file``, or one this project wrote), every line checked:
     fields and their types, token ids inside the target's vocabulary (``vocab_size``), UTF-8; a
@@ -543,17 +548,17 @@ def load_eval_set(
     whose tokens plus ``max_new_tokens`` do not fit is left out, counted in a warning, as a
     generated set leaves such documents out; none left is an error."""
     path = Path(path)
-    key = "eval.prompts_file"
+    where = f"{key}={path}" if key else str(path)  # the setting that named the file, if any
     if not path.is_file():
-        raise EvalPromptError(f"{key}={path}: no such file, expected JSONL with one prompt object per line")
+        raise EvalPromptError(f"{where}: no such file, expected JSONL with one prompt object per line")
     prompts = []
     try:
         for n, record in read_jsonl(path, error=EvalPromptError):
             prompts.append(_checked_prompt(record, f"{path}:{n}", vocab_size))
     except UnicodeDecodeError as e:
-        raise EvalPromptError(f"{key}={path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise EvalPromptError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not prompts:
-        raise EvalPromptError(f"{key}={path}: no prompts in it, expected one JSON object per line")
+        raise EvalPromptError(f"{where}: no prompts in it, expected one JSON object per line")
     if window:
         fit = [p for p in prompts if p.num_tokens + max_new_tokens <= window]
         if len(fit) < len(prompts):
@@ -570,7 +575,7 @@ def load_eval_set(
             )
         if not fit:
             raise EvalPromptError(
-                f"{key}={path}: every prompt's tokens + eval.max_new_tokens={max_new_tokens} exceed the target's "
+                f"{where}: every prompt's tokens + eval.max_new_tokens={max_new_tokens} exceed the target's "
                 f"window of {window}; nothing to evaluate"
             )
         prompts = fit

@@ -264,7 +264,7 @@ def input_problem(target: Path, method: str, draft: Optional[Path], prompts: Opt
             f"python -m eval.prompts --tokenizer {target} --out {prompts}"
         )
     try:
-        found = load_eval_set(prompts)
+        found = load_eval_set(prompts, key=None)  # named by --prompts below
     except EvalPromptError as e:
         return f"--prompts {e}"
     return None if found else f"--prompts {prompts}: no prompts in it, expected an eval set JSONL"

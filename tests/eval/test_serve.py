@@ -62,7 +62,7 @@ def test_wrong_paths_are_named_before_vllm_starts(tmp_path, capsys):
     prompts.write_text("")
     assert exit_and_error(capsys, serve_args(target, prompts, "--method", "ngram", "--out", out)) == (
         2,
-        f"error: --prompts {prompts}: no prompts in it, expected an eval set JSONL\n",
+        f"error: --prompts {prompts}: no prompts in it, expected one JSON object per line\n",
     )
     prompts.write_text('{"prompt_id": "a"}\n')
     code, err = exit_and_error(capsys, serve_args(target, prompts, "--method", "ngram", "--out", out))
