@@ -22,13 +22,13 @@ from typing import Any, Optional
 
 from dspark.core.llama_cpp import LlamaCpp
 from dspark.core.llama_server import (
-    ProposerStats,
     ServerSpec,
     complete,
     counters_after,
     llama_server,
     prompt_chunks,
     proposer_stats,
+    proposer_stats_after,
     read_counters,
     steps_problem,
 )
@@ -105,7 +105,7 @@ def serve_prompts(
                 raise RuntimeError(f"{what}, prompt {p.prompt_id}: {problem}; its log: {log_path}")
             per_pos = (d.accepted_per_pos + [0] * s.gamma)[: s.gamma]
             counts = AcceptanceCounts(s.gamma, d.drafts, d.draft_tokens, d.accepted, per_pos, steps)
-            stats = {k: v.minus(stats_before.get(k, ProposerStats())) for k, v in proposer_stats(log_path).items()}
+            stats = proposer_stats_after(log_path, stats_before, method.spec_types)
             out.append(
                 {
                     "prompt_id": p.prompt_id,

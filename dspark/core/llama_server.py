@@ -310,6 +310,8 @@ class ProposerStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     draft_ms: float = 0.0
+    requests: int = 0
+    """Its ``begin`` calls: one per request."""
 
     def minus(self, before: ProposerStats) -> ProposerStats:
         return ProposerStats(
@@ -317,6 +319,7 @@ class ProposerStats:
             self.draft_tokens - before.draft_tokens,
             self.accepted_tokens - before.accepted_tokens,
             self.draft_ms - before.draft_ms,
+            self.requests - before.requests,
         )
 
 
@@ -324,5 +327,22 @@ def proposer_stats(log_path: Path) -> dict[str, ProposerStats]:
     """The last statistics each proposer logged (cumulative since the server started)."""
     out: dict[str, ProposerStats] = {}
     for m in _STATS.finditer(Path(log_path).read_text(errors="replace")):
-        out[m.group(1)] = ProposerStats(int(m.group(5)), int(m.group(7)), int(m.group(8)), float(m.group(10)))
+        out[m.group(1)] = ProposerStats(
+            int(m.group(5)), int(m.group(7)), int(m.group(8)), float(m.group(10)), int(m.group(2))
+        )
     return out
+
+
+def proposer_stats_after(
+    log_path: Path, before: dict[str, ProposerStats], proposers: tuple[str, ...], wait_s: float = 10.0
+) -> dict[str, ProposerStats]:
+    """What one request added to each proposer's statistics. llama-server logs them as the slot is
+    released, which may trail the response and its counters: wait until every one of
+    ``proposers`` has logged one more request (at most ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        now = proposer_stats(log_path)
+        later = all(now.get(k, ProposerStats()).requests > before.get(k, ProposerStats()).requests for k in proposers)
+        if later or time.monotonic() > deadline:
+            return {k: v.minus(before.get(k, ProposerStats())) for k, v in now.items()}
+        time.sleep(0.05)
