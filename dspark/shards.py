@@ -141,9 +141,10 @@ class ShardDataset:
         if self.directory.resolve() not in shard.resolve().parents:
             raise DatasetError(f"{shard}: a link to {shard.resolve()}, outside the dataset {self.directory}")
         data = shard.read_bytes()  # hashed and parsed from the same bytes
-        if len(data) != info.bytes or hashlib.sha256(data).hexdigest() != info.sha256:
+        sha = hashlib.sha256(data).hexdigest()
+        if len(data) != info.bytes or sha != info.sha256:
             raise DatasetError(
-                f"{shard}: {len(data)} bytes with sha256 {hashlib.sha256(data).hexdigest()[:16]}, but manifest.json "
+                f"{shard}: {len(data)} bytes with sha256 {sha[:16]}, but manifest.json "
                 f"records {info.bytes} bytes with sha256 {info.sha256[:16]}: truncated or altered on disk. {rebuild}"
             )
         try:

@@ -77,7 +77,6 @@ def reference_eval(
     or both chained (the lookup first)."""
     from tqdm import tqdm
 
-    from eval.llama_serve import llama_cpp_wanted
     from eval.reference import (
         DecodeConfig,
         DraftRunner,

@@ -374,6 +374,7 @@ class StreamLink:
         self.pg = dist.ProcessGroupGloo(self.store, self.rank, 2, timeout)
         self.peer = 1 - self.rank
         self.where, self.max_frame_bytes, self.received = f"{host}:{port}", max_frame_bytes, 0
+        self.timeout_s = timeout_s
 
     def send(self, item: StreamItem) -> None:
         """Send one item; it completes when the peer has taken it."""
@@ -405,7 +406,16 @@ class StreamLink:
     def get(self, key: str) -> Any:
         """Blocks until the other side has set ``key`` (up to the link's timeout); a value that is
         not JSON is a :class:`StreamError` naming the key."""
-        raw = self.store.get(key)
+        import torch.distributed as dist
+
+        try:
+            raw = self.store.get(key)
+        except dist.DistError:
+            raise StreamError(
+                f"online: {key!r} did not arrive on the link at {self.where} within data.online.connect_timeout_s="
+                f"{self.timeout_s:g} s; the other side connected but did not send it (start it again, or raise "
+                "data.online.connect_timeout_s)"
+            ) from None
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -430,19 +440,10 @@ class RemoteSource:
             port + producers - 1,
             timeout_s,
         )
-        import torch.distributed as dist
-
         self.links, metas = [], []
         for k in range(producers):
             self.links.append(StreamLink(host, port + k, role="trainer", timeout_s=timeout_s))
-            try:
-                metas.append(check_meta(self.links[-1].get("meta"), f"online: producer {k} on {host}:{port + k}"))
-            except dist.DistError:
-                raise StreamError(
-                    f"online: no producer connected to {host}:{port + k} within data.online.connect_timeout_s="
-                    f"{timeout_s:g} s; start it (python -m data_tools.online ... data.online.producer_rank={k}) or "
-                    "raise data.online.connect_timeout_s"
-                ) from None
+            metas.append(check_meta(self.links[-1].get("meta"), f"online: producer {k} on {host}:{port + k}"))
             # the largest frame this stream can carry, not the link's default bound
             self.links[-1].max_frame_bytes = stream_frame_bound(metas[-1])
         check_producers(metas, producers, port)
