@@ -33,7 +33,7 @@ from dspark.core.llama_server import (
     steps_problem,
 )
 from dspark.core.servers import choose_port
-from dspark.core.serving import LlamaCppMethod
+from dspark.core.serving import LLAMA_CPP_PREFIX, LlamaCppMethod
 from eval.results import AcceptanceCounts
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
             m = LLAMA_CPP_BY_NAME[name]
             if m.layout is None:
                 if who == "ours":
-                    runs.append((f"llama.cpp-{name}", m, None))
+                    runs.append((LLAMA_CPP_PREFIX + name, m, None))
                 continue
             if m.layout not in ex:
                 log.info("llama.cpp %s: the %s export has no %s layout; not served", name, who, m.layout)
@@ -228,7 +228,7 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
                 continue
             draft = convert_export(tree, ex[m.layout].out_dir, target_dir, e.llama_cpp_draft_type)
             label = name if who == "ours" else "markov-off"
-            runs.append((f"llama.cpp-{label}", m, draft))
+            runs.append((LLAMA_CPP_PREFIX + label, m, draft))
     checked: set[Path] = set()
     out: list[DrafterResult] = []
     plain: Optional[float] = None

@@ -53,7 +53,7 @@ from dspark.core.errors import UserError, exit_on_user_error, run_hydra_command,
 from dspark.core.files import atomic_write_json, file_sha256, read_jsonl, write_jsonl
 from dspark.core.llama_server import Counters, ServerSpec, complete, counters_after, llama_server, read_counters
 from dspark.core.servers import Server
-from dspark.core.serving import BY_NAME, LLAMA_CPP_BY_NAME, LLAMA_CPP_PREFIX, OURS, export_method, speculative_config
+from dspark.core.serving import BY_NAME, LLAMA_CPP_PREFIX, OURS, export_method, llama_cpp_method, speculative_config
 from dspark.core.target import prepare_target, resolve_target
 from dspark.core.vllm_engine import run_headless_workers
 from eval.bench_client import Level, client_argv, level_record, run_client
@@ -112,7 +112,7 @@ def llama_cpp_configuration(cfg: RunConfig, target_dir: Path, name: str) -> Conf
     from dspark.core.llama_cpp import ensure_built
     from dspark.gguf import convert_export
 
-    m = LLAMA_CPP_BY_NAME[name[len(LLAMA_CPP_PREFIX) :]]
+    m = llama_cpp_method(name)
     draft = None
     if m.layout is not None:
         export = ensure_export(cfg, target_dir, m.layout, required=True)
@@ -291,7 +291,7 @@ def start_server(
         tree, target_gguf = s.llama_cpp
         spec = ServerSpec(
             target_gguf,
-            LLAMA_CPP_BY_NAME[c.name[len(LLAMA_CPP_PREFIX) :]],
+            llama_cpp_method(c.name),
             s.gamma,
             s.max_model_len,
             draft_gguf=c.draft,

@@ -95,6 +95,11 @@ LLAMA_CPP_PREFIX = "llama.cpp-"
 BENCH_CONFIGS = (*BENCH_CONFIGS, *(LLAMA_CPP_PREFIX + m.name for m in LLAMA_CPP_METHODS))
 
 
+def llama_cpp_method(row: str) -> LlamaCppMethod:
+    """The llama.cpp method a row or configuration named ``llama.cpp-METHOD`` serves."""
+    return LLAMA_CPP_BY_NAME[row.removeprefix(LLAMA_CPP_PREFIX)]
+
+
 def export_method(*, gpu: bool, has_layout: Callable[[str], bool]) -> Optional[ServingMethod]:
     """How this run's export is served here: ``dspark`` on a GPU, on CPU the ``dflash`` export
     when the drafter has that layout (``has_layout``); None when vLLM can serve it neither way."""
