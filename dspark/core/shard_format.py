@@ -266,7 +266,8 @@ _SHARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def _field_problem(where: str, key: str, value: Any, types: tuple[type, ...], minimum: Optional[int]) -> Optional[str]:
+def field_problem(where: str, key: str, value: Any, types: tuple[type, ...], minimum: Optional[int]) -> Optional[str]:
+    """A JSON field's value against its types (a bool is no integer) and, for integers, a minimum."""
     if isinstance(value, bool) and bool not in types or not isinstance(value, types):
         want = " or ".join("null" if t is type(None) else {"str": "a string", "int": "an integer"}.get(
             t.__name__, f"a {t.__name__}") for t in types)  # fmt: skip
@@ -276,6 +277,13 @@ def _field_problem(where: str, key: str, value: Any, types: tuple[type, ...], mi
     return None
 
 
+def layer_ids_problem(where: str, ids: list[Any]) -> Optional[str]:
+    """Captured layer ids must be integers >= 0 ([] for token-id shards)."""
+    if all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return None
+    return f"{where}'layer_ids' is {ids!r:.80}, expected a list of integers >= 0"
+
+
 def manifest_problem(data: dict[str, Any]) -> Optional[str]:
     """What is wrong with a manifest read as JSON, checked as data before any of it is used (None:
     nothing): each field's type and range, layer ids as integers, and every shard entry's, whose
@@ -283,12 +291,12 @@ def manifest_problem(data: dict[str, Any]) -> Optional[str]:
     name is joined to the dataset directory to read the shard and to write its cache)."""
     for key, (types, minimum) in MANIFEST_FIELDS.items():
         if key in data:
-            problem = _field_problem("field ", key, data[key], types, minimum)
+            problem = field_problem("field ", key, data[key], types, minimum)
             if problem:
                 return problem
-    ids = data.get("layer_ids", [])
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):  # [] for token-id shards
-        return f"field 'layer_ids' is {ids!r:.80}, expected a list of integers >= 0"
+    problem = layer_ids_problem("field ", data.get("layer_ids", []))
+    if problem:
+        return problem
     for n, shard in enumerate(data.get("shards", [])):
         where = f"shards[{n}]."
         if not isinstance(shard, dict):
@@ -297,7 +305,7 @@ def manifest_problem(data: dict[str, Any]) -> Optional[str]:
             if key not in shard and key != "skipped":
                 return f"{where}'{key}' missing"
             if key in shard:
-                problem = _field_problem(where, key, shard[key], types, minimum)
+                problem = field_problem(where, key, shard[key], types, minimum)
                 if problem:
                     return problem
         if shard["split"] not in SPLITS:

@@ -64,7 +64,14 @@ from dspark.core.frames import (
     encode_row,
     value_kind,
 )
-from dspark.core.shard_format import SCHEMA, STORE_DTYPES, bytes_per_token, check_row
+from dspark.core.shard_format import (
+    SCHEMA,
+    STORE_DTYPES,
+    bytes_per_token,
+    check_row,
+    field_problem,
+    layer_ids_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -600,24 +607,29 @@ def listen_on(host: str, port: int) -> socket.socket:
     return sock
 
 
-META_FIELDS = {"layer_ids": list, "hidden_size": int, "store_dtype": str, "num_prompts": int, "max_seq_len": int}
-"""What a producer's ``meta`` must hold (:func:`check_meta`)."""
+META_FIELDS: dict[str, tuple[tuple[type, ...], Optional[int]]] = {
+    "layer_ids": ((list,), None),
+    "hidden_size": ((int,), 1),
+    "store_dtype": ((str,), None),
+    "num_prompts": ((int,), 1),
+    "max_seq_len": ((int,), 1),
+}
+"""What a producer's ``meta`` must hold (:func:`check_meta`): types, and minimums for integers."""
 
 
 def check_meta(meta: Any, where: str) -> dict[str, Any]:
-    """A producer's description of its stream, checked as data: each field's type and range, the
-    store dtype one this code decodes; one :class:`StreamError` naming the field."""
+    """A producer's description of its stream, checked as data the way a manifest is (each
+    field's type and range, the layer ids, a store dtype this code decodes); one
+    :class:`StreamError` naming the field."""
     if not isinstance(meta, dict):
         raise StreamError(f"{where}: meta is {meta!r:.60}, expected a JSON object with {sorted(META_FIELDS)}")
-    for key, kind in META_FIELDS.items():
-        value = meta.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise StreamError(f"{where}: meta field {key!r} is {value!r:.60}, expected {kind.__name__}")
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in meta["layer_ids"]):
-        raise StreamError(f"{where}: meta field 'layer_ids' is {meta['layer_ids']!r:.80}, expected integers >= 0")
-    for key in ("hidden_size", "num_prompts", "max_seq_len"):
-        if meta[key] < 1:
-            raise StreamError(f"{where}: meta field {key!r} is {meta[key]}, expected an integer >= 1")
+    for key, (types, minimum) in META_FIELDS.items():
+        problem = field_problem("meta field ", key, meta.get(key), types, minimum)
+        if problem:
+            raise StreamError(f"{where}: {problem}")
+    problem = layer_ids_problem("meta field ", meta["layer_ids"])
+    if problem:
+        raise StreamError(f"{where}: {problem}")
     if meta["store_dtype"] not in STORE_DTYPES:
         raise StreamError(f"{where}: meta field 'store_dtype' is {meta['store_dtype']!r}, expected one of "
                           f"{sorted(STORE_DTYPES)}")  # fmt: skip

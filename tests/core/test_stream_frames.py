@@ -237,9 +237,12 @@ def _meta(**change):
     "meta, message",
     [
         ([1, 2], r"meta is \[1, 2\], expected a JSON object"),
-        ({k: v for k, v in _meta().items() if k != "max_seq_len"}, r"meta field 'max_seq_len' is None, expected int"),
-        (_meta(hidden_size="576"), r"meta field 'hidden_size' is '576', expected int"),
-        (_meta(layer_ids=[1, -2]), r"meta field 'layer_ids' is \[1, -2\], expected integers >= 0"),
+        (
+            {k: v for k, v in _meta().items() if k != "max_seq_len"},
+            r"meta field 'max_seq_len' is None, expected an integer",
+        ),
+        (_meta(hidden_size="576"), r"meta field 'hidden_size' is '576', expected an integer"),
+        (_meta(layer_ids=[1, -2]), r"meta field 'layer_ids' is \[1, -2\], expected a list of integers >= 0"),
         (_meta(max_seq_len=0), r"meta field 'max_seq_len' is 0, expected an integer >= 1"),
         (_meta(store_dtype="int4"), r"meta field 'store_dtype' is 'int4', expected one of"),
     ],
