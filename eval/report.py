@@ -264,7 +264,7 @@ def _speedup_section(rows: list[dict[str, Any]]) -> list[str]:
             fmt(r["p"]),
             fmt(r["r"]),
             fmt(r["predicted"], 2),
-            fmt(r["measured"], 2),
+            fmt(r["measured"], 2) + interval_text(r.get("measured_interval"), 2),
         ]
         for r in rows
     ]
@@ -342,12 +342,15 @@ def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
     with its interval), vLLM's tau over the drafted steps and the drafted share beside it; then
     each check with its verdict."""
     lines = []
+    speedups = {r["drafter"]: r for r in speedup_table(results)}
     for d in results.drafters:
         share = pct(AcceptanceCounts.from_dict(d.overall).draft_share)
         clock = ""
         if d.runner == "llama.cpp" and d.tokens_per_s:
             clock = f", {d.tokens_per_s:.1f} tok/s" + (
-                f" = {d.measured_speedup:.2f}x none" if d.measured_speedup else ""
+                f" = {d.measured_speedup:.2f}x{interval_text(speedups[d.name]['measured_interval'], 2)} none"
+                if d.measured_speedup and d.method != "none"
+                else ""
             )
         lines.append(
             f"eval     {d.name:<18} tokens/step {fmt(d.tokens_per_step)}{interval_text(d.interval('tokens_per_step'))}"

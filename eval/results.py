@@ -229,6 +229,34 @@ def ratio_interval(
     return _percentiles(ratios, confidence)
 
 
+def speedup_interval(
+    row: Sequence[dict[str, Any]],
+    baseline: Sequence[dict[str, Any]],
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = SEED,
+    confidence: float = CONFIDENCE,
+) -> tuple[float, float]:
+    """The interval of a measured wall-clock speedup, (decode tokens / decode time) of ``row``
+    over the same of ``baseline``, from per-prompt records with ``decode_tokens`` and
+    ``decode_ms``: the prompts both measured are resampled together (paired, as in
+    :func:`ratio_interval`), so a long prompt's weight in both sums moves together. NaN with
+    fewer than two such prompts."""
+    base = {str(p["prompt_id"]): p for p in baseline if p.get("decode_ms")}
+    pairs = [(p, base[str(p["prompt_id"])]) for p in row if p.get("decode_ms") and str(p["prompt_id"]) in base]
+    n = len(pairs)
+    if n < 2:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        picks = [pairs[rng.randrange(n)] for _ in range(n)]
+        ours = sum(a["decode_tokens"] for a, _ in picks) / sum(a["decode_ms"] for a, _ in picks)
+        plain = sum(b["decode_tokens"] for _, b in picks) / sum(b["decode_ms"] for _, b in picks)
+        ratios.append(ours / plain if plain else float("nan"))
+    return _percentiles(ratios, confidence)
+
+
 @dataclass
 class Calibration:
     """Confidence-head calibration: predicted P(accept) against the observed acceptance of
@@ -396,6 +424,7 @@ def speedup_table(results: EvalResults) -> list[dict[str, Any]]:
     prediction and the measurement sit side by side; the prediction is None without r."""
     rows = []
     gamma = results.conditions.gamma
+    plain = {d.runner: d for d in results.drafters if d.method == "none"}  # a server's own plain-decoding row
     for d in results.drafters:
         measured = d.measured_speedup
         if d.draft_cost_ratio is None and measured is None:
@@ -405,7 +434,13 @@ def speedup_table(results: EvalResults) -> list[dict[str, Any]]:
             model: dict[str, Any] = {"tokens_per_step": e, "p": fit_p(e, gamma), "r": None, "predicted": None}
         else:
             model = asdict(speedup_row(e, gamma, d.draft_cost_ratio))
-        rows.append({"drafter": d.name, **model, "measured": measured})
+        base = plain.get(d.runner)
+        interval = (
+            list(speedup_interval(d.per_prompt, base.per_prompt))
+            if measured is not None and base is not None
+            else [float("nan"), float("nan")]
+        )
+        rows.append({"drafter": d.name, **model, "measured": measured, "measured_interval": interval})
     return rows
 
 

@@ -81,12 +81,13 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
         assert len(d["per_prompt"]) == sum(b["num_prompts"] for b in d["per_bin"].values()) == 2
         lo, hi = d["intervals"]["overall"]["tokens_per_step"]
         assert lo <= d["tokens_per_step"] <= hi
-    assert names["dspark"]["overall"]["draft_share"] == 1.0  # ours drafts on every step
+    # ours and the chain draft on every step but, beside llama.cpp's rows, a last one with a single token
+    # left (llama.cpp's block budget, which the reference loop then follows so that the twins count alike)
+    for name in ("dspark", "ngram-then-dspark"):
+        assert all(p["num_drafts"] >= p["num_steps"] - 1 for p in names[name]["per_prompt"])
     equal = results["conditions"]["extra"]["greedy_outputs_equal"]  # each row's greedy text against vLLM ngram's
     assert set(equal) == set(names) and all(e["prompts"] == 2 and 0 <= e["equal"] <= 2 for e in equal.values())
     assert equal["ngram"]["equal"] == 2 and all(len(p["output_ids"]) > 0 for p in names["dspark"]["per_prompt"])
-    # the chain drafts on every step too: the lookup where it matches, our block otherwise
-    assert names["ngram-then-dspark"]["overall"]["num_drafts"] == names["ngram-then-dspark"]["overall"]["num_steps"]
     none = names["llama.cpp-none"]  # no speculation: one token per step; the wall clock every row is compared with
     assert none["overall"]["num_drafts"] == 0 and none["overall"]["tokens_per_step"] == 1.0
     for name in served:  # llama.cpp drafts each step but a last one with a single token left
@@ -115,7 +116,7 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     assert re.search(
         r"eval     ngram +tokens/step \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]  \(tau \d\.\d{3} over drafted steps", log
     )
-    assert re.search(r"eval     llama.cpp-dspark +tokens/step .*; llama.cpp, \d+\.\d tok/s = \d\.\d\dx none\)", log)
+    assert re.search(r"eval     llama.cpp-dspark +tokens/step .*; llama.cpp, \d+\.\d tok/s = \d\.\d\dx \[\d\.\d\d, \d\.\d\d\] none\)", log)
     assert re.search(r"check    wall-clock speedup over plain decoding \(bs=1, llama.cpp-dspark\): ", log)
     assert list((tmp_path / "wandb").glob("offline-run-*")) or list(report_dir.glob("wandb/offline-run-*"))
 

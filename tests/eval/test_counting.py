@@ -11,7 +11,7 @@ import torch
 
 from eval.prompts import EvalPrompt, save_eval_set
 from eval.reference import DecodeConfig, DraftRunner, PromptLookup, TargetRunner, plain_generate, speculative_generate
-from eval.results import STATS, AcceptanceCounts, bootstrap_interval, ratio_interval
+from eval.results import STATS, AcceptanceCounts, bootstrap_interval, ratio_interval, speedup_interval
 from tests.eval.test_reference import tiny_pair
 
 VOCAB = 16
@@ -243,6 +243,25 @@ def test_paired_ratio_cancels_prompt_difficulty():
     lo, hi = ratio_interval(a, a, STATS["tokens_per_step"], paired=False)
     assert lo < 0.8 and hi > 1.2
     assert all(math.isnan(x) for x in ratio_interval(a, a[:3], STATS["tokens_per_step"], paired=True))
+
+
+def test_speedup_interval_pairs_prompts_by_id():
+    def rec(pid, tokens, ms):
+        return {"prompt_id": pid, "decode_tokens": tokens, "decode_ms": ms}
+
+    # plain decoding: a short prompt at 10 ms a token, a long one at 40; ours exactly twice as fast on
+    # each: paired, every resample gives 2.0 whatever mix of short and long prompts it draws
+    plain = [rec(i, 100, (10.0 if i % 2 else 40.0) * 100) for i in range(6)]
+    ours = [rec(i, 100, p["decode_ms"] / 2) for i, p in enumerate(plain)]
+    assert speedup_interval(list(reversed(ours)), plain) == pytest.approx((2.0, 2.0))  # matched by id, not order
+    # ours 3x faster on the short prompts and 1x on the long ones: the ratio depends on the mix, so it spreads
+    # between all-long (1.0) and all-short (3.0) resamples, around the whole set's 15000 ms / 13000 ms
+    mixed = [rec(i, 100, p["decode_ms"] / (3 if i % 2 else 1)) for i, p in enumerate(plain)]
+    lo, hi = speedup_interval(mixed, plain)
+    assert 1.0 <= lo < 15000 / 13000 < hi <= 3.0 and hi - lo > 0.3
+    # a prompt without a decode time, or a baseline lacking it, is left out; fewer than two pairs: NaN
+    assert all(math.isnan(x) for x in speedup_interval(ours[:1] + [rec(1, 5, 0.0)], plain))
+    assert all(math.isnan(x) for x in speedup_interval(ours, plain[:1]))
 
 
 def test_pos1_interval_is_over_drafts():
