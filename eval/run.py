@@ -205,10 +205,25 @@ def ablation_checkpoint(cfg: RunConfig) -> Optional[Path]:
     return path if latest_tag(path) is not None else None
 
 
-NOT_SETTINGS = ("force", "vllm_timeout_s", "llama_cpp_timeout_s")
-"""Eval fields that say how an eval is run, not what it measures."""
+NOT_SETTINGS = ("force", "vllm_timeout_s", "llama_cpp_timeout_s", "out_dir", "export_dir")
+"""Eval fields that say how an eval is run or where it writes, not what it measures."""
 LLAMA_CPP_SETTINGS = ("llama_cpp", "llama_cpp_methods", "llama_cpp_target", "llama_cpp_draft_type", "llama_cpp_threads")
 """Eval fields only llama.cpp's rows depend on: the reference loop's and vLLM's parts are kept across them."""
+NOT_LLAMA_CPP_SETTINGS = (
+    "reference",
+    "reference_proposers",
+    "reference_outputs",
+    "measure_plain",
+    "baselines",
+    "serve_export",
+    "vllm_max_model_len",
+    "vllm_cpu_kvcache_gib",
+    "vllm_engine_kwargs",
+    "target_tau",
+    "target_pos1",
+)
+"""Eval fields llama.cpp's rows do not depend on (the other parts' rows, the checks' lines): turning
+the reference loop on for a parity table keeps llama.cpp's measured rows."""
 
 
 def fingerprint(cfg: RunConfig, checkpoints: list[Path], *, without: tuple[str, ...] = ()) -> str:
@@ -262,7 +277,8 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
         drafters += parts.get_or_run("reference", lambda: reference_results(cfg, heads, target_dir, prompts, exports))
     drafters += vllm_results(cfg, target_dir, prompts, prompts_file, out_dir, exports, parts=parts)
     if llama_cpp_wanted(cfg):
-        llama_parts = Parts(out_dir / "parts", _parts_key(fp, prompts), reuse=not e.force)
+        llama_fp = fingerprint(cfg, checkpoints, without=NOT_LLAMA_CPP_SETTINGS)
+        llama_parts = Parts(out_dir / "parts", _parts_key(llama_fp, prompts), reuse=not e.force)
         drafters += llama_cpp_results(cfg, target_dir, prompts, out_dir, exports, llama_parts)
     equal = greedy_outputs_equal(cfg, drafters)
     parity = llama_cpp_parity(drafters)

@@ -257,7 +257,7 @@ def test_llama_cpp_settings_leave_the_reference_and_vllm_parts_kept(tmp_path, co
     """Another llama.cpp target or method list measures llama.cpp's rows again and keeps the
     reference loop's and vLLM's parts (their key leaves llama.cpp's settings out); the report's
     fingerprint still changes, and a setting they read (gamma) changes theirs."""
-    from eval.run import LLAMA_CPP_SETTINGS, fingerprint
+    from eval.run import LLAMA_CPP_SETTINGS, NOT_LLAMA_CPP_SETTINGS, fingerprint
 
     ckpt = tmp_path / "step00000001"
     ckpt.mkdir()
@@ -274,3 +274,14 @@ def test_llama_cpp_settings_leave_the_reference_and_vllm_parts_kept(tmp_path, co
     assert fingerprint(gamma, [ckpt], without=LLAMA_CPP_SETTINGS) != fingerprint(
         base, [ckpt], without=LLAMA_CPP_SETTINGS
     )
+    # and the other way: the reference loop turned on (for a parity table), other vLLM baselines or
+    # another report directory keep llama.cpp's rows; gamma, which llama.cpp's rows read, does not
+    for other in ("eval.reference=false", "eval.baselines=[]", "eval.out_dir=elsewhere", "eval.target_tau=9"):
+        changed = compose_config(other)
+        assert fingerprint(changed, [ckpt], without=NOT_LLAMA_CPP_SETTINGS) == fingerprint(
+            base, [ckpt], without=NOT_LLAMA_CPP_SETTINGS
+        ), other
+    assert fingerprint(gamma, [ckpt], without=NOT_LLAMA_CPP_SETTINGS) != fingerprint(
+        base, [ckpt], without=NOT_LLAMA_CPP_SETTINGS
+    )
+    assert fingerprint(compose_config("eval.out_dir=elsewhere"), [ckpt]) == fingerprint(base, [ckpt])
