@@ -274,6 +274,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     v.add_argument("export_dir", type=Path)
     v.add_argument("--target-dir", type=Path, default=None, help="default: the target recorded in export.json")
     v.add_argument("--num-speculative-tokens", type=int, default=None)
+    sp = sub.add_parser("speculators", help="an export -> speculators' DSpark format (vLLM's training library)")
+    sp.add_argument("export_dir", type=Path, help="a dspark-layout export (python -m dspark.export export ...)")
+    sp.add_argument("--out", type=Path, required=True)
+    sp.add_argument("--verifier", type=Path, default=None, help="the target's directory (default: export.json's)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with exit_on_user_error():  # CheckpointError (ExportError), TargetError, DiskFullError: rc 2
@@ -288,6 +292,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(validate(args.out, target_dir=args.target_dir).render())
             if args.gguf:
                 _export_gguf(args)
+        elif args.cmd == "speculators":
+            from dspark.speculators_format import write_speculators
+
+            out = write_speculators(args.export_dir, args.out, args.verifier)
+            print(f"speculators: {out} (config.json for speculators' DSparkDraftModel, the same model.safetensors)")
         else:
             from dspark.export_validate import validate
 

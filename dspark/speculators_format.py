@@ -1,0 +1,150 @@
+"""Our DSpark export in the format of speculators, vLLM's training library (issue #38, item 1).
+
+speculators 0.9.0 stores a DSpark drafter (``speculators.models.dspark``) as ``config.json``
+(``DSparkSpeculatorConfig``: the draft layers' Qwen3 config under ``transformer_layer_config``,
+the DSpark fields at the top level, and ``speculators_config`` naming the algorithm, its greedy
+proposal and the verifier) and ``model.safetensors``. Its tensor names are ours
+(``fc``, ``hidden_norm``, ``layers.N.*``, ``norm``, ``markov_head.markov_w{1,2}``,
+``confidence_head.proj``): speculators' DSpark is built on the same vLLM class we export for, and
+like ours it keeps the target's embedding and LM head out of the file (it reads them from the
+verifier's directory). What differs is the config:
+
+- layer ids: speculators' ``aux_hidden_state_layer_ids`` index Hugging Face ``hidden_states`` (0 is
+  the embedding output), which is our ``context_layer_ids`` convention (export.json); vLLM's
+  ``target_layer_ids`` in our config.json are those minus one;
+- the block: ``block_size`` drafts after the anchor with ``sample_from_anchor`` (the only layout
+  converted here; the fill-in layout counts its block differently on the two sides);
+- ``speculators_config.verifier``: the target's directory and architectures.
+
+docs/speculators_notes.md has the full mapping, with file:line on both sides.
+
+    python -m dspark.export speculators EXPORT_DIR --out DIR [--verifier TARGET_DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from dspark.core.files import atomic_path, read_json, remove_stale_temporaries, replace_problem
+from dspark.serving_format import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, ExportError
+
+SPECULATORS_VERSION = "0.9.0"
+"""The speculators release whose format this writes (and whose loader the tests run, when installed)."""
+SPECULATORS_FILES = (CONFIG_FILE, WEIGHTS_FILE, PROVENANCE_FILE)
+"""What a speculators export holds: its config, the weights, and our provenance (ignored by speculators)."""
+
+LAYER_CONFIG_KEYS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+    "attention_bias",
+    "tie_word_embeddings",
+)
+"""Our config.json's keys that are the draft layers' Qwen3 config (``transformer_layer_config``)."""
+DSPARK_KEYS = (
+    "draft_vocab_size",
+    "block_size",
+    "mask_token_id",
+    "sample_from_anchor",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+)
+"""DSpark fields with the same name and meaning on both sides."""
+
+
+def speculators_config(export_dir: Path, verifier: Optional[Path] = None) -> dict[str, Any]:
+    """speculators' ``config.json`` for our DSpark export at ``export_dir``; ``verifier``: the
+    target's directory (default: the one export.json records). One :class:`ExportError` naming
+    the file and field for what speculators' DSpark cannot hold."""
+    export_dir = Path(export_dir)
+    ours = read_json(export_dir / CONFIG_FILE, expected="an export's config.json", error=ExportError)
+    prov = read_json(export_dir / PROVENANCE_FILE, expected="an export's export.json", error=ExportError)
+    where = export_dir / CONFIG_FILE
+    if ours.get("architectures") != ["Qwen3DSparkModel"]:
+        raise ExportError(
+            f"{where}: architectures is {ours.get('architectures')}, expected ['Qwen3DSparkModel'] "
+            "(speculators' DSpark has Qwen3-style draft layers: a K3 MLA drafter or a dflash-layout export has no "
+            "speculators form)"
+        )
+    if ours.get("sample_from_anchor") is not True:
+        raise ExportError(f"{where}: sample_from_anchor is {ours.get('sample_from_anchor')}, expected true")
+    if ours.get("markov_head_type", "vanilla") != "vanilla":
+        raise ExportError(f"{where}: markov_head_type is {ours['markov_head_type']!r}, expected 'vanilla'")
+    missing = [k for k in (*LAYER_CONFIG_KEYS, *DSPARK_KEYS, "rope_theta") if k not in ours]
+    if missing:
+        raise ExportError(f"{where}: missing {missing}; export again with this version of dspark.export")
+    layer_ids = prov.get("context_layer_ids")
+    if prov.get("layer_id_convention") != "hf_hidden_states" or not isinstance(layer_ids, list):
+        raise ExportError(
+            f"{export_dir / PROVENANCE_FILE}: layer_id_convention is {prov.get('layer_id_convention')!r} with "
+            f"context_layer_ids {layer_ids!r}, expected 'hf_hidden_states' and a list"
+        )
+    verifier = Path(verifier or (prov.get("target") or {}).get("path") or "")
+    target_config = verifier / CONFIG_FILE
+    if not target_config.is_file():
+        raise ExportError(f"{target_config}: the verifier's config is missing (pass --verifier TARGET_DIR)")
+    architectures = read_json(target_config, expected="a model's config.json", error=ExportError).get("architectures")
+    layers = {k: ours[k] for k in LAYER_CONFIG_KEYS}
+    layers["rope_parameters"] = {"rope_theta": ours["rope_theta"], "rope_type": "default"}
+    layers["layer_types"] = ["full_attention"] * int(ours["num_hidden_layers"])
+    return {
+        "architectures": ["DSparkDraftModel"],
+        "speculators_model_type": "dspark",
+        "speculators_version": SPECULATORS_VERSION,
+        "dtype": ours.get("torch_dtype", "float32"),
+        "tie_word_embeddings": False,
+        "transformer_layer_config": layers,
+        **{k: ours[k] for k in DSPARK_KEYS},
+        "target_hidden_size": ours.get("target_hidden_size"),
+        "aux_hidden_state_layer_ids": list(layer_ids),
+        "sliding_window_non_causal": False,
+        "speculators_config": {
+            "algorithm": "dspark",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(ours["block_size"]),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(verifier.resolve()), "architectures": architectures},
+        },
+    }
+
+
+def write_speculators(export_dir: Path, out_dir: Path, verifier: Optional[Path] = None) -> Path:
+    """Write ``out_dir`` in speculators' format from our export at ``export_dir``: the translated
+    config, the same weights file, and export.json with ``"format": "speculators"``. As
+    ``dspark.export``: a directory holding anything but an earlier export is refused, and a
+    killed write leaves the old one."""
+    export_dir, out_dir = Path(export_dir), Path(out_dir).expanduser()
+    if out_dir.resolve() == export_dir.resolve():
+        raise ExportError(f"--out {out_dir}: it is the export being converted; pick another directory")
+    problem = replace_problem(out_dir, PROVENANCE_FILE, SPECULATORS_FILES)
+    if problem:
+        raise ExportError(f"--out {out_dir}: {problem}")
+    config = speculators_config(export_dir, verifier)
+    provenance = read_json(export_dir / PROVENANCE_FILE, expected="an export's export.json", error=ExportError)
+    provenance.update(format="speculators", converted_from=str(export_dir))
+    remove_stale_temporaries(out_dir)
+    with atomic_path(out_dir, owner_marker=PROVENANCE_FILE, owned_files=SPECULATORS_FILES) as tmp:
+        tmp.mkdir()
+        shutil.copyfile(export_dir / WEIGHTS_FILE, tmp / WEIGHTS_FILE)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+    return out_dir

@@ -1,0 +1,136 @@
+"""Our DSpark export in speculators' format (issue #38, item 1): the config translated (layer ids in
+Hugging Face hidden_states numbering, the draft layers' Qwen3 config, the verifier), the weights
+file unchanged, refusals for what speculators' DSpark cannot hold, nothing of a user's lost; and
+speculators' own loader (installed by scripts/setup.sh) reads it back to the same tensors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.export import export
+from dspark.serving_format import ExportError
+from dspark.speculators_format import speculators_config, write_speculators
+from tests.dspark.test_export_bytes import DIMS, TARGET_CONFIG, checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+FIELDS = dict(num_layers=2, block_size=4, markov_rank=4)
+
+
+@pytest.fixture
+def ours(tmp_path):
+    """(our dspark export, its target dir): a 2-layer drafter over context layers [1, 3, 5]."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TARGET_CONFIG))
+    export(checkpoint(tmp_path, FIELDS), tmp_path / "ours", target_dir=target)
+    return tmp_path / "ours", target
+
+
+def test_the_config_is_translated_and_the_weights_are_the_same_file(ours, tmp_path):
+    export_dir, target = ours
+    out = write_speculators(export_dir, tmp_path / "theirs")
+    cfg = json.loads((out / "config.json").read_text())
+    mine = json.loads((export_dir / "config.json").read_text())
+    # speculators counts layers as hidden_states does (0 = embeddings): vLLM's target_layer_ids + 1
+    assert mine["target_layer_ids"] == [0, 2, 4] and cfg["aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert cfg["architectures"] == ["DSparkDraftModel"] and cfg["speculators_model_type"] == "dspark"
+    assert (cfg["block_size"], cfg["markov_rank"], cfg["sample_from_anchor"]) == (4, 4, True)
+    layers = cfg["transformer_layer_config"]
+    assert (layers["num_hidden_layers"], layers["hidden_size"], layers["head_dim"]) == (2, DIMS.hidden_size, 8)
+    assert layers["rope_parameters"] == {"rope_theta": mine["rope_theta"], "rope_type": "default"}
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "dspark" and spec["proposal_methods"][0]["speculative_tokens"] == 4
+    assert spec["verifier"] == {"name_or_path": str(target.resolve()), "architectures": ["Qwen3ForCausalLM"]}
+    assert (out / "model.safetensors").read_bytes() == (export_dir / "model.safetensors").read_bytes()
+    assert json.loads((out / "export.json").read_text())["format"] == "speculators"
+
+
+def test_what_speculators_dspark_cannot_hold_is_refused_by_file_and_field(ours, tmp_path):
+    export_dir, _ = ours
+    cfg_file = export_dir / "config.json"
+    good = cfg_file.read_text()
+    for key, value, message in (
+        ("markov_head_type", "gated", r"config.json: markov_head_type is 'gated', expected 'vanilla'"),
+        ("sample_from_anchor", False, r"config.json: sample_from_anchor is False, expected true"),
+        ("architectures", ["K3DSparkModel"], r"config.json: architectures is \['K3DSparkModel'\], expected"),
+    ):
+        cfg_file.write_text(json.dumps({**json.loads(good), key: value}))
+        with pytest.raises(ExportError, match=message):
+            speculators_config(export_dir)
+    cfg_file.write_text(good)
+    with pytest.raises(ExportError, match=r"nowhere/config.json: the verifier's config is missing \(pass --verifier"):
+        speculators_config(export_dir, tmp_path / "nowhere")
+
+
+def test_a_users_directory_is_refused_and_an_earlier_conversion_replaced(ours, tmp_path):
+    export_dir, _ = ours
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"--out .*mine: .*notes.txt"):
+        write_speculators(export_dir, mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    with pytest.raises(ExportError, match="it is the export being converted"):
+        write_speculators(export_dir, export_dir)
+    out = write_speculators(export_dir, tmp_path / "theirs")
+    assert write_speculators(export_dir, out) == out  # its own earlier output: replaced
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export.json", "model.safetensors"]
+
+
+def test_the_command_line(ours, tmp_path):
+    export_dir, target = ours
+    run = [sys.executable, "-m", "dspark.export", "speculators", str(export_dir), "--out", str(tmp_path / "t")]
+    ok = subprocess.run([*run, "--verifier", str(target)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "speculators' DSparkDraftModel" in ok.stdout, ok.stderr
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "x").write_text("x")
+    bad = subprocess.run([*run[:-1], str(tmp_path / "u")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.count("error:") == 1 and "Traceback" not in bad.stderr
+
+
+def test_speculators_own_loader_reads_the_same_weights(ours, tmp_path):
+    """speculators 0.9.0's SpeculatorModel.from_pretrained on the conversion: its DSparkDraftModel,
+    every tensor of ours equal, nothing of ours left unread, the rest (embedding, verifier head and
+    norm) taken from the verifier's directory."""
+    speculators = pytest.importorskip("speculators", reason="scripts/setup.sh installs speculators==0.9.0")
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    export_dir, target = ours
+    torch.manual_seed(0)  # a verifier with weights, of the dims TARGET_CONFIG names
+    verifier = Qwen3ForCausalLM(
+        Qwen3Config(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=96,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+    )
+    verifier.save_pretrained(target)
+    out = write_speculators(export_dir, tmp_path / "theirs")
+    model = speculators.SpeculatorModel.from_pretrained(str(out))
+    assert type(model).__name__ == "DSparkDraftModel"
+    assert list(model.config.aux_hidden_state_layer_ids) == [1, 3, 5] and model.config.block_size == 4
+    state = model.state_dict()
+    weights = load_file(str(export_dir / "model.safetensors"))
+    assert set(weights) <= set(state)
+    assert all(torch.equal(state[k], v) for k, v in weights.items())
+    assert sorted(set(state) - set(weights)) == [
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
+    ]
+    assert torch.equal(model.embed_tokens.weight, verifier.model.embed_tokens.weight)
+    assert torch.equal(model.verifier_lm_head.weight, verifier.lm_head.weight)
