@@ -28,8 +28,13 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+from safetensors.torch import load_file
+
+from dspark.checkpoint import check_weights
+from dspark.core.config import DSparkConfig
 from dspark.core.files import atomic_path, read_json, remove_stale_temporaries, replace_problem
-from dspark.serving_format import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, ExportError
+from dspark.dims import DrafterDims
+from dspark.serving_format import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, ExportedDrafter, ExportError
 
 SPECULATORS_VERSION = "0.9.0"
 """The speculators release whose format this writes (and whose loader the tests run, when installed)."""
@@ -63,6 +68,13 @@ DSPARK_KEYS = (
     "confidence_head_with_markov",
 )
 """DSpark fields with the same name and meaning on both sides."""
+SPECULATORS_VERIFIER_TENSORS = (
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "verifier_lm_head.weight",
+    "verifier_norm.weight",
+)
+"""Tensors speculators takes from the verifier (not in its files; dropped if a checkpoint has them)."""
 
 
 def speculators_config(export_dir: Path, verifier: Optional[Path] = None) -> dict[str, Any]:
@@ -148,3 +160,78 @@ def write_speculators(export_dir: Path, out_dir: Path, verifier: Optional[Path] 
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
     return out_dir
+
+
+def read_speculators(path: Path) -> ExportedDrafter:
+    """A speculators DSpark checkpoint (ours converted, or one speculators trained) as our
+    :class:`~dspark.serving_format.ExportedDrafter`: the drafter's config and sizes from its
+    config.json, the context layers from ``aux_hidden_state_layer_ids`` (our numbering already),
+    the weights by their (shared) names. The eval's reference loop and ``train.init_from`` take it
+    as they take our export. What our drafter cannot be (another architecture, the fill-in layout,
+    a reduced draft vocabulary, a Markov head other than vanilla) is one :class:`ExportError`."""
+    path = Path(path).expanduser()
+    where = path / CONFIG_FILE
+    cfg = read_json(where, expected="a speculators checkpoint's config.json", error=ExportError)
+    if not isinstance(cfg, dict) or cfg.get("speculators_model_type") != "dspark":
+        got = cfg.get("speculators_model_type") if isinstance(cfg, dict) else type(cfg).__name__
+        raise ExportError(f"{where}: speculators_model_type is {got!r}, expected 'dspark'")
+    layers = cfg.get("transformer_layer_config") or {}
+    if layers.get("model_type", "qwen3") != "qwen3":
+        raise ExportError(f"{where}: transformer_layer_config.model_type is {layers['model_type']!r}, expected 'qwen3'")
+    for key, want in (("sample_from_anchor", True), ("markov_head_type", "vanilla")):
+        if cfg.get(key, want) != want:
+            raise ExportError(f"{where}: {key} is {cfg[key]!r}, expected {want!r}")
+    vocab = int(layers.get("vocab_size") or 0)
+    if cfg.get("draft_vocab_size") not in (None, vocab):
+        raise ExportError(
+            f"{where}: draft_vocab_size is {cfg['draft_vocab_size']}, expected the full vocabulary ({vocab}): "
+            "a reduced draft vocabulary is not read yet (issue #38, item 4)"
+        )
+    if cfg.get("mask_token_id") is None:
+        raise ExportError(f"{where}: mask_token_id is null, expected the token id the block's masked slots embed")
+    ids = cfg.get("aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ExportError(f"{where}: aux_hidden_state_layer_ids is {ids!r}, expected a list of integers >= 0")
+    try:
+        weights = {k: v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ExportError(f"{path / WEIGHTS_FILE}: cannot be read as safetensors ({type(e).__name__}: {e})") from e
+    try:
+        hidden, rank = int(layers["hidden_size"]), int(cfg.get("markov_rank", 0))
+        rope = layers.get("rope_parameters") or {}
+        drafter = DSparkConfig(
+            family="qwen3",
+            num_layers=int(layers["num_hidden_layers"]),
+            block_size=int(cfg["block_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(layers["intermediate_size"]),
+            num_attention_heads=int(layers["num_attention_heads"]),
+            num_key_value_heads=int(layers["num_key_value_heads"]),
+            head_dim=int(layers.get("head_dim") or hidden // int(layers["num_attention_heads"])),
+            rope_theta=float(rope.get("rope_theta", layers.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(layers["rms_norm_eps"]),
+            sample_from_anchor=True,
+            markov_rank=rank,
+            markov_head_type="vanilla",
+            mask_token_id=int(cfg["mask_token_id"]),
+            enable_confidence_head=bool(cfg.get("enable_confidence_head", True)),
+            confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", rank > 0)),
+        )
+        fc_in = int(weights["fc.weight"].shape[1])
+        dims = DrafterDims(
+            hidden_size=hidden,
+            intermediate_size=drafter.intermediate_size,
+            num_heads=drafter.num_attention_heads,
+            num_kv_heads=drafter.num_key_value_heads,
+            head_dim=drafter.head_dim,
+            vocab_size=vocab,
+            target_hidden_size=int(cfg.get("target_hidden_size") or fc_in // len(ids)),
+            num_context_layers=len(ids),
+            mask_token_id=drafter.mask_token_id,
+        )
+    except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
+        raise ExportError(f"{where}: does not describe a DSpark drafter this code builds ({type(e).__name__}: {e})")
+    for name in SPECULATORS_VERIFIER_TENSORS:  # the verifier's, if a checkpoint carries them: ours come from the target
+        weights.pop(name, None)
+    check_weights(weights, drafter, dims, where=str(path / WEIGHTS_FILE))
+    return ExportedDrafter(path, cfg, {"format": "speculators"}, "dspark", drafter, dims, list(ids), weights)

@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dspark.checkpoint import CheckpointError
 from dspark.export import export
-from dspark.serving_format import ExportError
-from dspark.speculators_format import speculators_config, write_speculators
+from dspark.serving_format import ExportError, read_export
+from dspark.speculators_format import read_speculators, speculators_config, write_speculators
 from tests.dspark.test_export_bytes import DIMS, TARGET_CONFIG, checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,3 +135,36 @@ def test_speculators_own_loader_reads_the_same_weights(ours, tmp_path):
     ]
     assert torch.equal(model.embed_tokens.weight, verifier.model.embed_tokens.weight)
     assert torch.equal(model.verifier_lm_head.weight, verifier.lm_head.weight)
+    # and back: the files speculators' own save_pretrained writes read as our drafter, tensor for tensor
+    model.save_pretrained(str(tmp_path / "saved_by_speculators"))
+    back = read_speculators(tmp_path / "saved_by_speculators")
+    assert sorted(back.weights) == sorted(weights) and all(torch.equal(back.weights[k], v) for k, v in weights.items())
+    assert back.dims == read_export(export_dir).dims and back.context_layer_ids == [1, 3, 5]
+
+
+def test_round_trip_ours_theirs_ours_gives_the_same_drafter(ours, tmp_path):
+    export_dir, _ = ours
+    mine = read_export(export_dir)
+    back = read_speculators(write_speculators(export_dir, tmp_path / "theirs"))
+    assert back.dims == mine.dims and back.context_layer_ids == mine.context_layer_ids == [1, 3, 5]
+    shaping = ("num_layers", "block_size", "markov_rank", "sample_from_anchor", "enable_confidence_head")
+    assert all(getattr(back.drafter, f) == getattr(mine.drafter, f) for f in shaping)
+    assert back.drafter.confidence_head_with_markov == mine.drafter.confidence_head_with_markov
+    assert sorted(back.weights) == sorted(mine.weights)
+    assert all(torch.equal(back.weights[k], mine.weights[k]) for k in mine.weights)
+
+
+def test_a_speculators_config_our_drafter_cannot_be_is_refused(ours, tmp_path):
+    export_dir, _ = ours
+    out = write_speculators(export_dir, tmp_path / "theirs")
+    good = json.loads((out / "config.json").read_text())
+    for change, message in (
+        ({"speculators_model_type": "eagle3"}, r"speculators_model_type is 'eagle3', expected 'dspark'"),
+        ({"draft_vocab_size": 32}, r"draft_vocab_size is 32, expected the full vocabulary \(96\)"),
+        ({"mask_token_id": None}, r"mask_token_id is null"),
+        ({"aux_hidden_state_layer_ids": [1, -3]}, r"aux_hidden_state_layer_ids is \[1, -3\], expected a list"),
+        ({"markov_rank": 8}, r"model.safetensors: tensor 'markov_head.markov_w1.weight' has shape \[96, 4\], expected"),
+    ):
+        (out / "config.json").write_text(json.dumps({**good, **change}))
+        with pytest.raises(CheckpointError, match=message):  # ExportError, or check_weights' CheckpointError
+            read_speculators(out)
