@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from dspark.batching import Batch, RankBatches
-from dspark.checkpoint import Checkpointer, TrainState
+from dspark.checkpoint import SHARED_FROM_TARGET, Checkpointer, TrainState
 from dspark.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
 from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
 from dspark.core.files import file_sha256, text_sha256
@@ -106,6 +106,8 @@ def _build_parts(
             drafter.norm.weight.fill_(1.0)
     if t.init_from_target_layers is not None:
         init_from_target(drafter, cfg, heads)
+    if t.init_from is not None:
+        init_from_drafter(drafter, cfg, Path(t.init_from))
     if t.target_topk and not online:
         attach_target_topk(train_ds, drafter, cfg, heads, final_index, rank=rank, world=world)
     lcfg = loss_config(cfg)
@@ -406,6 +408,43 @@ def init_from_target(model: DSparkDrafter, cfg: RunConfig, heads: TargetHeads) -
             )
     model.init_layers_from([load_target_layer(heads.path, i) for i in ids])
     log.info("drafter layers initialised from target layers %s", ids)
+
+
+def init_from_drafter(model: DSparkDrafter, cfg: RunConfig, path: Path) -> None:
+    """``train.init_from``: the weights of a trained drafter (our export, or a speculators DSpark
+    checkpoint), after checking that it is this config's drafter: sizes, context layers, block and
+    heads. One :class:`ConfigError` naming the first difference."""
+    from dspark.serving_format import CONFIG_FILE, read_export
+    from dspark.speculators_format import read_speculators
+
+    path = path.expanduser()
+    if not (path / CONFIG_FILE).is_file():
+        raise ConfigError(
+            f"train.init_from={path}: {path / CONFIG_FILE} missing; expected an export or a speculators "
+            "DSpark checkpoint directory"
+        )
+    is_speculators = "speculators_model_type" in (path / CONFIG_FILE).read_text()
+    theirs = read_speculators(path) if is_speculators else read_export(path)
+    d, ours = cfg.drafter, model.dims
+    for key, want, got in (
+        ("drafter dims", ours, theirs.dims),
+        ("context layer ids", cfg.context_layer_ids(), theirs.context_layer_ids),
+        ("drafter.family", d.family, theirs.drafter.family),
+        ("drafter.num_layers", d.num_layers, theirs.drafter.num_layers),
+        ("drafter.block_size", d.block_size, theirs.drafter.block_size),
+        ("drafter.sample_from_anchor", d.sample_from_anchor, theirs.drafter.sample_from_anchor),
+        ("drafter.markov_rank", d.markov_rank, theirs.drafter.markov_rank),
+        ("drafter.enable_confidence_head", d.enable_confidence_head, theirs.drafter.enable_confidence_head),
+    ):
+        if want != got:
+            raise ConfigError(
+                f"train.init_from={path}: its {key} is {got}, this run's is {want}; expected the same drafter"
+            )
+    missing, unexpected = model.load_state_dict(theirs.weights, strict=False)
+    missing = [m for m in missing if not m.startswith(SHARED_FROM_TARGET)]
+    if missing or unexpected:
+        raise ConfigError(f"train.init_from={path}: weights do not fit (missing {missing}, unexpected {unexpected})")
+    log.info("drafter initialised from %s (%s)", path, "speculators" if is_speculators else "export")
 
 
 def loss_config(cfg: RunConfig) -> LossConfig:

@@ -582,6 +582,11 @@ class TrainConfig:
     init_from_target_layers: Optional[list[int]] = None
     """Target decoder layers copied into the drafter's layers (one id per drafter layer, e.g.
     [25, 26, 27, 28, 29]); needs the target's head layout, MLP width and RoPE base. None: random."""
+    init_from: Optional[str] = None
+    """A trained drafter to start from: an export of this project (``python -m dspark.export``) or
+    a speculators DSpark checkpoint (``speculators_model_type: dspark``). Its sizes, context layers,
+    block and heads must be this config's. The run's own checkpoints resume over it; give it a
+    ``train.run_name`` of its own (the name comes from the drafter's fields). None: random."""
 
     def __post_init__(self) -> None:
         _compute_dtype("train.dtype", self.dtype)
@@ -900,6 +905,12 @@ class RunConfig:
             f"expected at most drafter.block_size={self.drafter.block_size} (the drafter drafts that many per pass)",
         )
         init = self.train.init_from_target_layers
+        _check(
+            init is None or self.train.init_from is None,
+            "train.init_from",
+            self.train.init_from,
+            f"expected null with train.init_from_target_layers={init} (one initialisation, not two)",
+        )
         if init is not None:
             _check(
                 self.drafter.family == "qwen3",

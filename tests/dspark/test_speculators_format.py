@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark.checkpoint import CheckpointError
+from dspark.checkpoint import CheckpointError, load_training_checkpoint
 from dspark.export import export
 from dspark.serving_format import ExportError, read_export
 from dspark.speculators_format import read_speculators, speculators_config, write_speculators
@@ -168,3 +168,40 @@ def test_a_speculators_config_our_drafter_cannot_be_is_refused(ours, tmp_path):
         (out / "config.json").write_text(json.dumps({**good, **change}))
         with pytest.raises(CheckpointError, match=message):  # ExportError, or check_weights' CheckpointError
             read_speculators(out)
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_a_speculators_checkpoint_of_its_own_drafter(tiny_trained_drafter, tmp_path):
+    """train.init_from: the tiny run's drafter, exported and converted to speculators' format, is
+    where a new run starts (at lr 0 its first checkpoint holds exactly those weights); a run whose
+    drafter differs is refused with the field that differs."""
+    from dspark.core.config import ConfigError, load_config
+    from dspark.core.target import load_target_heads
+    from dspark.recipe import build_drafter, init_from_drafter
+    from tests.conftest import compose_raw
+    from tests.toy import overrides, train_drafter
+
+    target, data, ckpt = tiny_trained_drafter
+    export(ckpt, tmp_path / "ours", target_dir=target)
+    theirs = write_speculators(tmp_path / "ours", tmp_path / "theirs")
+    want = read_export(tmp_path / "ours").weights
+    heads = load_target_heads(target)
+    run = tmp_path / "run"
+    cfg = load_config(
+        compose_raw(
+            *overrides(target, data, run, "train.max_steps=1", "train.save_every=1", "train.lr=0"),
+            f"train.init_from={theirs}",
+        )
+    )
+    train_drafter(cfg, heads)
+    got = load_training_checkpoint(run / "ckpt").weights
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k].float(), v) for k, v in want.items())
+    other = load_config(
+        compose_raw(*overrides(target, data, run, "drafter.markov_rank=8"), f"train.init_from={theirs}")
+    )
+    drafter, _, _ = build_drafter(other, heads)
+    with pytest.raises(ConfigError, match=r"train.init_from=.*theirs: its drafter.markov_rank is 16, this run's is 8"):
+        init_from_drafter(drafter, other, theirs)
+    both = compose_raw(*overrides(target, data, run), f"train.init_from={theirs}", "train.init_from_target_layers=[0]")
+    with pytest.raises(ConfigError, match="expected null with train.init_from_target_layers"):
+        load_config(both)
