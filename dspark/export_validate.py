@@ -28,7 +28,8 @@ from dspark.core.files import free_port
 from dspark.core.serving import BY_LAYOUT
 from dspark.core.target_dir import read_text_config
 from dspark.families import get_family
-from dspark.serving_format import ExportError, read_export
+from dspark.serving_format import ExportError
+from dspark.speculators_format import read_drafter_dir, verifier_dir
 
 SHARED_IN_VLLM = ("model.embed_tokens.", "lm_head.", "model.mask_embedding", "draft_id_to_target_id")
 
@@ -98,12 +99,14 @@ def validate(
 ) -> ValidationReport:
     """Steps 1-4 of the module docstring; the first failure raises :class:`ExportError`."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    exp = read_export(export_dir)  # our own reading: files, fields, shapes
+    exp = read_drafter_dir(export_dir)  # our own reading (an export, or speculators' format): files, fields, shapes
     if target_dir is None:
-        recorded = (exp.provenance.get("target") or {}).get("path")
+        recorded = verifier_dir(exp)
         if not recorded:
-            raise ExportError(f"{exp.path / 'export.json'}: field 'target.path' missing; pass --target-dir")
-        target_dir, source = Path(recorded), "from export.json 'target.path'"
+            raise ExportError(
+                f"{exp.path}: no target directory recorded (export.json 'target.path'); pass --target-dir"
+            )
+        target_dir, source = Path(recorded), "recorded beside the drafter"
     else:
         source = "--target-dir"
     target_dir = Path(target_dir).expanduser()
@@ -135,11 +138,12 @@ def _speculative_config(exp: Any, target_dir: Path, n_spec: int, rep: Validation
     """1. vLLM's own SpeculativeConfig parses the export against the target."""
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
 
-    dtype = exp.config.get("torch_dtype", "float32")
+    dtype = exp.config.get("torch_dtype") or exp.config.get("dtype") or "float32"
+    layers = exp.config.get("transformer_layer_config") or exp.config  # speculators' format nests them
     mc = ModelConfig(
         model=str(target_dir),
         dtype=dtype,
-        max_model_len=min(2048, int(exp.config["max_position_embeddings"])),
+        max_model_len=min(2048, int(layers["max_position_embeddings"])),
         enforce_eager=True,
     )
     pc = ParallelConfig()

@@ -414,8 +414,8 @@ def init_from_drafter(model: DSparkDrafter, cfg: RunConfig, path: Path) -> None:
     """``train.init_from``: the weights of a trained drafter (our export, or a speculators DSpark
     checkpoint), after checking that it is this config's drafter: sizes, context layers, block and
     heads. One :class:`ConfigError` naming the first difference."""
-    from dspark.serving_format import CONFIG_FILE, read_export
-    from dspark.speculators_format import read_speculators
+    from dspark.serving_format import CONFIG_FILE
+    from dspark.speculators_format import is_speculators, read_drafter_dir
 
     path = path.expanduser()
     if not (path / CONFIG_FILE).is_file():
@@ -423,8 +423,7 @@ def init_from_drafter(model: DSparkDrafter, cfg: RunConfig, path: Path) -> None:
             f"train.init_from={path}: {path / CONFIG_FILE} missing; expected an export or a speculators "
             "DSpark checkpoint directory"
         )
-    is_speculators = "speculators_model_type" in (path / CONFIG_FILE).read_text()
-    theirs = read_speculators(path) if is_speculators else read_export(path)
+    theirs = read_drafter_dir(path)
     d, ours = cfg.drafter, model.dims
     for key, want, got in (
         ("drafter dims", ours, theirs.dims),
@@ -444,7 +443,7 @@ def init_from_drafter(model: DSparkDrafter, cfg: RunConfig, path: Path) -> None:
     missing = [m for m in missing if not m.startswith(SHARED_FROM_TARGET)]
     if missing or unexpected:
         raise ConfigError(f"train.init_from={path}: weights do not fit (missing {missing}, unexpected {unexpected})")
-    log.info("drafter initialised from %s (%s)", path, "speculators" if is_speculators else "export")
+    log.info("drafter initialised from %s (%s)", path, "speculators" if is_speculators(path) else "export")
 
 
 def loss_config(cfg: RunConfig) -> LossConfig:

@@ -235,3 +235,30 @@ def read_speculators(path: Path) -> ExportedDrafter:
         weights.pop(name, None)
     check_weights(weights, drafter, dims, where=str(path / WEIGHTS_FILE))
     return ExportedDrafter(path, cfg, {"format": "speculators"}, "dspark", drafter, dims, list(ids), weights)
+
+
+def is_speculators(path: Path) -> bool:
+    """Whether ``path`` holds a speculators checkpoint (its config.json names a speculators model type)."""
+    cfg_file = Path(path).expanduser() / CONFIG_FILE
+    if not cfg_file.is_file():
+        return False
+    try:
+        cfg = read_json(cfg_file, expected="a model's config.json", error=ExportError)
+    except ExportError:
+        return False  # not readable: the reader of our own format names what is wrong with it
+    return isinstance(cfg, dict) and "speculators_model_type" in cfg
+
+
+def read_drafter_dir(path: Path) -> ExportedDrafter:
+    """Our export or a speculators DSpark checkpoint, whichever ``path`` holds."""
+    from dspark.serving_format import read_export
+
+    return read_speculators(path) if is_speculators(path) else read_export(path)
+
+
+def verifier_dir(exp: ExportedDrafter) -> Optional[str]:
+    """The target directory a drafter directory records: export.json's ``target.path``, or a
+    speculators config's ``speculators_config.verifier.name_or_path``."""
+    if exp.provenance.get("format") == "speculators" and "speculators_config" in exp.config:
+        return ((exp.config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return (exp.provenance.get("target") or {}).get("path")

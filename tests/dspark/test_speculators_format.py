@@ -205,3 +205,20 @@ def test_a_run_starts_from_a_speculators_checkpoint_of_its_own_drafter(tiny_trai
     both = compose_raw(*overrides(target, data, run), f"train.init_from={theirs}", "train.init_from_target_layers=[0]")
     with pytest.raises(ConfigError, match="expected null with train.init_from_target_layers"):
         load_config(both)
+
+
+@pytest.mark.slow
+def test_vllms_own_loader_accepts_the_speculators_conversion(tiny_trained_drafter, tmp_path):
+    """vLLM 0.32 reads speculators' DSpark format itself (its speculators config path maps
+    DSparkDraftModel to Qwen3DSparkModel and aux_hidden_state_layer_ids to target_layer_ids): our
+    validation on the conversion passes through that path, with the same layers and weights."""
+    from dspark.export_validate import validate
+
+    target, _, ckpt = tiny_trained_drafter
+    export(ckpt, tmp_path / "ours", target_dir=target)
+    theirs = write_speculators(tmp_path / "ours", tmp_path / "theirs")
+    rep = validate(theirs)  # the target from speculators_config.verifier
+    assert rep.method == "dspark" and rep.target_dir == target.resolve()
+    assert rep.vllm_aux_layer_ids == read_export(tmp_path / "ours").context_layer_ids
+    assert any("vLLM's loader writes all" in c for c in rep.checks)
+    assert rep.params_checked == validate(tmp_path / "ours").params_checked
