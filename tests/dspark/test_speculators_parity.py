@@ -1,0 +1,118 @@
+"""Parity with speculators on the same weights (issue #38, item 2): one set of weights loaded into
+speculators 0.9.0's DSparkDraftModel (through our conversion) and into our drafter, the same context
+states, tokens and anchors, fp32 on CPU: the draft logits (LM head over the backbone), the Markov
+bias and the confidence logit agree within 1e-5. speculators is installed by scripts/setup.sh."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.export import export
+from dspark.model import DSparkDrafter
+from dspark.speculators_format import read_speculators, write_speculators
+from tests.dspark.test_export_bytes import TARGET_CONFIG, checkpoint
+
+speculators = pytest.importorskip("speculators", reason="scripts/setup.sh installs speculators==0.9.0")
+
+FIELDS = dict(num_layers=2, block_size=4, markov_rank=4)
+T, ANCHORS = 24, [3, 9, 14]
+
+
+def _verifier(target: Path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=96,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+    )
+    with torch.no_grad():  # logits of order 1-10, not 0.02's init: a difference in the backbone shows at 1e-5
+        model.lm_head.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    model.save_pretrained(target)
+    return model
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """(theirs, ours, verifier): the same trained-looking weights in speculators' model and ours."""
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TARGET_CONFIG))
+    ckpt = checkpoint(tmp_path, FIELDS)
+    torch.manual_seed(1)  # fixed_weights leaves markov_w2 and the confidence head at their (zero) init: fill them
+    for k, w in ckpt.weights.items():
+        if k.startswith(("markov_head.markov_w2", "confidence_head")):
+            ckpt.weights[k] = torch.randn_like(w) * 0.1
+    export(ckpt, tmp_path / "ours", target_dir=target)
+    verifier = _verifier(target)
+    out = write_speculators(tmp_path / "ours", tmp_path / "theirs")
+    config = DSparkSpeculatorConfig.from_pretrained(str(out))
+    config.transformer_layer_config._attn_implementation = "eager"  # flex attention needs a compiler on CPU
+    theirs = DSparkDraftModel(config)
+    exp = read_speculators(out)
+    missing, unexpected = theirs.load_state_dict(exp.weights, strict=False)
+    assert not unexpected and sorted(missing) == sorted(
+        ["embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"]
+    )
+    theirs.load_verifier_weights()
+    ours = DSparkDrafter(
+        exp.drafter,
+        exp.dims,
+        embed_tokens=verifier.model.embed_tokens.weight.detach(),
+        lm_head=verifier.lm_head.weight.detach(),
+        target_norm=verifier.model.norm.weight.detach(),
+        target_norm_eps=verifier.config.rms_norm_eps,
+    )
+    missing, unexpected = ours.load_state_dict(exp.weights, strict=False)
+    assert not unexpected
+    return theirs.eval(), ours.eval(), verifier
+
+
+def test_logits_markov_bias_and_confidence_agree_on_the_same_weights(pair):
+    theirs, ours, _ = pair
+    block = ours.cfg.block_size
+    gen = torch.Generator().manual_seed(2)
+    states = torch.randn(1, T, 3 * 32, generator=gen)
+    ids = torch.randint(0, 96, (1, T), generator=gen)
+    loss_mask = torch.zeros(1, T)
+    loss_mask[0, ANCHORS] = 1  # speculators draws its anchors from the supervised positions: exactly these
+    with torch.no_grad():
+        hidden, logits, _, _, idx = theirs._backbone_forward(
+            states,
+            ids,
+            loss_mask,
+            torch.randn(1, T, 32, generator=gen),
+            torch.zeros(1, T, dtype=torch.long),
+            max_anchors=len(ANCHORS),
+        )
+        assert idx.view(len(ANCHORS), block)[:, 0].tolist() == ANCHORS
+        prev = ids[0, idx].view(len(ANCHORS), block)  # the teacher-forced previous token of each slot
+        prev_emb = theirs.markov_head.prev_embeddings(prev)
+        their_bias = theirs.markov_head.block_bias(
+            prev_token_ids=prev, hidden_states=hidden.view(len(ANCHORS), block, -1), prev_emb=prev_emb
+        )
+        their_conf = theirs.confidence_head(torch.cat([hidden.view(len(ANCHORS), block, -1), prev_emb], -1))
+
+        out = ours(ids, states[:, : T - 1], torch.tensor([ANCHORS]))  # ours reads the states before the last token
+        our_logits = ours.lm_head(out.hidden)[0]
+        our_bias = ours.markov_head.markov_w2(out.markov_embed)[0]
+
+    assert logits.abs().max() > 1 and their_bias.abs().max() > 0.01 and their_conf.abs().max() > 0.01  # not at zero
+    torch.testing.assert_close(our_logits, logits.view(len(ANCHORS), block, -1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(our_bias, their_bias, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.confidence_logits[0], their_conf.view(len(ANCHORS), block), rtol=0, atol=1e-5)
