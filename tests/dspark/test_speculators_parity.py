@@ -116,3 +116,60 @@ def test_logits_markov_bias_and_confidence_agree_on_the_same_weights(pair):
     torch.testing.assert_close(our_logits, logits.view(len(ANCHORS), block, -1), rtol=0, atol=1e-5)
     torch.testing.assert_close(our_bias, their_bias, rtol=0, atol=1e-5)
     torch.testing.assert_close(out.confidence_logits[0], their_conf.view(len(ANCHORS), block), rtol=0, atol=1e-5)
+
+
+def test_tv_ce_and_confidence_bce_agree_at_matched_weights(pair):
+    """Where the definitions coincide: TV and the confidence BCE (against the detached 1 - TV)
+    per prediction, and CE when the data are the target's greedy text (speculators' CE is against
+    the target's argmax, ours against the dataset's token); every prediction supervised and
+    weighted alike, so speculators' masked mean and our weighted mean are the same reduction
+    (their defaults differ: docs/speculators_notes.md, "Losses")."""
+    from speculators.losses import compound_loss, resolve_loss_config
+    from torch.nn.functional import binary_cross_entropy_with_logits
+
+    from dspark.loss import LossConfig, dspark_loss
+
+    theirs, ours, verifier = pair
+    block, a = ours.cfg.block_size, len(ANCHORS)
+    gen = torch.Generator().manual_seed(4)
+    states = torch.randn(1, T, 3 * 32, generator=gen)
+    last = torch.randn(1, T, 32, generator=gen)
+    with torch.no_grad():
+        target_logits = verifier.lm_head(verifier.model.norm(last))
+    ids = torch.randint(0, 96, (1, T), generator=gen)
+    ids[0, 1:] = target_logits[0, :-1].argmax(-1)  # greedy data: x_{t+1} is the target's argmax at t
+    loss_mask = torch.zeros(1, T)
+    loss_mask[0, ANCHORS] = 1
+    with torch.no_grad():
+        hidden, logits, targets, _, idx = theirs._backbone_forward(
+            states, ids, loss_mask, last, torch.zeros(1, T, dtype=torch.long), max_anchors=a
+        )
+        prev = ids[0, idx].view(a, block)
+        prev_emb = theirs.markov_head.prev_embeddings(prev)
+        bias = theirs.markov_head.block_bias(
+            prev_token_ids=prev, hidden_states=hidden.view(a, block, -1), prev_emb=prev_emb
+        )
+        logits = (logits.view(a, block, -1) + bias).view(1, a * block, -1)
+        conf = theirs.confidence_head(torch.cat([hidden.view(a, block, -1), prev_emb], -1)).view(1, -1)
+        every = torch.ones(1, a * block)  # every prediction supervised, no position weights
+        pos = (torch.arange(a * block) % block)[None]
+        tv, _ = compound_loss(logits, targets, every, pos, loss_config=resolve_loss_config("tv", "eager"))
+        ce, _ = compound_loss(logits, targets, every, pos, loss_config=resolve_loss_config("ce", "eager"))
+        tv_fn = resolve_loss_config("tv", "eager")["tv"][0]
+        bce = binary_cross_entropy_with_logits(conf, 1.0 - tv_fn(logits, targets), reduction="none").mean()
+
+        out = ours(ids, states[:, : T - 1], torch.tensor([ANCHORS]))
+        mine = dspark_loss(
+            ours,
+            out,
+            input_ids=ids,
+            final_states=last[:, : T - 1],
+            anchor_positions=torch.tensor([ANCHORS]),
+            valid_anchors=torch.ones(1, a, dtype=torch.bool),
+            loss_mask=torch.ones(1, T, dtype=torch.bool),
+            lengths=torch.tensor([T]),
+            cfg=LossConfig(ce_weight=1.0, tv_weight=1.0, confidence_weight=1.0, position_decay=float("inf")),
+        )
+    assert 0.05 < float(tv) < 0.95 and float(ce) > 0.1 and float(bce) > 0.1  # terms away from their bounds
+    for name, got, want in (("tv", mine.tv, tv), ("ce", mine.ce, ce), ("confidence_bce", mine.confidence_bce, bce)):
+        assert abs(float(got) - float(want)) < 1e-5, (name, float(got), float(want))
