@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from dspark.batching import Batch, RankBatches
-from dspark.checkpoint import SHARED_FROM_TARGET, Checkpointer, TrainState
+from dspark.checkpoint import Checkpointer, TrainState
 from dspark.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
 from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
 from dspark.core.files import file_sha256, text_sha256
@@ -414,8 +414,8 @@ def init_from_drafter(model: DSparkDrafter, cfg: RunConfig, path: Path) -> None:
     """``train.init_from``: the weights of a trained drafter (our export, or a speculators DSpark
     checkpoint), after checking that it is this config's drafter: sizes, context layers, block and
     heads. One :class:`ConfigError` naming the first difference."""
-    from dspark.serving_format import CONFIG_FILE
-    from dspark.speculators_format import is_speculators, read_drafter_dir
+    from dspark.serving_format import CONFIG_FILE, load_weights_problem
+    from dspark.speculators_format import read_drafter_dir
 
     path = path.expanduser()
     if not (path / CONFIG_FILE).is_file():
@@ -439,11 +439,10 @@ def init_from_drafter(model: DSparkDrafter, cfg: RunConfig, path: Path) -> None:
             raise ConfigError(
                 f"train.init_from={path}: its {key} is {got}, this run's is {want}; expected the same drafter"
             )
-    missing, unexpected = model.load_state_dict(theirs.weights, strict=False)
-    missing = [m for m in missing if not m.startswith(SHARED_FROM_TARGET)]
-    if missing or unexpected:
-        raise ConfigError(f"train.init_from={path}: weights do not fit (missing {missing}, unexpected {unexpected})")
-    log.info("drafter initialised from %s (%s)", path, "speculators" if is_speculators(path) else "export")
+    problem = load_weights_problem(model, theirs.weights)
+    if problem:
+        raise ConfigError(f"train.init_from={path}: {problem}")
+    log.info("drafter initialised from %s (%s)", path, theirs.provenance.get("format", "export"))
 
 
 def loss_config(cfg: RunConfig) -> LossConfig:

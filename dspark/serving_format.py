@@ -266,10 +266,17 @@ def load_drafter(exported: ExportedDrafter, heads: Any) -> torch.nn.Module:
         target_norm=heads.final_norm.float(),
         target_norm_eps=heads.rms_norm_eps,
     )
-    missing, unexpected = model.load_state_dict(exported.weights, strict=False)
+    problem = load_weights_problem(model, exported.weights)
+    if problem:
+        raise ExportError(f"{exported.path}: {problem}")
+    return model.eval()
+
+
+def load_weights_problem(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> Optional[str]:
+    """Load a drafter's trainable weights into ``model`` (the target's shared tensors stay); what
+    did not fit, or None."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if not m.startswith(SHARED_FROM_TARGET)]
     if missing or unexpected:
-        raise ExportError(
-            f"{exported.path}: weights do not fit the drafter (missing {missing}, unexpected {unexpected})"
-        )
-    return model.eval()
+        return f"weights do not fit the drafter (missing {missing}, unexpected {unexpected})"
+    return None
