@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from dspark.checkpoint import check_weights
 from dspark.core.config import DSparkConfig
 from dspark.core.files import atomic_path, read_json, remove_stale_temporaries, replace_problem
+from dspark.core.shard_format import layer_ids_problem
 from dspark.dims import DrafterDims
 from dspark.serving_format import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, ExportedDrafter, ExportError
 
@@ -77,13 +78,17 @@ SPECULATORS_VERIFIER_TENSORS = (
 """Tensors speculators takes from the verifier (not in its files; dropped if a checkpoint has them)."""
 
 
-def speculators_config(export_dir: Path, verifier: Optional[Path] = None) -> dict[str, Any]:
+def speculators_config(
+    export_dir: Path, verifier: Optional[Path] = None, prov: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
     """speculators' ``config.json`` for our DSpark export at ``export_dir``; ``verifier``: the
-    target's directory (default: the one export.json records). One :class:`ExportError` naming
-    the file and field for what speculators' DSpark cannot hold."""
+    target's directory (default: the one export.json records); ``prov``: export.json, when the
+    caller has read it. One :class:`ExportError` naming the file and field for what speculators'
+    DSpark cannot hold."""
     export_dir = Path(export_dir)
     ours = read_json(export_dir / CONFIG_FILE, expected="an export's config.json", error=ExportError)
-    prov = read_json(export_dir / PROVENANCE_FILE, expected="an export's export.json", error=ExportError)
+    if prov is None:
+        prov = read_json(export_dir / PROVENANCE_FILE, expected="an export's export.json", error=ExportError)
     where = export_dir / CONFIG_FILE
     if ours.get("architectures") != ["Qwen3DSparkModel"]:
         raise ExportError(
@@ -150,9 +155,9 @@ def write_speculators(export_dir: Path, out_dir: Path, verifier: Optional[Path] 
     problem = replace_problem(out_dir, PROVENANCE_FILE, SPECULATORS_FILES)
     if problem:
         raise ExportError(f"--out {out_dir}: {problem}")
-    config = speculators_config(export_dir, verifier)
     provenance = read_json(export_dir / PROVENANCE_FILE, expected="an export's export.json", error=ExportError)
-    provenance.update(format="speculators", converted_from=str(export_dir))
+    config = speculators_config(export_dir, verifier, provenance)
+    provenance = {**provenance, "format": "speculators", "converted_from": str(export_dir)}
     remove_stale_temporaries(out_dir)
     with atomic_path(out_dir, owner_marker=PROVENANCE_FILE, owned_files=SPECULATORS_FILES) as tmp:
         tmp.mkdir()
@@ -190,8 +195,13 @@ def read_speculators(path: Path) -> ExportedDrafter:
     if cfg.get("mask_token_id") is None:
         raise ExportError(f"{where}: mask_token_id is null, expected the token id the block's masked slots embed")
     ids = cfg.get("aux_hidden_state_layer_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-        raise ExportError(f"{where}: aux_hidden_state_layer_ids is {ids!r}, expected a list of integers >= 0")
+    problem = (
+        layer_ids_problem("", ids, "aux_hidden_state_layer_ids")
+        if isinstance(ids, list) and ids
+        else f"'aux_hidden_state_layer_ids' is {ids!r}, expected a list of integers >= 0"
+    )
+    if problem:
+        raise ExportError(f"{where}: {problem}")
     try:
         weights = {k: v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types

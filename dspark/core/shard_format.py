@@ -277,11 +277,11 @@ def field_problem(where: str, key: str, value: Any, types: tuple[type, ...], min
     return None
 
 
-def layer_ids_problem(where: str, ids: list[Any]) -> Optional[str]:
+def layer_ids_problem(where: str, ids: list[Any], key: str = "layer_ids") -> Optional[str]:
     """Captured layer ids must be integers >= 0 ([] for token-id shards)."""
     if all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         return None
-    return f"{where}'layer_ids' is {ids!r:.80}, expected a list of integers >= 0"
+    return f"{where}'{key}' is {ids!r:.80}, expected a list of integers >= 0"
 
 
 def manifest_problem(data: dict[str, Any]) -> Optional[str]:

@@ -162,7 +162,10 @@ def test_a_speculators_config_our_drafter_cannot_be_is_refused(ours, tmp_path):
         ({"speculators_model_type": "eagle3"}, r"speculators_model_type is 'eagle3', expected 'dspark'"),
         ({"draft_vocab_size": 32}, r"draft_vocab_size is 32, expected the full vocabulary \(96\)"),
         ({"mask_token_id": None}, r"mask_token_id is null"),
-        ({"aux_hidden_state_layer_ids": [1, -3]}, r"aux_hidden_state_layer_ids is \[1, -3\], expected a list"),
+        (
+            {"aux_hidden_state_layer_ids": [1, -3]},
+            r"'aux_hidden_state_layer_ids' is \[1, -3\], expected a list of integers >= 0",
+        ),
         ({"markov_rank": 8}, r"model.safetensors: tensor 'markov_head.markov_w1.weight' has shape \[96, 4\], expected"),
     ):
         (out / "config.json").write_text(json.dumps({**good, **change}))
