@@ -166,6 +166,7 @@ def test_a_speculators_config_our_drafter_cannot_be_is_refused(ours, tmp_path):
             {"aux_hidden_state_layer_ids": [1, -3]},
             r"'aux_hidden_state_layer_ids' is \[1, -3\], expected a list of integers >= 0",
         ),
+        ({"aux_hidden_state_layer_ids": [1, True]}, r"'aux_hidden_state_layer_ids' is \[1, True\], expected"),
         ({"markov_rank": 8}, r"model.safetensors: tensor 'markov_head.markov_w1.weight' has shape \[96, 4\], expected"),
     ):
         (out / "config.json").write_text(json.dumps({**good, **change}))
