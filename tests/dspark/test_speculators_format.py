@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,32 @@ from tests.dspark.test_export_bytes import DIMS, TARGET_CONFIG, checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = dict(num_layers=2, block_size=4, markov_rank=4)
+
+
+def tiny_verifier(target: Path) -> Any:
+    """A Qwen3 target with weights, of the dims TARGET_CONFIG names, saved to ``target``: what
+    speculators reads its embedding, head and norm from. Its LM head at std 1 (not the 0.02 init),
+    so logits are of order 1-10 and a backbone difference shows at 1e-5."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=96,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+    )
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    model.save_pretrained(target)
+    return model
 
 
 @pytest.fixture
@@ -101,24 +128,8 @@ def test_speculators_own_loader_reads_the_same_weights(ours, tmp_path):
     every tensor of ours equal, nothing of ours left unread, the rest (embedding, verifier head and
     norm) taken from the verifier's directory."""
     speculators = pytest.importorskip("speculators", reason="scripts/setup.sh installs speculators==0.9.0")
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     export_dir, target = ours
-    torch.manual_seed(0)  # a verifier with weights, of the dims TARGET_CONFIG names
-    verifier = Qwen3ForCausalLM(
-        Qwen3Config(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            vocab_size=96,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        )
-    )
-    verifier.save_pretrained(target)
+    verifier = tiny_verifier(target)
     out = write_speculators(export_dir, tmp_path / "theirs")
     model = speculators.SpeculatorModel.from_pretrained(str(out))
     assert type(model).__name__ == "DSparkDraftModel"

@@ -6,43 +6,21 @@ bias and the confidence logit agree within 1e-5. speculators is installed by scr
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dspark.export import export
-from dspark.model import DSparkDrafter
+from dspark.serving_format import load_drafter
 from dspark.speculators_format import read_speculators, write_speculators
 from tests.dspark.test_export_bytes import TARGET_CONFIG, checkpoint
+from tests.dspark.test_speculators_format import tiny_verifier
 
 speculators = pytest.importorskip("speculators", reason="scripts/setup.sh installs speculators==0.9.0")
 
 FIELDS = dict(num_layers=2, block_size=4, markov_rank=4)
 T, ANCHORS = 24, [3, 9, 14]
-
-
-def _verifier(target: Path):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(
-        Qwen3Config(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            vocab_size=96,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        )
-    )
-    with torch.no_grad():  # logits of order 1-10, not 0.02's init: a difference in the backbone shows at 1e-5
-        model.lm_head.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
-    model.save_pretrained(target)
-    return model
 
 
 @pytest.fixture
@@ -59,7 +37,7 @@ def pair(tmp_path):
         if k.startswith(("markov_head.markov_w2", "confidence_head")):
             ckpt.weights[k] = torch.randn_like(w) * 0.1
     export(ckpt, tmp_path / "ours", target_dir=target)
-    verifier = _verifier(target)
+    verifier = tiny_verifier(target)
     out = write_speculators(tmp_path / "ours", tmp_path / "theirs")
     config = DSparkSpeculatorConfig.from_pretrained(str(out))
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention needs a compiler on CPU
@@ -70,17 +48,13 @@ def pair(tmp_path):
         ["embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"]
     )
     theirs.load_verifier_weights()
-    ours = DSparkDrafter(
-        exp.drafter,
-        exp.dims,
+    heads = SimpleNamespace(  # the verifier's shared tensors, as dspark.core.target hands a target's over
         embed_tokens=verifier.model.embed_tokens.weight.detach(),
         lm_head=verifier.lm_head.weight.detach(),
-        target_norm=verifier.model.norm.weight.detach(),
-        target_norm_eps=verifier.config.rms_norm_eps,
+        final_norm=verifier.model.norm.weight.detach(),
+        rms_norm_eps=verifier.config.rms_norm_eps,
     )
-    missing, unexpected = ours.load_state_dict(exp.weights, strict=False)
-    assert not unexpected
-    return theirs.eval(), ours.eval(), verifier
+    return theirs.eval(), load_drafter(exp, heads), verifier
 
 
 def test_logits_markov_bias_and_confidence_agree_on_the_same_weights(pair):
