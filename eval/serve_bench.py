@@ -330,15 +330,49 @@ def start_server(
     )
 
 
-def llama_cpp_spec_fields(d: Counters) -> dict[str, Any]:
-    """llama-server's counters over one level, in the names vLLM's client gives its own server's
-    (``vllm:spec_decode_*``), so that :func:`~eval.bench_client.level_record` counts both alike."""
-    return {
-        "spec_decode_num_drafts": d.drafts,
-        "spec_decode_draft_tokens": d.draft_tokens,
-        "spec_decode_accepted_tokens": d.accepted,
-        "spec_decode_per_position_acceptance_rates": [a / d.drafts if d.drafts else 0.0 for a in d.accepted_per_pos],
-    }
+def llama_cpp_level_fields(d: Counters, raw: dict[str, Any], speculative: bool) -> dict[str, Any]:
+    """llama-server's counters over one level, folded into vLLM's client result (``raw``) so that
+    :func:`~eval.bench_client.level_record` counts llama.cpp's levels as vLLM's.
+
+    The output tokens are the server's own count (``tokens_predicted_total``). vLLM's client reads a
+    streamed completion's ``usage`` only from a chunk without ``choices``, and llama-server's
+    /v1/completions puts ``usage`` in its last chunk beside ``choices``: the client then counts the
+    output by re-tokenizing the text, which merges tokens across the boundaries the target generated
+    and undercounts (so steps came out short and drafts above 100 % of them). The client's count is
+    kept as ``client_output_tokens``; the throughputs and TPOTs it derived from it are rescaled to the
+    server's count (TPOT over the whole level's decode tokens, not per request). Speculative levels
+    also get the draft counters in the names vLLM's server gives them (``vllm:spec_decode_*``).
+    Raises when the counters contradict each other (more drafts than verification steps)."""
+    out: dict[str, Any] = {"server_decodes": d.decodes}
+    client_tokens, done = raw.get("total_output_tokens"), int(raw.get("completed") or 0)
+    if d.predicted and client_tokens:
+        out["client_output_tokens"] = client_tokens
+        out["total_output_tokens"] = d.predicted
+        scale = d.predicted / client_tokens
+        for k in ("output_throughput", "max_output_tokens_per_s"):
+            if isinstance(raw.get(k), (int, float)):
+                out[k] = raw[k] * scale
+        if isinstance(raw.get("duration"), (int, float)) and raw["duration"] > 0:
+            out["total_token_throughput"] = (float(raw.get("total_input_tokens") or 0) + d.predicted) / raw["duration"]
+        if client_tokens > done and d.predicted > done:
+            per_token = (client_tokens - done) / (d.predicted - done)
+            for k in [k for k in raw if k.endswith("_tpot_ms")]:
+                if isinstance(raw[k], (int, float)):
+                    out[k] = raw[k] * per_token
+    if speculative:
+        steps = d.predicted - done - d.accepted
+        if d.predicted and d.drafts > steps + done:  # a stop may cut up to one step per request
+            raise RuntimeError(
+                f"llama.cpp counted {d.drafts} drafts in {steps} verification steps ({d.predicted} tokens "
+                f"generated, {done} requests, {d.accepted} accepted): the counters disagree"
+            )
+        out.update(
+            spec_decode_num_drafts=d.drafts,
+            spec_decode_draft_tokens=d.draft_tokens,
+            spec_decode_accepted_tokens=d.accepted,
+            spec_decode_per_position_acceptance_rates=[a / d.drafts if d.drafts else 0.0 for a in d.accepted_per_pos],
+        )
+    return out
 
 
 def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir: Path) -> ConfigResult:
@@ -380,9 +414,9 @@ def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir:
                         )
                     before = read_counters(server)
                 raw = run_client(argv, out, timeout_s=sb.level_timeout_s, what=f"{what}, concurrency {conc}")
-                if llama and c.method is not None:
+                if llama:
                     done = counters_after(server, before, int(raw.get("total_output_tokens") or 0))
-                    raw.update(llama_cpp_spec_fields(done))
+                    raw.update(llama_cpp_level_fields(done, raw, c.method is not None))
                 if not raw.get("completed"):
                     raise RuntimeError(
                         f"{what}, concurrency {conc}: no request completed ({raw.get('first_errors')}); client log "

@@ -46,6 +46,7 @@ DRAFTS, DRAFT_TOKENS, ACCEPTED = (
 PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
 DECODES = "n_decode_total"
 PREDICTED = "tokens_predicted_total"
+PROCESSING = "requests_processing"
 N_BATCH = 2048
 """``-b``: a prompt is decoded in chunks of this many tokens (each one ``n_decode``)."""
 TRACE = 4
@@ -221,6 +222,8 @@ class Counters:
     decodes: int = 0
     predicted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    processing: int = 0
+    """Requests in flight (a gauge, not a count: :meth:`minus` keeps the later reading's)."""
 
     def minus(self, before: Counters) -> Counters:
         n = max(len(self.accepted_per_pos), len(before.accepted_per_pos))
@@ -232,6 +235,7 @@ class Counters:
             self.decodes - before.decodes,
             self.predicted - before.predicted,
             [a - b for a, b in zip(pad(self.accepted_per_pos), pad(before.accepted_per_pos))],
+            self.processing,
         )
 
 
@@ -256,6 +260,8 @@ def read_counters(server: Server, timeout_s: float = 30) -> Counters:
             c.decodes = v
         elif name == PREDICTED:
             c.predicted = v
+        elif name == PROCESSING:
+            c.processing = v
         elif name == PER_POS:
             m = re.search(r'position="(\d+)"', labels)
             if m:
@@ -266,11 +272,12 @@ def read_counters(server: Server, timeout_s: float = 30) -> Counters:
 
 def counters_after(server: Server, before: Counters, num_generated: int, wait_s: float = 10.0) -> Counters:
     """The counters a request added since ``before``. llama-server folds a request's figures in as
-    its slot is released, which may trail the response: wait until its generated tokens show."""
+    its slot is released, which may trail the response: wait until no request is in flight and
+    at least ``num_generated`` tokens show (a lower bound where the caller's count is not exact)."""
     deadline = time.monotonic() + wait_s
     while True:
         d = read_counters(server).minus(before)
-        if d.predicted >= num_generated or time.monotonic() > deadline:
+        if (d.predicted >= num_generated and not d.processing) or time.monotonic() > deadline:
             return d
         time.sleep(0.05)
 

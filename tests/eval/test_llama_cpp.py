@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import psutil
@@ -91,6 +92,26 @@ def test_the_counters_are_read_from_llama_servers_metrics():
     d = c.minus(Counters(drafts=2, draft_tokens=8, accepted=1, decodes=3, predicted=4, accepted_per_pos=[1, 0]))
     assert (d.drafts, d.draft_tokens, d.accepted, d.decodes, d.predicted) == (5, 18, 6, 6, 12)
     assert d.accepted_per_pos == [6, 0, 0, 0]
+    assert c.processing == 0 and Counters(processing=1).minus(c).processing == 1  # a gauge: the later reading
+
+
+def test_counters_are_read_once_no_request_is_in_flight():
+    """A request's figures fold in as its slot is released: counters_after waits for the gauge to
+    fall to 0 even when the tokens it was told to expect already show (the count may be low)."""
+    from dspark.core.llama_server import counters_after
+
+    busy = _Metrics(METRICS.replace("requests_processing 0", "requests_processing 1"))
+    idle = _Metrics(METRICS)
+    try:
+        t0 = time.monotonic()
+        d = counters_after(busy, Counters(), 10, wait_s=0.5)
+        assert time.monotonic() - t0 >= 0.5 and d.processing == 1  # gave up at the deadline
+        t0 = time.monotonic()
+        d = counters_after(idle, Counters(), 10, wait_s=5)
+        assert time.monotonic() - t0 < 2 and d.predicted == 16 and d.processing == 0
+    finally:
+        busy.httpd.shutdown()
+        idle.httpd.shutdown()
 
 
 def test_steps_are_decodes_after_the_prompt_checked_against_the_output():

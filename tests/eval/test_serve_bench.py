@@ -339,19 +339,19 @@ def test_llama_cpp_rows_count_from_its_counters_and_their_speedup_is_over_llama_
     """llama-server's /metrics counters go through the same counting as vLLM's, and each engine's
     rows are compared with no speculation on the same engine."""
     from dspark.core.llama_server import Counters
-    from eval.serve_bench import llama_cpp_spec_fields
+    from eval.serve_bench import llama_cpp_level_fields
 
     mem = {"peak_rss_gib": 1.0, "peak_gpu_gib": None}
-    d = Counters(drafts=10, draft_tokens=40, accepted=12, accepted_per_pos=[6, 4, 2, 0])
+    d = Counters(drafts=10, draft_tokens=40, accepted=12, predicted=48, accepted_per_pos=[6, 4, 2, 0])
     rows = []
     for c, tps, extra in (
-        (Configuration("none"), 20.0, {}),
-        (Configuration("llama.cpp-none", engine="llama.cpp"), 10.0, {}),
+        (Configuration("none"), 20.0, None),
+        (Configuration("llama.cpp-none", engine="llama.cpp"), 10.0, Counters(predicted=48)),
         (Configuration("llama.cpp-dspark", "dspark", Path("/d.gguf"), engine="llama.cpp"), 5.0, d),
     ):
         raw = vllm_result(tps)
         if extra:
-            raw.update(llama_cpp_spec_fields(extra))
+            raw.update(llama_cpp_level_fields(extra, raw, c.method is not None))
         lv = level_record(raw, c, 4, 1, mem, tmp_path / "c.log")
         rows.append({"name": c.name, "label": c.label, "method": c.method, "levels": [lv.__dict__], "memory": mem})
     data = assemble({}, list(reversed(rows)))
@@ -363,6 +363,34 @@ def test_llama_cpp_rows_count_from_its_counters_and_their_speedup_is_over_llama_
     assert spec["tau"] == pytest.approx(1 + 12 / 10) and spec["accepted_per_pos"] == [6, 4, 2, 0]
     assert spec["draft_share"] == pytest.approx(10 / 32)
     assert data["configs"][1]["levels"][0]["spec"] is None
+
+
+def test_llama_cpp_levels_count_the_servers_tokens_not_the_clients_retokenized_text(tmp_path):
+    """vLLM's client re-tokenizes llama-server's text (it misses the usage beside the last chunk's
+    choices) and undercounts: steps, throughput and TPOT come from the server's own token count."""
+    from dspark.core.llama_server import Counters
+    from eval.serve_bench import llama_cpp_level_fields
+
+    mem = {"peak_rss_gib": 1.0, "peak_gpu_gib": None}
+    # the client saw 44 tokens of the 48 generated; 12 accepted in 10 drafts over 4 requests
+    raw = vllm_result(22.0, tokens=44)
+    raw.update(duration=2.0, total_input_tokens=100, mean_tpot_ms=40.0, p50_tpot_ms=30.0)
+    d = Counters(drafts=10, draft_tokens=40, accepted=12, predicted=48, decodes=36, accepted_per_pos=[6, 4, 2, 0])
+    raw.update(llama_cpp_level_fields(d, raw, True))
+    assert raw["client_output_tokens"] == 44 and raw["total_output_tokens"] == 48
+    assert raw["output_throughput"] == pytest.approx(24.0)  # 22 x 48/44
+    assert raw["total_token_throughput"] == pytest.approx((100 + 48) / 2.0)
+    assert raw["mean_tpot_ms"] == pytest.approx(40.0 * 40 / 44) and raw["p50_tpot_ms"] == pytest.approx(30.0 * 40 / 44)
+    lv = level_record(
+        raw, Configuration("llama.cpp-dspark", "dspark", Path("/d"), engine="llama.cpp"), 4, 1, mem, tmp_path / "c.log"
+    )
+    # with the client's 44, steps would be 44 - 4 - 12 = 28; the server's 48 gives 32
+    assert lv.spec["num_steps"] == 32 and lv.spec["draft_share"] == pytest.approx(10 / 32)
+    assert lv.metrics["output_tokens_per_s"] == pytest.approx(24.0) and lv.metrics["total_output_tokens"] == 48
+    # counters that cannot both hold (more drafts than steps, past a stop's cut) are an error
+    raw = vllm_result(22.0, tokens=44)
+    with pytest.raises(RuntimeError, match="17 drafts in 12 verification steps"):
+        llama_cpp_level_fields(Counters(drafts=17, draft_tokens=60, accepted=12, predicted=28), raw, True)
 
 
 def test_steps_come_from_the_output_tokens_and_are_unknown_without_them(tmp_path):
