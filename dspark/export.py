@@ -151,7 +151,8 @@ def check_out_dir(out_dir: Path, checkpoint: Path) -> None:
     out, tag = out_dir.resolve(), Path(checkpoint).expanduser().resolve()
     if not tag.exists():
         return  # the checkpoint's own error comes first (dspark.checkpoint names it)
-    run_dir = tag if latest_tag(tag) is not None else tag.parent  # the run's directory, or a tag in it
+    # the run's directory, a tag in it, or a trained drafter's own directory (eval.checkpoint may name one)
+    run_dir = tag if latest_tag(tag) is not None or (tag / CONFIG_FILE).is_file() else tag.parent
     if out == tag or out in tag.parents:
         raise ExportError(
             f"--out {out_dir}: it holds the checkpoint {tag} being exported; pick a directory outside the run's "

@@ -126,6 +126,7 @@ def client_argv(
         str(seed),
         "--disable-shuffle",
         "--disable-tqdm",
+        "--save-detailed",  # keeps the per-request errors (first_errors); the summary drops the lists
     ]
     if templated:
         argv.append("--skip-chat-template")

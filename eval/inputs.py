@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.checkpoint import load_training_checkpoint
+from dspark.checkpoint import TrainingCheckpoint, checkpoint_model_file, latest_tag, load_training_checkpoint
 from dspark.core.config import RunConfig
 from dspark.core.waits import WaitTimedOut
 from dspark.export import ExportSummary, export
 from dspark.export_validate import validate
-from dspark.serving_format import drafter_layouts
+from dspark.serving_format import CONFIG_FILE, WEIGHTS_FILE, drafter_layouts
 from eval.prompts import EvalPrompt, build_eval_set, eval_set_sha256, load_eval_set, save_eval_set
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,39 @@ def export_path(cfg: RunConfig, prefix: str, layout: str) -> Path:
     return Path(cfg.eval.export_dir).expanduser() / f"{prefix}-{layout}"
 
 
+def is_drafter_dir(path: Path) -> bool:
+    """A trained drafter's directory (our export, or a speculators DSpark checkpoint: a
+    ``config.json`` beside its weights), not a DeepSpeed checkpoint."""
+    return (path / CONFIG_FILE).is_file() and latest_tag(path) is None
+
+
+def read_checkpoint(cfg: RunConfig, path: Path) -> TrainingCheckpoint:
+    """``eval.checkpoint``: a DeepSpeed checkpoint (its directory or a tag), or a trained drafter's
+    directory (:func:`is_drafter_dir`), evaluated as it is: its weights, block and context layers,
+    served against this run's target (the export checks the layer ids against it, vLLM's loader
+    the sizes)."""
+    if not is_drafter_dir(path):
+        return load_training_checkpoint(path)
+    from dspark.speculators_format import read_drafter_dir
+
+    d = read_drafter_dir(path)
+    run_config = {
+        "target": asdict(cfg.target),
+        "train": {"dtype": "float32"},
+        "paths": {"cache_dir": cfg.paths.cache_dir},
+    }
+    return TrainingCheckpoint(path, 0, d.drafter, d.dims, d.weights, run_config, 0, d.context_layer_ids)
+
+
+def checkpoint_file(path: Path) -> Path:
+    """The file an eval reads its drafter from (what its report's fingerprint hashes)."""
+    return path / WEIGHTS_FILE if is_drafter_dir(path) else checkpoint_model_file(path)
+
+
 def export_all(cfg: RunConfig, ckpt_path: Path, target_dir: Path, prefix: str) -> dict[str, ExportSummary]:
     """Every layout the drafter can be served in (the dspark one always, the dflash one where the
     drafter has it), each validated with vLLM's own classes at ``eval.gamma`` draft tokens."""
-    ckpt = load_training_checkpoint(ckpt_path)
+    ckpt = read_checkpoint(cfg, ckpt_path)
     out = {}
     for layout in drafter_layouts(ckpt.drafter):
         d = export_path(cfg, prefix, layout)

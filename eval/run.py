@@ -3,6 +3,7 @@ the reference loop and with vLLM itself, and write the report.
 
     python -m eval.run +experiment=smollm2_cpu_demo                    # this run's checkpoint
     python -m eval.run +experiment=... eval.checkpoint=PATH eval.ablation_checkpoint=PATH
+    python -m eval.run +experiment=... eval.checkpoint=DRAFTER_DIR  # an export, or a speculators DSpark checkpoint
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from dspark.checkpoint import checkpoint_model_file, latest_tag
+from dspark.checkpoint import latest_tag
 from dspark.core.config import ConfigError, RunConfig, config_fingerprint, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import atomic_write_json, read_json
@@ -25,7 +26,7 @@ from dspark.core.serving import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_met
 from dspark.export import ExportSummary
 from dspark.serving_format import load_drafter, read_export
 from eval.checks import quality_checks
-from eval.inputs import engine_kwargs, eval_set, export_all, vllm_max_model_len
+from eval.inputs import checkpoint_file, engine_kwargs, eval_set, export_all, vllm_max_model_len
 from eval.llama_serve import llama_cpp_results, llama_cpp_wanted
 from eval.prompts import eval_set_sha256
 from eval.results import (
@@ -232,7 +233,7 @@ def fingerprint(cfg: RunConfig, checkpoints: list[Path], *, without: tuple[str, 
     size, mtime). Equal fingerprints: the report is up to date."""
     files = []
     for c in checkpoints:
-        f = checkpoint_model_file(c)
+        f = checkpoint_file(c)
         st = f.stat()
         files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
     settings = {k: v for k, v in asdict(cfg.eval).items() if k not in NOT_SETTINGS + without}

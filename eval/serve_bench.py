@@ -417,10 +417,11 @@ def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir:
                 if llama:
                     done = counters_after(server, before, int(raw.get("total_output_tokens") or 0))
                     raw.update(llama_cpp_level_fields(done, raw, c.method is not None))
-                if not raw.get("completed"):
+                if not raw.get("completed") or raw.get("failed"):  # a level short of requests is not comparable
                     raise RuntimeError(
-                        f"{what}, concurrency {conc}: no request completed ({raw.get('first_errors')}); client log "
-                        f"{out.with_suffix('.log')}, server log {server.log_path}"
+                        f"{what}, concurrency {conc}: {raw.get('failed') or 'every'} of {s.num_requests} requests "
+                        f"failed ({raw.get('first_errors')}); client log {out.with_suffix('.log')}, server log "
+                        f"{server.log_path}"
                     )
                 lv = level_record(raw, c, s.gamma, conc, sampler.take(), out.with_suffix(".log"))
                 log.info(

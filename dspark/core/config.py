@@ -693,7 +693,8 @@ class EvalConfig:
     target_pos1: Optional[float] = None
     """A preset's goal for first-position acceptance on the eval set, reported likewise."""
     checkpoint: Optional[str] = None
-    """A training checkpoint (dir with 'latest' or a stepNNNNNNNN tag); None = this run's."""
+    """A training checkpoint (dir with 'latest' or a stepNNNNNNNN tag), or a trained drafter's
+    directory (our export, or a speculators DSpark checkpoint), evaluated as it is; None = this run's."""
     ablation_checkpoint: Optional[str] = "auto"
     """The Markov-off run beside ours: auto = this config's run with drafter.markov_rank=0, if it
     was trained; a path; None = none."""

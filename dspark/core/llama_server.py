@@ -95,6 +95,11 @@ class ServerSpec:
             str(self.seed),
             "--metrics",
             "--no-webui",
+            # no SSE pings: llama-server sends ":\n\n" every 30 s of a long prefill, and vLLM 0.32's
+            # benchmark client (which strips each chunk before splitting on blank lines) then reads
+            # the whole stream as one comment and fails the request (the 7k-token prompts did)
+            "--sse-ping-interval",
+            "-1",
             "-lv",
             str(TRACE),
         ]

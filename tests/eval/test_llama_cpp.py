@@ -161,6 +161,7 @@ def test_the_command_line_of_each_method(tmp_path):
     none = cmd("none")
     assert none[0] == "/x/llama-server" and flag(none, "-m") == str(target) and flag(none, "-np") == "1"
     assert flag(none, "-c") == "4096" and "--metrics" in none and "--spec-type" not in none and "-md" not in none
+    assert flag(none, "--sse-ping-interval") == "-1"  # a ping mid-prefill fails vLLM's client's request
     chain = cmd("ngram-then-dspark", p_min=0.3)
     assert flag(chain, "--spec-type") == "ngram-simple,draft-dspark"  # the draftless proposer first
     assert flag(chain, "--spec-draft-n-max") == "7" and flag(chain, "--spec-ngram-simple-size-m") == "7"
