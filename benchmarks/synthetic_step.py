@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.core.config import DSparkConfig
-from dspark.loss import LossConfig, LossOutput, dspark_loss
+from dspark.core.config import DSparkConfig, LossSettings
+from dspark.loss import LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
 
 
@@ -35,7 +35,7 @@ def add_shape_args(p: argparse.ArgumentParser, *, steps: int) -> None:
 class SyntheticStep:
     model: DSparkDrafter
     batch: dict[str, torch.Tensor]
-    loss_cfg: LossConfig
+    loss_cfg: LossSettings
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> SyntheticStep:
         floats = ("context_states", "final_states", "topk_probs")
@@ -99,11 +99,11 @@ def build(args: argparse.Namespace, *, seed: int = 0) -> SyntheticStep:
         with torch.no_grad():  # what the dataset's cache holds (computed once, not per step)
             top = torch.softmax(model.target_logits(batch["final_states"]), -1).topk(args.topk, -1)
         batch.update(topk_ids=top.indices, topk_probs=top.values)
-    lcfg = LossConfig(
+    lcfg = LossSettings(
         ce_weight=0.1,
         tv_weight=0.9,
         confidence_weight=1.0,
         position_decay=4.0,
-        recompute_chunks=not getattr(args, "no_recompute", False),
+        recompute_vocab_chunks=not getattr(args, "no_recompute", False),
     )
     return SyntheticStep(model, batch, lcfg)

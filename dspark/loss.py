@@ -20,7 +20,7 @@ With the target's distribution cached as its top k (``topk_ids``/``topk_probs``,
 :mod:`dspark.target_topk`), the target logits are not computed at all and TV is taken on the
 stored support (:func:`topk_tv`); the greedy match compares with the cached argmax.
 
-Vocabulary-sized logits exist only for ``chunk_rows`` positions at a time, and each chunk is
+Vocabulary-sized logits exist only for ``CHUNK_ROWS`` positions at a time, and each chunk is
 recomputed in backward (activation checkpointing), so thousands of positions never hold
 [rows, V] tensors at once.
 """
@@ -34,23 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dspark.core.config import LossSettings
 from dspark.model import DraftOutput, DSparkDrafter
 
-
-@dataclass(frozen=True, kw_only=True)
-class LossConfig:
-    """The loss terms' weights (their defaults live in ``train.*``, :class:`TrainConfig`) and how
-    the vocabulary-wide terms are computed."""
-
-    ce_weight: float
-    tv_weight: float
-    confidence_weight: float
-    position_decay: float
-    lk_weight: float = 0.0
-    chunk_rows: int = 1024
-    # Recompute each chunk's logits in backward. ZeRO-3 turns it off: its parameters are
-    # re-partitioned between forward and recompute, which torch's checkpoint rejects.
-    recompute_chunks: bool = True
+CHUNK_ROWS = 1024
+"""Predictions whose vocabulary-wide logits exist at one time."""
 
 
 @dataclass
@@ -189,17 +177,18 @@ def _vocab_terms(
     markov: Optional[torch.Tensor],
     target: tuple[torch.Tensor, ...],
     labels: torch.Tensor,
-    cfg: LossConfig,
+    cfg: LossSettings,
+    chunk_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CE, TV and greedy match per prediction, ``chunk_rows`` rows of vocabulary-wide logits at a
-    time (recomputed in backward unless ``recompute_chunks`` is off). ``target``: the target's
+    time (recomputed in backward unless ``recompute_vocab_chunks`` is off). ``target``: the target's
     final states ([P, Ht]) or its cached top k (ids and probabilities, [P, K] each)."""
     fn = _chunk_terms if len(target) == 1 else _chunk_terms_topk
     parts = []
-    for s in range(0, len(labels), cfg.chunk_rows):
-        sl = slice(s, s + cfg.chunk_rows)
+    for s in range(0, len(labels), chunk_rows):
+        sl = slice(s, s + chunk_rows)
         args = (model, hidden[sl], markov[sl] if markov is not None else None, *(t[sl] for t in target), labels[sl])
-        recompute = cfg.recompute_chunks and torch.is_grad_enabled()
+        recompute = cfg.recompute_vocab_chunks and torch.is_grad_enabled()
         parts.append(checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
     if not parts:
         empty = hidden.new_zeros(0)
@@ -237,9 +226,10 @@ def dspark_loss(
     valid_anchors: torch.Tensor,  # [B, A] bool
     loss_mask: torch.Tensor,  # [B, T] bool, answer tokens
     lengths: torch.Tensor,  # [B]
-    cfg: LossConfig,
+    cfg: LossSettings,
     topk_ids: Optional[torch.Tensor] = None,  # [B, S, K] the target's cached top k (replaces final_states)
     topk_probs: Optional[torch.Tensor] = None,  # [B, S, K]
+    chunk_rows: int = CHUNK_ROWS,
 ) -> LossOutput:
     b, a, k, _ = out.hidden.shape
     tg = _targets(
@@ -262,7 +252,7 @@ def dspark_loss(
     target = (
         (at_predictions(final_states),) if topk_ids is None else (at_predictions(topk_ids), at_predictions(topk_probs))
     )
-    ce_v, tv_v, match_v = _vocab_terms(model, hidden, markov, target, tg.labels, cfg)
+    ce_v, tv_v, match_v = _vocab_terms(model, hidden, markov, target, tg.labels, cfg, chunk_rows)
     w, wsum = tg.weights, tg.weights.sum().clamp_min(1e-8)
     ce = (w * ce_v).sum() / wsum
     tv = (w * tv_v).sum() / wsum

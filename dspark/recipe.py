@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,14 +23,14 @@ from omegaconf import DictConfig
 from dspark.batching import Batch, RankBatches
 from dspark.checkpoint import Checkpointer, TrainState
 from dspark.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
-from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig, load_config
+from dspark.core.config import TORCH_DTYPES, ConfigError, LossSettings, RunConfig, TargetConfig, load_config
 from dspark.core.files import file_sha256, text_sha256
 from dspark.core.shard_format import DatasetError
 from dspark.core.stream import SequenceSource
 from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
 from dspark.distributed import init_distributed
-from dspark.loss import LossConfig, LossOutput, dspark_loss
+from dspark.loss import LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims
 from dspark.online import (
     OnlineBatches,
@@ -110,7 +111,7 @@ def _build_parts(
         init_from_drafter(drafter, cfg, Path(t.init_from))
     if t.target_topk and not online:
         attach_target_topk(train_ds, drafter, cfg, heads, final_index, rank=rank, world=world)
-    lcfg = loss_config(cfg)
+    lcfg = loss_settings(cfg)
     model = DrafterWithLoss(drafter, lcfg)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -445,17 +446,12 @@ def init_from_drafter(model: DSparkDrafter, cfg: RunConfig, path: Path) -> None:
     log.info("drafter initialised from %s (%s)", path, theirs.provenance.get("format", "export"))
 
 
-def loss_config(cfg: RunConfig) -> LossConfig:
-    t = cfg.train
-    zero3 = cfg.deepspeed.zero_optimization.stage == 3
-    return LossConfig(
-        ce_weight=t.ce_weight,
-        tv_weight=t.tv_weight,
-        confidence_weight=t.confidence_weight,
-        position_decay=t.position_decay,
-        lk_weight=t.lk_weight,
-        recompute_chunks=t.recompute_vocab_chunks and not zero3,
-    )
+def loss_settings(cfg: RunConfig) -> LossSettings:
+    """``train``'s loss fields (:class:`LossSettings`' own, none named here). ZeRO-3 turns off
+    ``recompute_vocab_chunks``: its parameters are re-partitioned between forward and recompute,
+    which torch's checkpoint rejects."""
+    s = LossSettings(**{f.name: getattr(cfg.train, f.name) for f in fields(LossSettings)})
+    return replace(s, recompute_vocab_chunks=False) if cfg.deepspeed.zero_optimization.stage == 3 else s
 
 
 class DrafterWithLoss(torch.nn.Module):
@@ -463,7 +459,7 @@ class DrafterWithLoss(torch.nn.Module):
     use (LM head and Markov head inside the loss included) happens inside the engine's forward,
     where ZeRO-3 gathers partitioned weights. ``lcfg`` may change between steps (the CE schedule)."""
 
-    def __init__(self, drafter: DSparkDrafter, lcfg: LossConfig):
+    def __init__(self, drafter: DSparkDrafter, lcfg: LossSettings):
         super().__init__()
         self.drafter, self.lcfg = drafter, lcfg
 

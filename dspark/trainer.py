@@ -25,10 +25,10 @@ from dspark.batching import Batch, DataPosition, collate
 from dspark.calibration import calibration_sums, expected_calibration_error
 from dspark.checkpoint import Checkpointer, TrainState, tag_name
 from dspark.colocated import ColocatedDataset
-from dspark.core.config import TORCH_DTYPES, RunConfig
+from dspark.core.config import TORCH_DTYPES, LossSettings, RunConfig
 from dspark.core.stream import SequenceSource
 from dspark.flops import StepFlops, TargetShape, peak_flops, step_flops
-from dspark.loss import LossConfig, scalar_names
+from dspark.loss import scalar_names
 from dspark.model import DSparkDrafter, sample_anchors
 from dspark.online import OnlineBatches
 from dspark.shards import ShardSequence
@@ -75,7 +75,7 @@ class TrainParts:
     """A DeepSpeed engine whose module maps ``(batch, anchors, valid)`` to a
     :class:`~dspark.loss.LossOutput`, with the drafter at ``module.drafter`` and the loss weights
     at ``module.lcfg`` (:class:`dspark.recipe.DrafterWithLoss`)."""
-    loss: LossConfig
+    loss: LossSettings
     """The recipe's loss weights; the CE schedule (:func:`ce_weight_at`) varies ``ce_weight``."""
     batches: Batches
     val: Optional[Sequences]

@@ -513,9 +513,46 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
-    """Trainer cadence, optimisation and loss. DeepSpeed gets micro batch, accumulation, clipping
-    and precision from here; ZeRO settings come from the deepspeed group."""
+class LossSettings:
+    """The loss (dspark/loss.py), declared once: these are ``train.<field>`` in the config
+    (:class:`TrainConfig` is a LossSettings) and the loss reads them from here, no field copied.
+
+    loss = sum over positions k of w_k (ce_weight*CE + tv_weight*TV + lk_weight*LK +
+    confidence_weight*BCE) / sum_k w_k, with w_k = exp(-(k-1)/position_decay)."""
+
+    ce_weight: float = 0.1
+    """Cross-entropy against the target's greedy token."""
+    tv_weight: float = 0.9
+    """Total variation between the draft's and the target's distributions (1 - TV is the expected
+    acceptance under sampling)."""
+    lk_weight: float = 0.0
+    """The LK acceptance loss, -log(sum_v min(p_d, p_t)) = -log(1 - TV) (arXiv 2602.23881); 0: off
+    (it is still logged as ``lk``)."""
+    confidence_weight: float = 1.0
+    """The confidence head's BCE against 1 - TV."""
+    position_decay: float = 4.0
+    recompute_vocab_chunks: bool = True
+    """Recompute the vocabulary-wide logits in backward (memory ~ ``dspark.loss.CHUNK_ROWS`` x V
+    instead of predictions x V); off trades that memory for one LM-head forward less per step.
+    ZeRO-3 turns it off (:func:`dspark.recipe.loss_settings`)."""
+
+    def __post_init__(self) -> None:
+        for key in ("ce_weight", "tv_weight", "lk_weight", "confidence_weight"):
+            _at_least(f"train.{key}", getattr(self, key), 0)
+        _check(self.position_decay > 0, "train.position_decay", self.position_decay, "expected a number > 0")
+        _check(
+            self.ce_weight + self.tv_weight + self.lk_weight > 0,
+            "train.ce_weight",
+            self.ce_weight,
+            "ce_weight, tv_weight and lk_weight cannot all be 0 (nothing would train the drafter)",
+        )
+
+
+@dataclass
+class TrainConfig(LossSettings):
+    """Trainer cadence, optimisation and loss (the loss's fields: :class:`LossSettings`). DeepSpeed
+    gets micro batch, accumulation, clipping and precision from here; ZeRO settings come from the
+    deepspeed group."""
 
     dtype: str = "float32"
     """bfloat16 on GPUs; this CPU has no native bf16."""
@@ -546,19 +583,10 @@ class TrainConfig:
     """One drafter variant per name (:func:`drafter_tag`): its checkpoints, exports and eval report
     live under it, so the Markov-off ablation or a DFlash run never resumes the main run."""
     checkpoint_dir: str = "${paths.checkpoint_dir}/${target.name}/${train.run_name}"
-    ce_weight: float = 0.1
-    """Loss (dspark/loss.py): ce_weight*CE + tv_weight*TV + lk_weight*LK + confidence_weight*BCE,
-    per position weighted by exp(-(k-1)/position_decay)."""
-    tv_weight: float = 0.9
-    lk_weight: float = 0.0
-    """The LK acceptance loss, -log(sum_v min(p_d, p_t)) = -log(1 - TV) (arXiv 2602.23881); 0: off
-    (it is still logged as ``lk``)."""
-    confidence_weight: float = 1.0
     final_norm_init: str = "target"
     """The drafter's final norm at step 0: ``target`` (a copy of the target's final norm weight, so
     the first logits have the target's scale) or ``ones`` (RMSNorm's own init, as DeepSpec's;
     a flatter first draft, where TV's gradient is not yet flat)."""
-    position_decay: float = 4.0
     ce_weight_start: Optional[float] = None
     """A loss schedule: the CE weight starts here and moves linearly to ``ce_weight`` over the
     first ``ce_anneal_frac`` of ``max_steps`` (TV's gradient is weak while the draft is spread
@@ -569,9 +597,6 @@ class TrainConfig:
     its top k are computed once per dataset and cached beside the shards (``.target_topk/``);
     TV is then taken on that support (a lower bound of the exact TV; error in docs/benchmarks.md).
     Validation always uses the full distribution."""
-    recompute_vocab_chunks: bool = True
-    """Recompute the vocabulary-wide logits in backward (memory ~ loss.chunk_rows x V instead of
-    predictions x V); off trades that memory for one LM-head forward less per step."""
     supervise: str = "answer"
     """Where training anchors and labels may lie: ``answer`` tokens (what serving drafts) or
     ``all`` tokens (prompts too: long documents give many more predictions per sequence).
@@ -611,17 +636,10 @@ class TrainConfig:
             _at_least(f"train.{key}", getattr(self, key), 1)
         _at_least("train.max_seq_len", self.max_seq_len, 2)
         _at_least("train.dist_timeout_s", self.dist_timeout_s, 1)
-        for key in ("lr", "weight_decay", "warmup_steps", "grad_clip", "ce_weight", "tv_weight", "lk_weight"):
+        super().__post_init__()
+        for key in ("lr", "weight_decay", "warmup_steps", "grad_clip"):
             _at_least(f"train.{key}", getattr(self, key), 0)
-        _at_least("train.confidence_weight", self.confidence_weight, 0)
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "expected a fraction in [0, 1]")
-        _check(self.position_decay > 0, "train.position_decay", self.position_decay, "expected a number > 0")
-        _check(
-            self.ce_weight + self.tv_weight + self.lk_weight > 0,
-            "train.ce_weight",
-            self.ce_weight,
-            "ce_weight, tv_weight and lk_weight cannot all be 0 (nothing would train the drafter)",
-        )
         _check(
             bool(self.run_name) and "/" not in self.run_name,
             "train.run_name",

@@ -12,8 +12,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from dspark.core.config import LossSettings
 from dspark.flops import PARTS, TargetShape, peak_flops, step_flops, target_forward_flops
-from dspark.loss import LossConfig, dspark_loss
+from dspark.loss import dspark_loss
 from dspark.model import sample_anchors
 from tests.toy import tiny_drafter, tiny_drafter_config, tiny_llama_target
 
@@ -32,7 +33,7 @@ def counted_step(cfg, *, recompute: bool, topk: bool, batch: int = 2, tokens: in
     ctx = torch.randn(batch, tokens - 1, CTX_LAYERS * HIDDEN, generator=g)
     final = torch.randn(batch, tokens - 1, HIDDEN, generator=g)
     weights = dict(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0)
-    lcfg = LossConfig(**weights, chunk_rows=8, recompute_chunks=recompute)  # several chunks
+    lcfg = LossSettings(**weights, recompute_vocab_chunks=recompute)
     cached = {}
     if topk:
         with torch.no_grad():  # what the dataset's cache holds, computed outside the step
@@ -50,6 +51,7 @@ def counted_step(cfg, *, recompute: bool, topk: bool, batch: int = 2, tokens: in
             loss_mask=mask,
             lengths=lengths,
             cfg=lcfg,
+            chunk_rows=8,  # several chunks
             **cached,
         )
         res.loss.backward()

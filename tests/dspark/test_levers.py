@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dspark.batching import collate
-from dspark.core.config import TrainConfig
-from dspark.loss import LossConfig, dspark_loss, topk_tv
+from dspark.core.config import LossSettings, TrainConfig
+from dspark.loss import dspark_loss, topk_tv
 from dspark.model import copy_continuations, sample_anchors
 from dspark.shards import ShardSequence
 from dspark.target_topk import SequenceTopK, cached_positions
@@ -67,7 +67,7 @@ def test_loss_on_the_cached_full_support_equals_the_loss_on_final_states():
         valid_anchors=valid,
         loss_mask=mask,
         lengths=lengths,
-        cfg=LossConfig(ce_weight=0.3, tv_weight=0.7, confidence_weight=1.0, position_decay=4.0),
+        cfg=LossSettings(ce_weight=0.3, tv_weight=0.7, confidence_weight=1.0, position_decay=4.0),
     )
     results, grads = [], []
     for extra in ({}, {"topk_ids": top.indices, "topk_probs": top.values}):

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from dspark.loss import LossConfig, dspark_loss
+from dspark.core.config import LossSettings
+from dspark.loss import dspark_loss
 from dspark.model import DraftOutput, DSparkDrafter
 from tests.toy import tiny_drafter, tiny_drafter_config
 
@@ -31,7 +32,7 @@ def test_loss_matches_hand_computation(lk_weight):
     conf = torch.tensor([[[0.5, -1.0]]])
     final_states = torch.tensor([[[9.0, 9.0], [0.0, 2.0], [-1.0, 1.0]]])  # s_0..s_2; targets use s_1, s_2
     out = DraftOutput(hidden=hidden, markov_embed=None, confidence_logits=conf)
-    lcfg = LossConfig(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0, lk_weight=lk_weight)
+    lcfg = LossSettings(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0, lk_weight=lk_weight)
     res = dspark_loss(
         m,
         out,
@@ -96,6 +97,6 @@ def test_positions_outside_the_answer_do_not_count():
         valid_anchors=torch.tensor([[True]]),
         loss_mask=mask,
         lengths=torch.tensor([8]),
-        cfg=LossConfig(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0),
+        cfg=LossSettings(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0),
     )
     assert res.num_positions == 2

@@ -101,7 +101,8 @@ def test_tv_ce_and_confidence_bce_agree_at_matched_weights(pair):
     from speculators.losses import compound_loss, resolve_loss_config
     from torch.nn.functional import binary_cross_entropy_with_logits
 
-    from dspark.loss import LossConfig, dspark_loss
+    from dspark.core.config import LossSettings
+    from dspark.loss import dspark_loss
 
     theirs, ours, verifier = pair
     block, a = ours.cfg.block_size, len(ANCHORS)
@@ -142,7 +143,7 @@ def test_tv_ce_and_confidence_bce_agree_at_matched_weights(pair):
             valid_anchors=torch.ones(1, a, dtype=torch.bool),
             loss_mask=torch.ones(1, T, dtype=torch.bool),
             lengths=torch.tensor([T]),
-            cfg=LossConfig(ce_weight=1.0, tv_weight=1.0, confidence_weight=1.0, position_decay=float("inf")),
+            cfg=LossSettings(ce_weight=1.0, tv_weight=1.0, confidence_weight=1.0, position_decay=float("inf")),
         )
     assert 0.05 < float(tv) < 0.95 and float(ce) > 0.1 and float(bce) > 0.1  # terms away from their bounds
     for name, got, want in (("tv", mine.tv, tv), ("ce", mine.ce, ce), ("confidence_bce", mine.confidence_bce, bce)):

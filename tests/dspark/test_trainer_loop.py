@@ -10,7 +10,7 @@ import torch
 from dspark.batching import Batch, DataPosition
 from dspark.checkpoint import TrainState
 from dspark.loss import LossOutput, scalar_names
-from dspark.recipe import loss_config
+from dspark.recipe import loss_settings
 from dspark.trainer import Trainer, TrainParts
 
 BLOCK = 7
@@ -123,7 +123,7 @@ def _parts(compose_config, *overrides):
     return TrainParts(
         cfg=cfg,
         engine=engine,
-        loss=loss_config(cfg),
+        loss=loss_settings(cfg),
         batches=ScriptedBatches(),
         val=None,
         context_index=[0],
