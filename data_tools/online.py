@@ -39,7 +39,7 @@ from data_tools.extract import capture_rows, engine_kwargs, make_engine, plan_re
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from dspark.core.config import ConfigError, RunConfig, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
-from dspark.core.stream import BlockProducer, StreamClosed, stream_to_trainer
+from dspark.core.stream import BlockProducer, StreamClosed, StreamMeta, stream_to_trainer
 from dspark.core.target import read_config, resolve_target
 from dspark.core.vllm_engine import interrupt_generate, run_headless_workers
 
@@ -81,24 +81,29 @@ class VllmSource(BlockProducer):
                 f"data.source={self.data.source}: no train prompts after the split (data.num_prompts="
                 f"{self.data.num_prompts}, data.val_fraction={self.data.val_fraction})"
             )
-        self.num_prompts = len(self.train_prompts)
         _, _, _, text_cfg = read_config(target_dir)
-        self.layer_ids = target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
-        self.hidden_size = int(text_cfg["hidden_size"])
-        self.store_dtype = self.data.store_dtype
+        self.meta = StreamMeta(
+            layer_ids=target.capture_layer_ids(int(text_cfg["num_hidden_layers"])),
+            hidden_size=int(text_cfg["hidden_size"]),
+            store_dtype=self.data.store_dtype,
+            num_prompts=len(self.train_prompts),
+            max_seq_len=self.data.max_seq_len,  # bounds every frame the trainer accepts
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=target.trust_remote_code)
         self.work = default_work_dir(cfg)
         shutil.rmtree(self.work, ignore_errors=True)  # request files of a killed run
         self.llm = (
             llm
             if llm is not None
-            else make_engine(engine_kwargs(target, target_dir, self.layer_ids, self.data, self.work), self.data)
+            else make_engine(
+                engine_kwargs(target, target_dir, list(self.meta.layer_ids), self.data, self.work), self.data
+            )
         )
         self.skipped: Counter = Counter()
         log.info(
             "online: %d train / %d val prompts, %d per engine call, buffer %d sequences, producer %d of %d, "
             "connector files in %s",
-            self.num_prompts,
+            self.meta.num_prompts,
             len(self.splits["val"]),
             self.data.batch_size,
             online.buffer_size,
@@ -109,7 +114,7 @@ class VllmSource(BlockProducer):
 
     def capture(self, indexes: list[int]) -> list[tuple[int, dict]]:
         """The train prompts at these indexes (counted across passes) through the engine."""
-        n = self.num_prompts
+        n = self.meta.num_prompts
         return self._capture(indexes, [self.train_prompts[i % n] for i in indexes])
 
     def _capture(self, indexes: list[int], convs: list[Conversation]) -> list[tuple[int, dict]]:
@@ -126,8 +131,8 @@ class VllmSource(BlockProducer):
             self.llm,
             [r for _, r in planned],
             self.data,
-            n_layers=len(self.layer_ids),
-            hidden=self.hidden_size,
+            n_layers=self.meta.n_layers,
+            hidden=self.meta.hidden_size,
             rerun="online training stops; rerun the same command to resume from its last checkpoint",
         )
         self._stats.engine_s += time.perf_counter() - t0
@@ -179,16 +184,7 @@ def serve(cfg: RunConfig, target_dir: Optional[Path] = None) -> int:
         return 0
     source = VllmSource(cfg, target_dir)
     try:
-        meta = {
-            "layer_ids": source.layer_ids,
-            "hidden_size": source.hidden_size,
-            "store_dtype": source.store_dtype,
-            "num_prompts": source.num_prompts,
-            "max_seq_len": cfg.data.max_seq_len,  # bounds every frame the trainer accepts
-        }
-        return stream_to_trainer(
-            source, online.trainer_addr, online.port, timeout_s=online.connect_timeout_s, meta=meta
-        )
+        return stream_to_trainer(source, online.trainer_addr, online.port, timeout_s=online.connect_timeout_s)
     finally:
         source.close()
 

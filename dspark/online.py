@@ -33,18 +33,16 @@ import json
 import logging
 import random
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from dspark.batching import Batch, DataPosition, collate
-from dspark.core import fp8
 from dspark.core.files import atomic_write_text
-from dspark.core.shard_format import DatasetError, decode_hidden_states, split_scaled
-from dspark.core.stream import SequenceSource, StreamItem
-from dspark.shards import ShardSequence
+from dspark.core.shard_format import DatasetError
+from dspark.core.stream import SequenceSource, StreamItem, StreamMeta
+from dspark.shards import ShardSequence, decode_states
 from dspark.target_topk import SequenceTopK
 
 log = logging.getLogger(__name__)
@@ -52,16 +50,18 @@ log = logging.getLogger(__name__)
 PROMPT_LOG = "online_prompts.jsonl"
 
 
-def row_to_sequence(row: dict[str, Any], *, store_dtype: str, n_layers: int, hidden: int, dtype: torch.dtype):
-    """A streamed row (a shard row's fields) -> the :class:`ShardSequence` the trainer reads. fp8
-    rows stay fp8 (values and scales, a byte per value in the window) until the batch is on the
-    device (:meth:`dspark.batching.Batch.to`)."""
-    cell, layout = row["hidden_states"], dict(n_layers=n_layers, hidden=hidden)
-    scales = None
-    if store_dtype in fp8.FORMATS:
-        states, scales = split_scaled(cell, dtype=store_dtype, **layout)
-    else:
-        states = decode_hidden_states(cell, dtype=store_dtype, out_dtype=dtype, **layout)
+def row_to_sequence(row: dict[str, Any], meta: StreamMeta, dtype: torch.dtype) -> ShardSequence:
+    """A streamed row (a shard row's fields, by name) -> the :class:`ShardSequence` the trainer
+    reads. fp8 rows stay fp8 (values and scales, a byte per value in the window) until the batch is
+    on the device (:meth:`dspark.batching.Batch.to`)."""
+    states, scales = decode_states(
+        row["hidden_states"],
+        store_dtype=meta.store_dtype,
+        n_layers=meta.n_layers,
+        hidden=meta.hidden_size,
+        out_dtype=dtype,
+        keep_fp8=True,
+    )
     return ShardSequence(
         seq_id=row["seq_id"],
         input_ids=torch.tensor(row["input_ids"], dtype=torch.long),
@@ -87,16 +87,6 @@ class SequenceList:
         return [self.seqs[i] for i in indices]
 
 
-@dataclass
-class StreamMeta:
-    """What every rank needs to know of the stream (only rank 0 holds the source)."""
-
-    layer_ids: list[int]
-    hidden_size: int
-    store_dtype: str
-    num_prompts: int
-
-
 def _broadcast(obj: Any, rank: int, world: int) -> Any:
     if world == 1:
         return obj
@@ -108,11 +98,8 @@ def _broadcast(obj: Any, rank: int, world: int) -> Any:
 
 
 def stream_meta(source: Optional[SequenceSource], rank: int, world: int) -> StreamMeta:
-    meta = None
-    if rank == 0:
-        assert source is not None
-        meta = StreamMeta(list(source.layer_ids), source.hidden_size, source.store_dtype, source.num_prompts)
-    return _broadcast(meta, rank, world)
+    """The stream's :class:`StreamMeta`, which only rank 0 (the source's holder) knows, on every rank."""
+    return _broadcast(source.meta if rank == 0 and source is not None else None, rank, world)
 
 
 def shared_val_rows(source: Optional[SequenceSource], rank: int, world: int) -> list[dict[str, Any]]:
@@ -154,11 +141,8 @@ class OnlineBatches:
         if not 1 <= new_per_batch <= micro_batch <= window_size:
             raise ValueError(f"expected 1 <= new {new_per_batch} <= micro batch {micro_batch} <= window {window_size}")
         self.source, self.mb, self.new, self.seed = source, micro_batch, new_per_batch, seed
-        self.rank, self.world, self.num_prompts = rank, world_size, meta.num_prompts
+        self.rank, self.world, self.num_prompts, self.meta, self.dtype = rank, world_size, meta.num_prompts, meta, dtype
         self.collate_kw = dict(context_index=context_index, final_index=final_index, max_len=max_len)
-        self.decode_kw = dict(
-            store_dtype=meta.store_dtype, n_layers=len(meta.layer_ids), hidden=meta.hidden_size, dtype=dtype
-        )
         self.window: deque[ShardSequence] = deque(maxlen=window_size)
         self.target_topk = target_topk
         self.pos = position or DataPosition()
@@ -220,7 +204,7 @@ class OnlineBatches:
         return items
 
     def _sequence(self, item: StreamItem) -> ShardSequence:
-        seq = row_to_sequence(item.row, **self.decode_kw)
+        seq = row_to_sequence(item.row, self.meta, self.dtype)
         if self.target_topk is not None:
             seq.target_topk = self.target_topk(seq)
         return seq

@@ -26,7 +26,7 @@ from dspark.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
 from dspark.core.config import TORCH_DTYPES, ConfigError, LossSettings, RunConfig, TargetConfig, load_config
 from dspark.core.files import file_sha256, text_sha256
 from dspark.core.shard_format import DatasetError
-from dspark.core.stream import SequenceSource
+from dspark.core.stream import SequenceSource, StreamMeta
 from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
 from dspark.distributed import init_distributed
@@ -35,7 +35,6 @@ from dspark.model import DSparkDrafter, resolve_dims
 from dspark.online import (
     OnlineBatches,
     SequenceList,
-    StreamMeta,
     check_source,
     row_to_sequence,
     shared_val_rows,
@@ -301,8 +300,7 @@ def online_val(
 ) -> Optional[SequenceList]:
     """The online run's validation set: the val split's sequences, generated once, in memory on
     every rank (validation shards them)."""
-    kw = dict(store_dtype=meta.store_dtype, n_layers=len(meta.layer_ids), hidden=meta.hidden_size, dtype=dtype)
-    seqs = [row_to_sequence(r, **kw) for r in shared_val_rows(source, rank, world)]
+    seqs = [row_to_sequence(r, meta, dtype) for r in shared_val_rows(source, rank, world)]
     return SequenceList(seqs) if seqs else None
 
 

@@ -59,6 +59,24 @@ class ShardSequence:
         return values.float() if self.scales is None else fp8.dequantize(values, self.scales[rows, layer])
 
 
+def decode_states(
+    cell: memoryview | bytes,
+    *,
+    store_dtype: str,
+    n_layers: int,
+    hidden: int,
+    out_dtype: torch.dtype,
+    keep_fp8: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One row's ``hidden_states`` cell, for a shard reader and the online stream alike: (states
+    [T-1, L, H], None), or with ``keep_fp8`` and an fp8 store dtype (fp8 values, their scales)
+    as :attr:`ShardSequence.scales` says."""
+    layout = dict(n_layers=n_layers, hidden=hidden)
+    if keep_fp8 and store_dtype in fp8.FORMATS:
+        return split_scaled(cell, dtype=store_dtype, **layout)
+    return decode_hidden_states(cell, dtype=store_dtype, out_dtype=out_dtype, **layout), None
+
+
 class ShardDataset:
     """Random access by sequence over one split of a dataset directory. ``states_dtype`` is what
     fp8 shards dequantize into (the training dtype); 16/32-bit shards return their stored dtype
@@ -184,32 +202,36 @@ class ShardDataset:
             raise IndexError(f"sequence {index} out of range for {self._len} in {self.directory}/{self.split}")
         b = bisect.bisect_right(self._starts, index) - 1
         batch, row = self._batches[b], index - self._starts[b]
-        hs = batch.column(4)
+        hs = batch.column("hidden_states")
         offsets = np.frombuffer(hs.buffers()[1], dtype=np.int64, count=len(hs) + 1, offset=hs.offset * 8)
         data = hs.buffers()[2]
         start, end = int(offsets[row]), int(offsets[row + 1])
-        ids = batch.column(2)[row].values.to_numpy(zero_copy_only=True)
-        mask = batch.column(3)[row].values.to_numpy(zero_copy_only=True)
-        cell, layout = memoryview(data)[start:end], dict(n_layers=self.n_layers, hidden=self.hidden_size)
+        ids = batch.column("input_ids")[row].values.to_numpy(zero_copy_only=True)
+        mask = batch.column("loss_mask")[row].values.to_numpy(zero_copy_only=True)
         scales = None
         if not self.n_layers:  # token-id shards: ids and loss mask only (data.mode=colocated reads them)
             states = torch.empty(len(ids) - 1, 0, self.hidden_size, dtype=self.states_dtype)
-        elif self.keep_fp8 and self.manifest.dtype in fp8.FORMATS:
-            states, scales = split_scaled(cell, dtype=self.manifest.dtype, **layout)
         else:
-            states = decode_hidden_states(cell, dtype=self.manifest.dtype, out_dtype=self.states_dtype, **layout)
+            states, scales = decode_states(
+                memoryview(data)[start:end],
+                store_dtype=self.manifest.dtype,
+                n_layers=self.n_layers,
+                hidden=self.hidden_size,
+                out_dtype=self.states_dtype,
+                keep_fp8=self.keep_fp8,
+            )
         if scales is None and not bool(torch.isfinite(states).all()):  # fp8 kept as bytes: scales checked at build
             info, first = self._batch_shard[b]
             bad = ~torch.isfinite(states)
             token, layer, _ = (int(i) for i in bad.nonzero()[0])
             raise DatasetError(
-                f"{self.directory / info.path}: row {first + row} (sequence {batch.column(0)[row].as_py()}): "
+                f"{self.directory / info.path}: row {first + row} (sequence {batch.column('seq_id')[row].as_py()}): "
                 f"{int(bad.sum())} non-finite hidden-state values (first at token {token}, captured layer {layer}); "
                 f"the target produced them or the shard was altered before its cache was built. Check it: "
                 f"python -m data_tools.verify {self.directory} --recompute 4"
             )
         return ShardSequence(
-            seq_id=batch.column(0)[row].as_py(),
+            seq_id=batch.column("seq_id")[row].as_py(),
             input_ids=torch.from_numpy(ids.astype(np.int64)),
             loss_mask=torch.from_numpy(mask.astype(bool)),
             hidden_states=states,

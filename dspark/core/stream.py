@@ -48,7 +48,7 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator, Optional, Protocol
 
 import pyarrow as pa
@@ -117,17 +117,68 @@ class StreamStats:
         }
 
 
+def _json(*types: type, minimum: Optional[int] = None) -> dict[str, Any]:
+    return {"types": types, "minimum": minimum}
+
+
+@dataclass(frozen=True)
+class StreamMeta:
+    """What a stream of rows is, declared once: a producer sends it (:meth:`as_json`), the trainer
+    checks it as data (:meth:`from_json`), and every rank decodes the rows by it."""
+
+    layer_ids: tuple[int, ...] = field(metadata=_json(list))
+    """Captured layers, final state last (as a shard manifest's ``layer_ids``)."""
+    hidden_size: int = field(metadata=_json(int, minimum=1))
+    store_dtype: str = field(metadata=_json(str))
+    """How ``hidden_states`` is encoded (``data.store_dtype``)."""
+    num_prompts: int = field(metadata=_json(int, minimum=1))
+    """Train prompts in one pass."""
+    max_seq_len: int = field(metadata=_json(int, minimum=1))
+    """Bounds every row, so every frame the trainer accepts (``data.max_seq_len``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_ids)
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self), "layer_ids": list(self.layer_ids)}
+
+    @classmethod
+    def from_json(cls, meta: Any, where: str) -> StreamMeta:
+        """A producer's description of its stream, checked as data the way a manifest is (each
+        field's type and range, the layer ids, a store dtype this code decodes); one
+        :class:`StreamError` naming the field. Keys it does not declare (the link's) are left."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(meta, dict):
+            raise StreamError(f"{where}: meta is {meta!r:.60}, expected a JSON object with {sorted(names)}")
+        for f in fields(cls):
+            problem = field_problem("meta field ", f.name, meta.get(f.name), f.metadata["types"], f.metadata["minimum"])
+            if problem:
+                raise StreamError(f"{where}: {problem}")
+        problem = layer_ids_problem("meta field ", meta["layer_ids"])
+        if problem:
+            raise StreamError(f"{where}: {problem}")
+        if meta["store_dtype"] not in STORE_DTYPES:
+            raise StreamError(f"{where}: meta field 'store_dtype' is {meta['store_dtype']!r}, expected one of "
+                              f"{sorted(STORE_DTYPES)}")  # fmt: skip
+        return cls(**{n: meta[n] for n in names})
+
+    def frame_bound(self) -> int:
+        """The largest frame this stream carries: a row of ``max_seq_len`` tokens (its states in
+        the store dtype, ids as int64, the loss mask), its JSON header and the frame prefix."""
+        per_token = bytes_per_token(self.store_dtype, n_layers=self.n_layers, hidden=self.hidden_size)
+        return FRAME_PREFIX.size + MAX_HEADER_BYTES + self.max_seq_len * (per_token + 8 + 8)
+
+
 class SequenceSource(Protocol):
     """What the online trainer reads from. One implementation per transport: in-process
     (``data_tools.online.VllmSource``), and across nodes over torch.distributed."""
 
-    layer_ids: list[int]
-    """Captured layers, final state last (as a shard manifest's ``layer_ids``)."""
-    hidden_size: int
-    store_dtype: str
-    """How ``hidden_states`` is encoded (``data.store_dtype``)."""
-    num_prompts: int
-    """Train prompts in one pass."""
+    meta: StreamMeta
+    """What the stream's rows are."""
 
     def val_rows(self) -> list[dict[str, Any]]:
         """The validation split's sequences, generated once."""
@@ -223,9 +274,9 @@ class BlockProducer:
     block's :data:`BLOCK_END`, into a :class:`BoundedBuffer` (a full buffer stops it: a slow
     trainer never makes it grow). :meth:`get` is the :class:`SequenceSource` read (sequences
     only); :meth:`next_message` also returns the block ends a link forwards to the trainer.
-    Subclasses set ``num_prompts`` and implement :meth:`capture`."""
+    Subclasses set ``meta`` (:class:`StreamMeta`) and implement :meth:`capture`."""
 
-    num_prompts: int
+    meta: StreamMeta
 
     def __init__(self, *, block: int, buffer_size: int, rank: int = 0, producers: int = 1, poll_s: float = 0.1):
         if not 0 <= rank < producers:
@@ -256,8 +307,8 @@ class BlockProducer:
                 self._stats.sequences += len(got)
                 self._stats.tokens += sum(int(row["num_tokens"]) for _, row in got)
                 empty = 0 if got else empty + len(indexes)
-                if self.producers == 1 and empty >= self.num_prompts:
-                    raise ValueError(no_prompt_fits(self.num_prompts, dict(getattr(self, "skipped", {}))))
+                if self.producers == 1 and empty >= self.meta.num_prompts:
+                    raise ValueError(no_prompt_fits(self.meta.num_prompts, dict(getattr(self, "skipped", {}))))
                 for i, row in got:
                     self._stats.blocked_s += self.buffer.put(StreamItem(i, row))
                 self._stats.blocked_s += self.buffer.put(StreamItem(BLOCK_END, {"end": indexes[-1] + 1}))
@@ -447,16 +498,15 @@ class RemoteSource:
             port + producers - 1,
             timeout_s,
         )
-        self.links, metas = [], []
+        self.links, said, metas = [], [], []
         for k in range(producers):
             self.links.append(StreamLink(host, port + k, role="trainer", timeout_s=timeout_s))
-            metas.append(check_meta(self.links[-1].get("meta"), f"online: producer {k} on {host}:{port + k}"))
+            said.append(self.links[-1].get("meta"))
+            metas.append(StreamMeta.from_json(said[-1], f"online: producer {k} on {host}:{port + k}"))
             # the largest frame this stream can carry, not the link's default bound
-            self.links[-1].max_frame_bytes = stream_frame_bound(metas[-1])
-        check_producers(metas, producers, port)
-        meta = metas[0]
-        self.layer_ids, self.hidden_size = list(meta["layer_ids"]), int(meta["hidden_size"])
-        self.store_dtype, self.num_prompts = str(meta["store_dtype"]), int(meta["num_prompts"])
+            self.links[-1].max_frame_bytes = metas[-1].frame_bound()
+        check_producers(said, metas, producers, port)
+        self.meta = meta = metas[0]
         self.buffers = [BoundedBuffer(buffer_size) for _ in range(producers)]
         self._threads: list[threading.Thread] = []
         self._block = 0  # the next block, read from producer block % producers
@@ -488,12 +538,13 @@ class RemoteSource:
                 "(0: a prompt index >= 0)"
             )
         if kind in (0, VAL_ROW):
-            n_layers = len(self.layer_ids)
-            bad = check_row(item.row, n_layers=n_layers, hidden_size=self.hidden_size, dtype=self.store_dtype)
+            m = self.meta
+            n_layers = m.n_layers
+            bad = check_row(item.row, n_layers=n_layers, hidden_size=m.hidden_size, dtype=m.store_dtype)
             if bad:
                 raise StreamError(
                     f"online: producer {k} sent sequence {item.row['seq_id']!r} (index {item.index}) that does not fit "
-                    f"its stream ({n_layers} layers x {self.hidden_size}, {self.store_dtype}): {bad}"
+                    f"its stream ({n_layers} layers x {m.hidden_size}, {m.store_dtype}): {bad}"
                 )
         return item
 
@@ -548,8 +599,8 @@ class RemoteSource:
                 self._last = item.index
                 return item
             self._block += 1
-            if item.row["end"] - 1 - self._last >= self.num_prompts:
-                raise ValueError(no_prompt_fits(self.num_prompts))
+            if item.row["end"] - 1 - self._last >= self.meta.num_prompts:
+                raise ValueError(no_prompt_fits(self.meta.num_prompts))
 
     def stats(self) -> StreamStats:
         """The producers' numbers, as each last published them, together: sequences and tokens
@@ -607,70 +658,33 @@ def listen_on(host: str, port: int) -> socket.socket:
     return sock
 
 
-META_FIELDS: dict[str, tuple[tuple[type, ...], Optional[int]]] = {
-    "layer_ids": ((list,), None),
-    "hidden_size": ((int,), 1),
-    "store_dtype": ((str,), None),
-    "num_prompts": ((int,), 1),
-    "max_seq_len": ((int,), 1),
-}
-"""What a producer's ``meta`` must hold (:func:`check_meta`): types, and minimums for integers."""
-
-
-def check_meta(meta: Any, where: str) -> dict[str, Any]:
-    """A producer's description of its stream, checked as data the way a manifest is (each
-    field's type and range, the layer ids, a store dtype this code decodes); one
-    :class:`StreamError` naming the field."""
-    if not isinstance(meta, dict):
-        raise StreamError(f"{where}: meta is {meta!r:.60}, expected a JSON object with {sorted(META_FIELDS)}")
-    for key, (types, minimum) in META_FIELDS.items():
-        problem = field_problem("meta field ", key, meta.get(key), types, minimum)
-        if problem:
-            raise StreamError(f"{where}: {problem}")
-    problem = layer_ids_problem("meta field ", meta["layer_ids"])
-    if problem:
-        raise StreamError(f"{where}: {problem}")
-    if meta["store_dtype"] not in STORE_DTYPES:
-        raise StreamError(f"{where}: meta field 'store_dtype' is {meta['store_dtype']!r}, expected one of "
-                          f"{sorted(STORE_DTYPES)}")  # fmt: skip
-    return meta
-
-
-def stream_frame_bound(meta: dict[str, Any]) -> int:
-    """The largest frame a stream of ``meta`` carries: a row of ``max_seq_len`` tokens (its states
-    in the store dtype, ids as int64, the loss mask), its JSON header and the frame prefix."""
-    t = int(meta["max_seq_len"])
-    per_token = bytes_per_token(meta["store_dtype"], n_layers=len(meta["layer_ids"]), hidden=int(meta["hidden_size"]))
-    return FRAME_PREFIX.size + MAX_HEADER_BYTES + t * (per_token + 8 + 8)
-
-
-def check_producers(metas: list[dict[str, Any]], producers: int, port: int) -> None:
-    """Every producer says which one it is and describes the same stream."""
-    keys = ("layer_ids", "hidden_size", "store_dtype", "num_prompts")
-    for k, meta in enumerate(metas):
-        said = (meta.get("producer", 0), meta.get("producers", 1))
-        if said != (k, producers):
+def check_producers(said: list[dict[str, Any]], metas: list[StreamMeta], producers: int, port: int) -> None:
+    """Every producer says which one it is (``said``: its raw meta) and describes the same stream."""
+    for k, (raw, meta) in enumerate(zip(said, metas)):
+        who = (raw.get("producer", 0), raw.get("producers", 1))
+        if who != (k, producers):
             raise ConfigError(
-                f"online: the producer on port {port + k} is producer {said[0]} of {said[1]}, the trainer expects "
+                f"online: the producer on port {port + k} is producer {who[0]} of {who[1]}, the trainer expects "
                 f"producer {k} of data.online.producers={producers} (the same data.online.producers on both sides, "
                 f"data.online.producer_rank=k on port data.online.port + k)"
             )
-        diff = {key: (metas[0][key], meta[key]) for key in keys if meta[key] != metas[0][key]}
+        first, this = metas[0].as_json(), meta.as_json()
+        diff = {key: (first[key], this[key]) for key in first if this[key] != first[key]}
         if diff:
             raise ConfigError(
                 f"online: producer {k} streams {', '.join(f'{key}={b}' for key, (_, b) in diff.items())}, producer 0 "
                 f"{', '.join(f'{key}={a}' for key, (a, _) in diff.items())}: expected the same target, layers, "
-                "store dtype and prompt set"
+                "store dtype, prompt set and data.max_seq_len"
             )
 
 
-def stream_to_trainer(source: BlockProducer, host: str, port: int, *, timeout_s: float, meta: dict[str, Any]) -> int:
+def stream_to_trainer(source: BlockProducer, host: str, port: int, *, timeout_s: float) -> int:
     """A producer's side of the link (``python -m data_tools.online``): connect to the trainer's
     rank 0 on ``port + source.rank``, describe the stream, send the validation set (producer 0
     only), then this producer's blocks from the cursor the trainer sends, until the trainer
     closes the link (it finished, or was stopped: a rerun of both resumes from its checkpoint)."""
     link = StreamLink(host, port + source.rank, role="producer", timeout_s=timeout_s)
-    link.set("meta", {**meta, "producer": source.rank, "producers": source.producers})
+    link.set("meta", {**source.meta.as_json(), "producer": source.rank, "producers": source.producers})
     if source.rank == 0:
         for row in source.val_rows():
             link.send(StreamItem(VAL_ROW, row))

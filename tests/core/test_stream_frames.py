@@ -249,11 +249,12 @@ def _meta(**change):
     ids=["list", "missing", "type", "layers", "range", "dtype"],
 )
 def test_a_producers_meta_is_checked_as_data(meta, message):
-    from dspark.core.stream import check_meta
+    from dspark.core.stream import StreamMeta
 
     with pytest.raises(StreamError, match=message):
-        check_meta(meta, "online: producer 0")
-    assert check_meta(_meta(), "p") == _meta()
+        StreamMeta.from_json(meta, "online: producer 0")
+    got = StreamMeta.from_json({**_meta(), "producer": 0}, "p")  # the link's own keys are not the stream's
+    assert got.as_json() == _meta() and got.n_layers == 3 and got.layer_ids == (1, 8, 15)
 
 
 def test_the_link_is_bounded_by_its_stream_binds_its_address_and_names_what_is_missing(tmp_path):
@@ -263,9 +264,9 @@ def test_the_link_is_bounded_by_its_stream_binds_its_address_and_names_what_is_m
     import psutil
 
     from dspark.core.files import free_port
-    from dspark.core.stream import RemoteSource, check_meta, stream_frame_bound
+    from dspark.core.stream import RemoteSource, StreamMeta
 
-    bound = stream_frame_bound(_meta())
+    bound = StreamMeta.from_json(_meta(), "p").frame_bound()
     assert bound == FRAME_PREFIX.size + (1 << 20) + 1024 * (3 * 576 * 4 + 16) and bound < 16 << 20
     port = free_port()
 
@@ -282,7 +283,7 @@ def test_the_link_is_bounded_by_its_stream_binds_its_address_and_names_what_is_m
     assert {a.ip for a in listening} == {"127.0.0.1"}  # not 0.0.0.0 nor ::
     with pytest.raises(StreamError, match=rf"the link at 127.0.0.1:{port} carries 'meta' that is not JSON"):
         trainer.get("meta")
-    trainer.max_frame_bytes = stream_frame_bound(check_meta(trainer.get("meta2"), "p"))
+    trainer.max_frame_bytes = StreamMeta.from_json(trainer.get("meta2"), "p").frame_bound()
     huge = rf"declares a frame of {16 << 30} bytes, expected {FRAME_PREFIX.size} to {bound}"
     with pytest.raises(StreamError, match=huge):
         trainer.recv()

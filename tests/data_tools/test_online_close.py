@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 from data_tools.online import VllmSource
-from dspark.core.stream import BlockProducer, StreamClosed
+from dspark.core.stream import BlockProducer, StreamClosed, StreamMeta
 from dspark.core.vllm_engine import interrupt_generate
 
 
@@ -48,7 +48,8 @@ def test_interrupt_generate_hands_the_error_to_the_waiting_call():
 def test_close_interrupts_the_producers_engine_call_and_returns_at_once(tmp_path, caplog):
     src = VllmSource.__new__(VllmSource)  # the engine-free parts: the producer loop and close
     BlockProducer.__init__(src, block=2, buffer_size=2, poll_s=0.01)
-    src.llm, src.work, src.num_prompts = EndlessEngine(), tmp_path / "work", 4
+    src.llm, src.work = EndlessEngine(), tmp_path / "work"
+    src.meta = StreamMeta([1, 2], 8, "float32", num_prompts=4, max_seq_len=64)
     src.train_prompts, src.skipped = [None] * 4, {}
     src._capture = lambda indexes, convs: src.llm.generate()
     src.work.mkdir()

@@ -16,6 +16,7 @@ from dspark.core.stream import (
     BoundedBuffer,
     RemoteSource,
     StreamClosed,
+    StreamMeta,
     producer_blocks,
     stream_to_trainer,
 )
@@ -63,7 +64,8 @@ class FakeSource(BlockProducer):
     ):
         super().__init__(block=block, buffer_size=capacity, rank=rank, producers=producers, poll_s=0.01)
         self.rows, self.skip, self._val, self.delay = rows, set(skip), list(val), delay
-        self.layer_ids, self.hidden_size, self.store_dtype = list(layer_ids), hidden_size, "float32"
+        # max_seq_len: the toy rows' 32 tokens fit; it bounds the frames the trainer accepts
+        self.meta = StreamMeta(list(layer_ids), hidden_size, "float32", num_prompts=len(rows), max_seq_len=64)
         self.num_prompts = len(rows)
         self.produced = 0
         self.fail_at = fail_at
@@ -78,15 +80,6 @@ class FakeSource(BlockProducer):
         got = [(i, self.rows[i % self.num_prompts]) for i in indexes if i % self.num_prompts not in self.skip]
         self.produced += len(got)
         return got
-
-    def meta(self) -> dict:
-        return dict(
-            layer_ids=self.layer_ids,
-            hidden_size=self.hidden_size,
-            store_dtype="float32",
-            num_prompts=len(self.rows),
-            max_seq_len=64,  # the toy rows' 32 tokens fit; it bounds the frames the trainer accepts
-        )
 
     def close(self):
         self.stop_thread()
@@ -189,8 +182,8 @@ def test_streamed_fp8_rows_stay_fp8_until_the_batch_is_on_the_device(store_dtype
         }
         for i, n in ((0, 10), (1, 7))
     ]
-    kw = dict(store_dtype=store_dtype, n_layers=LAYERS, hidden=HIDDEN, dtype=torch.float32)
-    seqs = [row_to_sequence(r, **kw) for r in rows]
+    meta = StreamMeta([1, 2, 3][:LAYERS], HIDDEN, store_dtype, num_prompts=2, max_seq_len=16)
+    seqs = [row_to_sequence(r, meta, torch.float32) for r in rows]
     assert (seqs[0].scales is not None) == (store_dtype != "float32")
     if seqs[0].scales is not None:
         assert seqs[0].hidden_states.dtype == torch.float8_e4m3fn and seqs[0].scales.shape == (9, LAYERS)
@@ -239,7 +232,7 @@ def run_producers(rows, port, *, ranks, producers, timeout_s=30, delays=None, fa
         kw_k = {**kw, "fail_at": (fail_at or {}).get(k)}
         src = FakeSource(rows, rank=k, producers=producers, delay=(delays or {}).get(k, 0.0), **kw_k)
         try:
-            results.append(stream_to_trainer(src, "127.0.0.1", port, timeout_s=timeout_s, meta=src.meta()))
+            results.append(stream_to_trainer(src, "127.0.0.1", port, timeout_s=timeout_s))
         except Exception as e:  # noqa: BLE001 - reported to the test (as text: the traceback would keep the link open)
             errors.append(str(e))
         finally:
@@ -377,7 +370,7 @@ def test_online_trainer_trains_validates_resumes_at_the_cursor_and_writes_only_c
 PRODUCER = r"""
 import logging
 import sys
-from dspark.core.stream import BlockProducer, stream_to_trainer
+from dspark.core.stream import BlockProducer, StreamMeta, stream_to_trainer
 from dspark.shards import ShardDataset
 
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
@@ -393,19 +386,17 @@ for split in ("train", "val"):
 
 
 class Rows(BlockProducer):
-    num_prompts = len(rows["train"])
+    meta = StreamMeta([1, 2, 4], 64, "float32", num_prompts=len(rows["train"]), max_seq_len=64)
 
     def capture(self, indexes):
-        return [(i, rows["train"][i % self.num_prompts]) for i in indexes]
+        return [(i, rows["train"][i % self.meta.num_prompts]) for i in indexes]
 
     def val_rows(self):
         return rows["val"]
 
 
 src = Rows(block=3, buffer_size=2, rank=rank, producers=producers)
-meta = {"layer_ids": [1, 2, 4], "hidden_size": 64, "store_dtype": "float32", "num_prompts": len(rows["train"]),
-        "max_seq_len": 64}
-print("exit", stream_to_trainer(src, "127.0.0.1", port, timeout_s=120, meta=meta), flush=True)
+print("exit", stream_to_trainer(src, "127.0.0.1", port, timeout_s=120), flush=True)
 src.stop_thread()
 """
 
