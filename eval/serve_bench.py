@@ -56,7 +56,7 @@ from dspark.core.servers import Server
 from dspark.core.serving import BY_NAME, LLAMA_CPP_PREFIX, OURS, export_method, llama_cpp_method, speculative_config
 from dspark.core.target import prepare_target, resolve_target
 from dspark.core.vllm_engine import run_headless_workers
-from eval.bench_client import Level, client_argv, level_record, run_client
+from eval.bench_client import NEW_CONNECTION_PER_REQUEST, Level, client_argv, level_record, run_client
 from eval.bench_report import BenchOutcome, assemble, merged_configs, write_outputs
 from eval.inputs import engine_kwargs, engine_window, eval_set, export_all, export_path, wait_for_export
 from eval.results import nan_to_none
@@ -408,6 +408,7 @@ def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir:
                 log.info("%s, concurrency %d: %d requests", what, conc, s.num_requests)
                 if llama:  # llama-server's counters are read here, so the warm-ups are sent here, outside them
                     argv[argv.index("--num-warmups") + 1] = "0"
+                    argv.insert(0, NEW_CONNECTION_PER_REQUEST)  # it closes a kept-alive connection after a stream
                     for _ in range(sb.num_warmups):
                         complete(
                             server, s.warmup_prompt, n_predict=s.warmup_tokens, temperature=sb.temperature, seed=s.seed

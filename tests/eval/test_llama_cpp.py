@@ -387,7 +387,9 @@ def test_the_serving_benchmark_drives_llama_server_with_vllms_client_and_counts_
 ):
     """serve_bench's llama.cpp configurations: llama-server started by the same code, vLLM's own
     benchmark client against its OpenAI endpoint, the counters from llama-server's /metrics;
-    every step accounted for, and nothing left running."""
+    every step accounted for, every request answered (llama-server closes a kept-alive connection
+    after a stream: requests in a row failed on it before the client opened one per request), and
+    nothing left running."""
     import json
 
     from dspark.core.config import ServeBenchConfig
@@ -397,13 +399,13 @@ def test_the_serving_benchmark_drives_llama_server_with_vllms_client_and_counts_
     target, draft, _, target_dir = tiny_pair
     traffic = tmp_path / "traffic.jsonl"
     words = "the cat sat on the mat and the dog sat on the log " * 6
-    traffic.write_text("".join(json.dumps({"prompt": words + str(i)}) + "\n" for i in range(3)))
+    traffic.write_text("".join(json.dumps({"prompt": words + str(i)}) + "\n" for i in range(6)))
     sb = ServeBenchConfig(concurrency=[1], output_len=16, temperature=0.0, num_warmups=1, start_timeout_s=300)
     setup = BenchSetup(
         target=target_dir,
         traffic=traffic,
         templated=True,
-        num_requests=3,
+        num_requests=6,
         max_model_len=512,
         gamma=4,
         dtype="float32",
@@ -420,10 +422,13 @@ def test_the_serving_benchmark_drives_llama_server_with_vllms_client_and_counts_
     assert not _servers_left()
     (n1,), (o1,) = none.levels, ours.levels
     assert n1.spec is None and n1.metrics["output_tokens_per_s"] > 0 and o1.metrics["output_tokens_per_s"] > 0
-    s = o1.spec  # 3 requests x 16 tokens (EOS ignored): 3 from prefill, the rest from steps of 1 + accepted
-    assert s["num_steps"] + s["num_accepted"] == 3 * 16 - 3
+    for lv in (n1, o1):
+        assert lv.metrics["completed"] == 6 and lv.metrics["failed"] == 0
+        assert lv.metrics["total_output_tokens"] == 6 * 16  # the server's count (EOS ignored)
+    s = o1.spec  # 6 requests x 16 tokens: 6 from prefill, the rest from steps of 1 + accepted
+    assert s["num_steps"] + s["num_accepted"] == 6 * 16 - 6
     # the drafter drafts on every step but, at most, a request's last (a single token left)
-    assert s["num_steps"] - 3 <= s["num_drafts"] <= s["num_steps"] and s["num_draft_tokens"] >= s["num_drafts"]
+    assert s["num_steps"] - 6 <= s["num_drafts"] <= s["num_steps"] and s["num_draft_tokens"] >= s["num_drafts"]
 
 
 @pytest.mark.slow
