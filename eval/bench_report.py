@@ -20,8 +20,8 @@ from dspark.core.files import atomic_write_json, atomic_write_text
 from dspark.core.serving import BENCH_CONFIGS, LLAMA_CPP_PREFIX
 from dspark.core.wandb_run import init_wandb
 from eval.bench_client import METRICS
-from eval.report import fmt, pct
-from eval.results import nan_to_none
+from eval.report import fmt, metric_text
+from eval.results import ACCEPTANCE_METRICS, nan_to_none
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,23 @@ def _answers(c: dict[str, Any]) -> str:
     return f"{n} output tokens each" if n is not None else "each request's own output_tokens"
 
 
+MARKDOWN_COLUMNS = [
+    "config",
+    "conc.",
+    "out tok/s",
+    "req/s",
+    "TTFT p50/p95/p99 ms",
+    "TPOT p50/p95 ms",
+    "ITL p50/p95 ms",
+    "E2E p50/p95 ms",
+    *(a.serve_label for a in ACCEPTANCE_METRICS),
+    "peak mem GiB",
+    "speedup vs none",
+]
+"""serve_bench.md's columns: the client's figures, each of :data:`~eval.results.ACCEPTANCE_METRICS`
+(position 1 of a per-position one), the peak memory, the speedup."""
+
+
 def render_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
     c = data["conditions"]
     lines = [
@@ -123,10 +140,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
             else "."
         ),
         "",
-        "| config | conc. | out tok/s | req/s | TTFT p50/p95/p99 ms | TPOT p50/p95 ms | ITL p50/p95 ms "
-        "| E2E p50/p95 ms | tok/step | tau (drafted steps) | drafted | accept pos 1 | peak mem GiB "
-        "| speedup vs none |",
-        "|" + "---|" * 14,
+        "| " + " | ".join(MARKDOWN_COLUMNS) + " |",
+        "|" + "---|" * len(MARKDOWN_COLUMNS),
     ]
     sp = data["speedup_over_none"]
     for cf in data["configs"]:
@@ -145,10 +160,8 @@ def render_markdown(data: dict[str, Any], plots: dict[str, Path]) -> str:
                 f"{fmt(m['tpot_p50_ms'], 1)}/{fmt(m['tpot_p95_ms'], 1)} | "
                 f"{fmt(m['itl_p50_ms'], 1)}/{fmt(m['itl_p95_ms'], 1)} | "
                 f"{fmt(m['e2el_p50_ms'], 0)}/{fmt(m['e2el_p95_ms'], 0)} | "
-                f"{fmt(s.get('tokens_per_step'), 3) if s else '-'} | {fmt(s['tau'], 3) if s else '-'} | "
-                f"{pct(s.get('draft_share')) if s else '-'} | "
-                f"{fmt(s['accept_per_pos'][0], 3) if s else '-'} | {fmt(mem, 2)} | "
-                f"{speedup} |"
+                + "".join(f"{metric_text(a, a.value(s)) if s else '-'} | " for a in ACCEPTANCE_METRICS)
+                + f"{fmt(mem, 2)} | {speedup} |"
             )
     lines += [
         "",
@@ -222,9 +235,10 @@ def wandb_scalars(data: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in out.items() if v is not None and not math.isnan(float(v))}
 
 
-SPEC_COLUMNS = ("tokens_per_step", "tau", "draft_share")
-"""The acceptance figures of a level's spec in the W&B scalars and table: tokens per target step
-over all steps (the headline), tau over the drafted steps, and the share of steps drafted."""
+SPEC_COLUMNS = tuple(a.name for a in ACCEPTANCE_METRICS if not a.per_position)
+"""The acceptance figures of a level's spec in the W&B scalars and table: each of
+:data:`~eval.results.ACCEPTANCE_METRICS` but the per-position ones (one number per cell): tokens
+per target step over all steps (the headline), tau over the drafted steps, the share drafted."""
 TABLE_COLUMNS = ["config", "concurrency", *METRICS, *SPEC_COLUMNS, "peak_rss_gib", "peak_gpu_gib"]
 
 

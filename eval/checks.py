@@ -8,7 +8,16 @@ import math
 from typing import Optional
 
 from dspark.core.config import EvalConfig
-from eval.results import STATS, Check, DrafterResult, EvalResults, ratio_interval, speedup_row
+from eval.results import (
+    ACCEPT_PER_POS,
+    STATS,
+    TOKENS_PER_STEP,
+    Check,
+    DrafterResult,
+    EvalResults,
+    ratio_interval,
+    speedup_row,
+)
 
 
 def interval_text(interval: tuple[float, float] | None, digits: int = 3) -> str:
@@ -53,7 +62,7 @@ def goal_check(name: str, label: str, measured: float, goal: float, interval: tu
     )
 
 
-def paired_interval(a: DrafterResult, b: DrafterResult, stat: str = "tokens_per_step") -> tuple[float, float]:
+def paired_interval(a: DrafterResult, b: DrafterResult, stat: str = TOKENS_PER_STEP.stat) -> tuple[float, float]:
     """The 95 % interval of stat(a) / stat(b) over the prompts both were measured on, resampled
     together (the same prompts: their own difficulty cancels)."""
     ca, cb = a.counts_by_prompt(), b.counts_by_prompt()
@@ -61,7 +70,9 @@ def paired_interval(a: DrafterResult, b: DrafterResult, stat: str = "tokens_per_
     return ratio_interval([ca[k] for k in common], [cb[k] for k in common], STATS[stat], paired=True)
 
 
-def bins_interval(d: DrafterResult, num_bin: str, den_bin: str, stat: str = "tokens_per_step") -> tuple[float, float]:
+def bins_interval(
+    d: DrafterResult, num_bin: str, den_bin: str, stat: str = TOKENS_PER_STEP.stat
+) -> tuple[float, float]:
     """The 95 % interval of stat(bin a) / stat(bin b) of one drafter: other prompts, resampled apart."""
     return ratio_interval(d.prompt_counts(num_bin), d.prompt_counts(den_bin), STATS[stat], paired=False)
 
@@ -84,10 +95,10 @@ def quality_checks(results: EvalResults, e: Optional[EvalConfig] = None) -> list
                 "tokens/step dspark",
                 tps,
                 e.target_tau,
-                ours.interval("tokens_per_step"),
+                ours.interval(TOKENS_PER_STEP.stat),
             )
         )
-    pos1 = float((ours.overall or {}).get("accept_per_pos", [math.nan])[0])
+    pos1 = ACCEPT_PER_POS.value(ours.overall or {})
     if e is not None and e.target_pos1 is not None:
         checks.append(
             goal_check(
@@ -95,7 +106,7 @@ def quality_checks(results: EvalResults, e: Optional[EvalConfig] = None) -> list
                 "pos-1 acceptance",
                 pos1,
                 e.target_pos1,
-                ours.interval("pos1"),
+                ours.interval(ACCEPT_PER_POS.stat),
             )
         )
     for other, label, line in (("markov-off", "its Markov-off ablation", 1.15), ("ngram", "vLLM ngram", 1.3)):
@@ -117,9 +128,9 @@ def quality_checks(results: EvalResults, e: Optional[EvalConfig] = None) -> list
             ratio_check(
                 "no long-context collapse",
                 f"tokens/step @{bins[-1]}",
-                float(ours.per_bin[bins[-1]]["tokens_per_step"]),
+                TOKENS_PER_STEP.value(ours.per_bin[bins[-1]]),
                 f"tokens/step @{bins[0]}",
-                float(ours.per_bin[bins[0]]["tokens_per_step"]),
+                TOKENS_PER_STEP.value(ours.per_bin[bins[0]]),
                 0.9,
                 bins_interval(ours, bins[-1], bins[0]),
             )

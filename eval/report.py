@@ -24,9 +24,13 @@ from matplotlib.figure import Figure
 from dspark.core.files import atomic_write_text
 from eval.checks import interval_text
 from eval.results import (
+    ACCEPT_PER_POS,
+    ACCEPTANCE_METRICS,
     CONFIDENCE,
     INSIDE_NOISE,
+    TOKENS_PER_STEP,
     AcceptanceCounts,
+    AcceptanceMetric,
     Check,
     DrafterResult,
     EvalConditions,
@@ -62,16 +66,17 @@ def pct(x: float | None) -> str:
     return NA if x is None or math.isnan(x) else f"{100 * x:.0f}%"
 
 
-def _bin_value(d: DrafterResult, b: str, key: str = "tokens_per_step") -> float:
+def metric_text(m: AcceptanceMetric, value: float | None) -> str:
+    """A figure of :data:`~eval.results.ACCEPTANCE_METRICS` for a table, in its own format."""
+    return pct(value) if m.share else fmt(value)
+
+
+def _bin_value(d: DrafterResult, b: str, key: str = TOKENS_PER_STEP.name) -> float:
     """NaN for a bin the drafter has no counts for, so tables and bars show a gap."""
     if b not in d.per_bin:
         return math.nan
     v = d.per_bin[b].get(key)
     return math.nan if v is None else float(v)
-
-
-def _bin_tau(d: DrafterResult, b: str) -> float:
-    return _bin_value(d, b, "tau")
 
 
 # --- plots -----------------------------------------------------------------------------------
@@ -89,7 +94,7 @@ def plot_acceptance_per_position(results: EvalResults, path: Path) -> None:
     ax = fig.add_subplot()
     positions = list(range(1, gamma + 1))
     for d in results.drafters:
-        ax.plot(positions, d.overall["accept_per_pos"], marker="o", label=d.name)
+        ax.plot(positions, d.overall[ACCEPT_PER_POS.name], marker="o", label=d.name)
     ax.set(
         xlabel="draft position k",
         ylabel="P(first k draft tokens accepted)",
@@ -200,21 +205,21 @@ def _conditions_section(c: EvalConditions) -> list[str]:
 
 
 def _figures_row(d: DrafterResult, counts: dict[str, Any], bin: str | None) -> list[str]:
+    """Each of :data:`~eval.results.ACCEPTANCE_METRICS` (recomputed from the counters), its
+    interval where it has one, then the steps counted."""
     c = AcceptanceCounts.from_dict(counts)
-    pos1 = c.accept_per_pos[0] if c.accept_per_pos else math.nan
-    return [
-        fmt(c.tokens_per_step) + interval_text(d.interval("tokens_per_step", bin)),
-        fmt(c.tau),
-        pct(c.draft_share),
-        fmt(pos1) + interval_text(d.interval("pos1", bin)),
-        f"{c.num_steps}",
+    summary = c.summary()
+    cells = [
+        metric_text(m, m.value(summary)) + (interval_text(d.interval(m.stat, bin)) if m.stat else "")
+        for m in ACCEPTANCE_METRICS
     ]
+    return cells + [f"{c.num_steps}"]
 
 
 def _tau_section(results: EvalResults) -> list[str]:
     """Per method, then per method and context bin: the all-steps figure with its interval,
     vLLM's tau over the drafted steps, the drafted share, pos-1 with its interval."""
-    head = ["tokens/step (all steps)", "tau (drafted steps)", "drafted", "pos-1", "steps"]
+    head = [m.label for m in ACCEPTANCE_METRICS] + ["steps"]
     overall = [[d.name, d.runner] + _figures_row(d, d.overall, None) for d in results.drafters]
     per_bin = [
         [d.name, b, str(d.per_bin[b].get("num_prompts", ""))] + _figures_row(d, d.per_bin[b], b)
@@ -238,7 +243,7 @@ def _tau_section(results: EvalResults) -> list[str]:
 
 def _position_section(results: EvalResults) -> list[str]:
     positions = [f"pos {k}" for k in range(1, results.conditions.gamma + 1)]
-    uncond = [[d.name] + [fmt(a) for a in d.overall["accept_per_pos"]] for d in results.drafters]
+    uncond = [[d.name] + [fmt(a) for a in d.overall[ACCEPT_PER_POS.name]] for d in results.drafters]
     cond = [[d.name] + [fmt(a) for a in d.overall["accept_cond_per_pos"]] for d in results.drafters]
     return (
         ["## Acceptance per draft position", "", "Unconditional: P(first k draft tokens all accepted).", ""]
@@ -363,20 +368,24 @@ def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
 
 
 def _wandb_scalars(results: EvalResults, speedups: list[dict[str, Any]]) -> dict[str, float]:
-    """Stable metric names (eval/<drafter>/...); NaNs are left out so summaries stay numeric."""
+    """Stable metric names (eval/<drafter>/...); NaNs are left out so summaries stay numeric.
+    Each of :data:`~eval.results.ACCEPTANCE_METRICS` under its name (a per-position one under each
+    position's, a per-bin one per context bin too); the headline's interval; the ECE; the speedups."""
     out: dict[str, float] = {}
     for d in results.drafters:
         key = f"eval/{d.name}"
-        out[f"{key}/tokens_per_step"] = d.tokens_per_step
-        lo, hi = d.interval("tokens_per_step")
-        out[f"{key}/tokens_per_step_lo"], out[f"{key}/tokens_per_step_hi"] = lo, hi
-        out[f"{key}/tau"] = d.tau
-        out[f"{key}/draft_share"] = AcceptanceCounts.from_dict(d.overall).draft_share
-        for b in results.conditions.context_bins:
-            out[f"{key}/tokens_per_step_bin_{b}"] = _bin_value(d, str(b))
-            out[f"{key}/tau_bin_{b}"] = _bin_tau(d, str(b))
-        for k, a in enumerate(d.overall["accept_per_pos"], start=1):
-            out[f"{key}/accept_pos_{k}"] = a
+        summary = AcceptanceCounts.from_dict(d.overall).summary()
+        for m in ACCEPTANCE_METRICS:
+            if m.per_position:
+                out.update({f"{key}/{m.position_name(k)}": a for k, a in enumerate(summary[m.name], start=1)})
+            else:
+                out[f"{key}/{m.name}"] = m.value(summary)
+            if m.per_bin:
+                out.update(
+                    {f"{key}/{m.name}_bin_{b}": _bin_value(d, str(b), m.name) for b in results.conditions.context_bins}
+                )
+        lo, hi = d.interval(TOKENS_PER_STEP.stat)
+        out[f"{key}/{TOKENS_PER_STEP.name}_lo"], out[f"{key}/{TOKENS_PER_STEP.name}_hi"] = lo, hi
         if d.calibration is not None:
             out[f"{key}/ece"] = d.calibration.ece
     for row in speedups:

@@ -136,6 +136,60 @@ class AcceptanceCounts:
         }
 
 
+@dataclass(frozen=True)
+class AcceptanceMetric:
+    """One acceptance figure of a method, declared once in :data:`ACCEPTANCE_METRICS` (as
+    training declares ``dspark.loss.LOSS_TERMS``): report.md's figures tables, its W&B scalars,
+    the checks and serve_bench's table and W&B scalars read it there."""
+
+    name: str  # its key in AcceptanceCounts.summary(), results.json, serve_bench.json's spec and W&B
+    label: str  # report.md's column
+    serve_label: str  # serve_bench.md's column
+    description: str
+    share: bool = False  # shown as a whole percentage, else with 3 decimals
+    per_position: bool = False  # a list over draft positions: tables show position 1, report W&B each
+    stat: str = ""  # its key in STATS where report.md shows its 95 % interval beside it
+    per_bin: bool = False  # report W&B also logs it per context bin (<name>_bin_<bin>)
+
+    def value(self, summary: dict[str, Any]) -> float:
+        """Its figure in a summary (per position: position 1); NaN where it is missing or None."""
+        v = summary.get(self.name)
+        if self.per_position:
+            v = v[0] if v else None
+        return math.nan if v is None else float(v)
+
+    def position_name(self, k: int) -> str:
+        """Position k's W&B name, as training names it: ``accept_per_pos`` -> ``accept_pos_k``."""
+        return f"{self.name.removesuffix('_per_pos')}_pos_{k}"
+
+
+ACCEPTANCE_METRICS = (
+    AcceptanceMetric(
+        "tokens_per_step",
+        "tokens/step (all steps)",
+        "tok/step",
+        "1 + accepted / every target verification step, drafted or not: the headline",
+        stat="tokens_per_step",
+        per_bin=True,
+    ),
+    AcceptanceMetric(
+        "tau", "tau (drafted steps)", "tau (drafted steps)", "1 + accepted / drafts: vLLM's counter", per_bin=True
+    ),
+    AcceptanceMetric("draft_share", "drafted", "drafted", "drafts / steps", share=True),
+    AcceptanceMetric(
+        "accept_per_pos",
+        "pos-1",
+        "accept pos 1",
+        "P(first k drafted tokens all accepted), per draft",
+        per_position=True,
+        stat="pos1",
+    ),
+)
+"""The acceptance figures every report shows, in their column order. ``accept_cond_per_pos`` and
+``num_steps`` are in the summary and report.md but not here: W&B and serve_bench show neither."""
+TOKENS_PER_STEP, TAU, DRAFT_SHARE, ACCEPT_PER_POS = ACCEPTANCE_METRICS
+
+
 def per_bin_summary(
     prompt_bins: list[int], counts: list[AcceptanceCounts], gamma: int
 ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
