@@ -87,6 +87,25 @@ def test_the_tree_has_the_three_stages_and_the_core():
     assert len(MODULES) > 30  # every module is checked, not a hand-picked few
 
 
+def test_the_core_is_imported_without_stage_2():
+    """dspark/core stays under dspark/ (docs/architecture.md says why): that holds while
+    importing ``dspark.core.*`` runs nothing of stage 2, i.e. ``dspark/__init__.py`` imports
+    nothing."""
+    import subprocess
+    import sys
+
+    tree = ast.parse((REPO / "dspark" / "__init__.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    core = sorted(m for m in MODULES if layer_of(m) == "core")
+    code = f"import sys\nfor m in {core!r}: __import__(m)\n" + (
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dspark', 'data_tools', 'eval') "
+        "and not m.startswith('dspark.core') and m != 'dspark'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"  # every core module loaded, nothing of a stage
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_go_one_way(module):
     ours, third, third_top = GRAPH[module]
