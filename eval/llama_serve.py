@@ -87,7 +87,12 @@ def serve_prompts(
         timeout_key="eval.llama_cpp_timeout_s",
     ) as server:
         warm = list(prompts[0].prompt_token_ids[-64:])
-        complete(server, warm, n_predict=WARMUP_TOKENS, temperature=0.0, seed=s.seed, timeout_s=s.timeout_s)
+        before, stats_before = read_counters(server), proposer_stats(log_path)
+        c = complete(server, warm, n_predict=WARMUP_TOKENS, temperature=0.0, seed=s.seed, timeout_s=s.timeout_s)
+        # the warm-up's counters and statistics lines are in before the first prompt reads its own:
+        # llama-server logs a request's statistics as its slot is released, after the response
+        counters_after(server, before, len(c.tokens))
+        proposer_stats_after(log_path, stats_before, method.spec_types)
         for i, p in enumerate(prompts):
             before, stats_before = read_counters(server), proposer_stats(log_path)
             c = complete(

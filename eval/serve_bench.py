@@ -410,9 +410,11 @@ def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir:
                     argv[argv.index("--num-warmups") + 1] = "0"
                     argv.insert(0, NEW_CONNECTION_PER_REQUEST)  # it closes a kept-alive connection after a stream
                     for _ in range(sb.num_warmups):
-                        complete(
+                        warm = read_counters(server)
+                        done = complete(
                             server, s.warmup_prompt, n_predict=s.warmup_tokens, temperature=sb.temperature, seed=s.seed
                         )
+                        counters_after(server, warm, len(done.tokens))  # folded in before `before` is read
                     before = read_counters(server)
                 raw = run_client(argv, out, timeout_s=sb.level_timeout_s, what=f"{what}, concurrency {conc}")
                 if llama:
