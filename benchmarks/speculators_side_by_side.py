@@ -15,7 +15,8 @@ Arms (``--arms``):
 
 Each arm gets the sequences in the same order (the run's seed), ``train.anchors_per_seq`` anchors
 per sequence (speculators' ``max_anchors``), the same ``train.lr`` warmup-cosine schedule, AdamW
-(0.9, 0.95) with ``train.weight_decay``. At each ``--validate-at`` step the arm's weights go into
+(0.9, 0.95) with ``train.weight_decay``, gradients clipped at ``train.grad_clip`` (1.0, as
+speculators' trainer does). At each ``--validate-at`` step the arm's weights go into
 our drafter (the tensor names are shared) and our validator (``Trainer.evaluate``, the run's
 validation split, fixed anchors) gives val tau and pos-1 with their 95 % intervals
 (:func:`benchmarks.ablation_report.noise`). Seconds are training seconds only.
@@ -160,6 +161,9 @@ def run_speculators(tr: Any, heads: Any, tmp: Path, *, matched: bool, validate_a
         if not torch.isfinite(loss):
             raise FloatingPointError(f"speculators arm: non-finite loss at step {step}")
         loss.backward()
+        # speculators' trainer clips at 1.0 (speculators/train/trainer.py: clip_grad_norm_), as ours does
+        # (train.grad_clip, through DeepSpeed's gradient_clipping)
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         opt.step()
         sched.step()
         seconds += time.perf_counter() - t0
