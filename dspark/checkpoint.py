@@ -52,7 +52,11 @@ log = logging.getLogger(__name__)
 RUN_FILE = "run.json"
 LATEST_FILE = "latest"
 LOCK_FILE, OWNER_FILE = ".lock", ".owner.json"
-SHARED_FROM_TARGET = ("embed_tokens.", "lm_head.", "target_norm.")  # frozen, the target's own
+SHARED_FROM_TARGET = ("embed_tokens.", "lm_head.", "target_lm_head.", "target_norm.")
+"""Frozen, the target's own: never part of the drafter's weights. A reduced draft vocabulary's
+``lm_head`` is the target's rows at ``d2t`` (rebuilt from the target and the map, which is kept)."""
+DRAFT_MAP = "d2t"
+"""The draft vocabulary's map (:mod:`dspark.draft_vocab`): an int64 buffer kept with the weights."""
 
 
 class CheckpointError(UserError):
@@ -224,7 +228,7 @@ def load_training_checkpoint(path: Path) -> TrainingCheckpoint:
             )
         name = name[len("drafter.") :]
         if not name.startswith(SHARED_FROM_TARGET):
-            weights[name] = t.detach().float().contiguous()
+            weights[name] = (t.detach().float() if t.is_floating_point() else t.detach()).contiguous()
     run_config = read_run_config(tag)
     if run_config is None:
         raise CheckpointError(
@@ -239,6 +243,20 @@ def load_training_checkpoint(path: Path) -> TrainingCheckpoint:
     )
     check_weights(ckpt.weights, ckpt.drafter, dims, where=str(tag))
     return ckpt
+
+
+def saved_draft_map(tag: Path) -> Optional[torch.Tensor]:
+    """The draft vocabulary's ``d2t`` a checkpoint tag was trained with (the drafter's buffer in its
+    model states, read memory-mapped), None when the drafter has the full vocabulary."""
+    states_file = _model_states_file(Path(tag))
+    try:
+        states = torch.load(states_file, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a damaged file
+        raise CheckpointError(
+            f"{states_file}: cannot be read as a DeepSpeed model-states file ({type(e).__name__}: {e})"
+        ) from e
+    d2t = (states.get("module") or {}).get(f"drafter.{DRAFT_MAP}")
+    return None if d2t is None else d2t.clone()
 
 
 def check_weights(weights: dict[str, torch.Tensor], cfg: DSparkConfig, dims: DrafterDims, *, where: str) -> None:
@@ -256,6 +274,12 @@ def check_weights(weights: dict[str, torch.Tensor], cfg: DSparkConfig, dims: Dra
         for k, t in weights.items()
         if k in want and t.is_floating_point() and not torch.isfinite(t).all()
     ]
+    if DRAFT_MAP in want and DRAFT_MAP in weights and tuple(weights[DRAFT_MAP].shape) == want[DRAFT_MAP]:
+        from dspark.draft_vocab import map_problem
+
+        problem = map_problem(weights[DRAFT_MAP], dims.vocab_size)
+        if problem:
+            problems.append(f"tensor {DRAFT_MAP!r}: {problem}")
     if problems:
         raise CheckpointError(f"{where}: " + "; ".join(problems))
 
@@ -579,23 +603,32 @@ class Checkpointer:
         )
 
     # --- resume -------------------------------------------------------------------------------
+    def resume_tag(self) -> Optional[Path]:
+        """The tag :meth:`resume` will load (``train.resume``; ``auto``: the one ``latest`` names),
+        checked (:func:`check_resume_tag`, the drafter and run settings), or None when there is
+        nothing to resume. What the drafter is built from before it is resumed (the draft
+        vocabulary's map) is read from this tag."""
+        mode = self.cfg.train.resume
+        if mode == "never":
+            return None
+        tag_dir = latest_tag(self.directory) if mode == "auto" else Path(mode).expanduser()
+        if tag_dir is None:
+            return None
+        check_resume_tag(tag_dir, "train.resume" if mode != "auto" else f"{self.directory / LATEST_FILE}")
+        self._check_resume_config(tag_dir)
+        return tag_dir
+
     def resume(self, engine: Any, anchor_gen: torch.Generator) -> Optional[TrainState]:
         """Load the tag ``train.resume`` names (``auto``: the one ``latest`` names, if any) into
         ``engine`` and restore the RNGs (``anchor_gen``, torch's, Python's); the run's state, or
         None when there is nothing to resume."""
-        mode = self.cfg.train.resume
-        if mode == "never":
+        tag_dir = self.resume_tag()
+        if tag_dir is None:
             return None
-        if mode == "auto":
-            tag_dir = latest_tag(self.directory)
-            if tag_dir is None:
-                return None
+        if self.cfg.train.resume == "auto":
             path, tag = self.directory, None  # DeepSpeed reads latest itself
         else:
-            tag_dir = Path(mode).expanduser()
             path, tag = tag_dir.parent, tag_dir.name
-        check_resume_tag(tag_dir, "train.resume" if mode != "auto" else f"{self.directory / LATEST_FILE}")
-        self._check_resume_config(tag_dir)
         loaded, client = engine.load_checkpoint(str(path), tag=tag)
         if loaded is None:
             raise CheckpointError(

@@ -114,6 +114,10 @@ class ColocatedDataset:
             for s, h in zip(seqs, states)
         ]
 
+    def tokens(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) of a sequence, no target forward (:meth:`ShardDataset.tokens`)."""
+        return self.base.tokens(index)
+
     def rank_indices(self, **kw) -> list[int]:  # noqa: ANN003 - ShardDataset.rank_indices' keywords
         return self.base.rank_indices(**kw)
 

@@ -38,6 +38,7 @@ from dspark.serving_format import (
     architecture,
     check_layout,
     draft_config,
+    reduces_vocab,
     serving_weights,
 )
 
@@ -105,6 +106,21 @@ def _target_config(ckpt: TrainingCheckpoint, target_dir: Optional[Path]) -> tupl
     return read_text_config(Path(target_dir)), Path(target_dir)
 
 
+def _target_lm_head(ckpt: TrainingCheckpoint, target_dir: Path) -> Optional[Any]:
+    """The target's LM head [V, H] when the drafter's reduced vocabulary exports its own rows of it."""
+    if not reduces_vocab(ckpt.drafter, ckpt.dims):
+        return None
+    from dspark.core.target import load_target_heads
+
+    head = load_target_heads(target_dir).lm_head
+    if tuple(head.shape) != (ckpt.dims.vocab_size, ckpt.dims.hidden_size):
+        raise ExportError(
+            f"{target_dir}: the target's LM head is {list(head.shape)}, the drafter was trained on "
+            f"[{ckpt.dims.vocab_size}, {ckpt.dims.hidden_size}]; pass the run's target (--target-dir)"
+        )
+    return head
+
+
 def export(
     checkpoint: Path | TrainingCheckpoint,
     out_dir: Path,
@@ -127,7 +143,7 @@ def export(
     bad = [i for i in ckpt.context_layer_ids if not 1 <= i <= n_target]
     if bad:
         raise ExportError(f"{ckpt.path}: context layer ids {bad} are outside [1, {n_target}] for target {tdir}")
-    weights = serving_weights(ckpt, layout, TORCH_DTYPES[dtype])
+    weights = serving_weights(ckpt, layout, TORCH_DTYPES[dtype], _target_lm_head(ckpt, tdir))
     config = draft_config(ckpt, layout, tcfg, dtype)
     needed = sum(t.numel() * t.element_size() for t in weights.values())
     todo = "free space there or pass another --out, then export again"

@@ -89,6 +89,12 @@ def check_target(exp: Any, target_dir: Path) -> None:
         raise ExportError(
             f"{where}: vocab_size {exp.dims.vocab_size} in the export, {tcfg['vocab_size']} in the target"
         )
+    served = exp.config.get("draft_vocab_size")
+    if served is not None and int(served) != (exp.drafter.draft_vocab_size or exp.dims.vocab_size):
+        raise ExportError(
+            f"{exp.path / 'config.json'}: draft_vocab_size {served}, the drafter drafts over "
+            f"{exp.drafter.draft_vocab_size or exp.dims.vocab_size} tokens"
+        )
     n = int(tcfg["num_hidden_layers"])
     if max(exp.context_layer_ids) > n:
         raise ExportError(f"{where}: context layers {exp.context_layer_ids} but the target has {n} layers")
@@ -227,6 +233,8 @@ def _check_weights_in_vllm(exp: Any, mc: Any, pc: Any, sc: Any, rep: ValidationR
         )
     rep.params_checked = sum(1 for n in params if not n.startswith(SHARED_IN_VLLM))
     rep.checks.append(f"vLLM's loader writes all {rep.params_checked} drafter parameters of {cls.__name__}")
+    if "d2t" in served_weights:
+        _check_draft_vocab_in_vllm(exp, model, served_weights, cls.__name__, rep)
     family = get_family(exp.drafter.family)
     ours = {k: v.float() for k, v in served_weights.items()}
     fused = family.vllm_fused(ours, exp.drafter.num_layers)
@@ -239,4 +247,31 @@ def _check_weights_in_vllm(exp: Any, mc: Any, pc: Any, sc: Any, rep: ValidationR
         f"{len(fused)} fused tensors ({', '.join(sorted({n.split('.')[-2] for n in fused}))}) equal the exported "
         f"ones; {ctx.split('.')[-2]} reads {params[ctx].shape[1]} = {len(rep.vllm_aux_layer_ids)} layers x "
         f"{exp.dims.target_hidden_size}"
+    )
+
+
+def _check_draft_vocab_in_vllm(
+    exp: Any, model: torch.nn.Module, served: dict[str, torch.Tensor], cls_name: str, rep: ValidationReport
+) -> None:
+    """A reduced draft vocabulary: vLLM's own head is the exported [N, H] rows, its map the exported
+    d2t, and its ``map_draft_to_target`` turns every draft id into the target id ours does."""
+    lm_head, d2t = served["lm_head.weight"], served["d2t"]
+    got = model.lm_head.weight.detach()[: lm_head.shape[0]]  # vLLM pads its head's rows (to a multiple of 64)
+    if tuple(got.shape) != tuple(lm_head.shape) or not torch.equal(got, lm_head.to(got.dtype)):
+        raise ExportError(
+            f"{exp.path}: vLLM's {cls_name} lm_head starts with {list(got.shape)} other rows than the exported "
+            f"{list(lm_head.shape)}"
+        )
+    mapped = getattr(model, "draft_id_to_target_id", None)
+    if mapped is None or not torch.equal(mapped.detach().cpu(), d2t.to(torch.int64)):
+        raise ExportError(f"{exp.path}: vLLM's {cls_name} did not load the exported d2t as its draft_id_to_target_id")
+    draft_ids = torch.arange(len(d2t))
+    served_ids = draft_ids + mapped.detach().cpu()[draft_ids]  # what map_draft_to_target / compute_logits use
+    from dspark.draft_vocab import target_ids
+
+    if not torch.equal(served_ids, target_ids(exp.weights["d2t"])):
+        raise ExportError(f"{exp.path}: vLLM maps draft ids to other target ids than the drafter was trained with")
+    rep.checks.append(
+        f"draft vocabulary: vLLM's lm_head [{len(d2t)}, {lm_head.shape[1]}] and d2t are the exported ones; its draft "
+        f"ids map to the trained target ids {int(served_ids[0])}..{int(served_ids[-1])} of {exp.dims.vocab_size}"
     )

@@ -148,6 +148,7 @@ def step_flops(
     k = cfg.block_size
     q = k if cfg.sample_from_anchor else k + 1
     h, v = dims.hidden_size, dims.vocab_size
+    vd = cfg.draft_vocab_size or v  # the draft head and the Markov output run over the draft vocabulary
     r = cfg.markov_rank
     layers = cfg.num_layers
     p = b * a * k if predictions is None else predictions
@@ -167,13 +168,13 @@ def step_flops(
     parts[PARTS[1]] = (layers * ctx_kv, 2 * layers * ctx_kv)
     parts[PARTS[2]] = (layers * proj, 2 * layers * proj)
     parts[PARTS[3]] = (layers * attn, 2 * layers * attn)
-    head = _linear(p, h, v)
+    head = _linear(p, h, vd)
     parts[PARTS[4]] = (head, head)  # frozen weight: the input's gradient only
     target = 0 if target_topk else _linear(p, dims.target_hidden_size, v)
     parts[PARTS[5]] = (target, 0)
     markov_f = markov_b = 0
     if r > 0:
-        w2 = _linear(p, r, v)
+        w2 = _linear(p, r, vd)
         markov_f, markov_b = w2, 2 * w2
         if cfg.markov_head_type == "gated":
             gate = _linear(rows_pred, h, r)
@@ -189,7 +190,7 @@ def step_flops(
         parts[PARTS[8]] = (target_forward_flops(colocated_target, sequences=b, tokens=s), 0)
     recomputed = {}
     if recompute_vocab_chunks:  # the chunk function runs again whole: both heads and W2
-        recomputed = {PARTS[4]: head, PARTS[5]: target, PARTS[6]: _linear(p, r, v) if r > 0 else 0}
+        recomputed = {PARTS[4]: head, PARTS[5]: target, PARTS[6]: _linear(p, r, vd) if r > 0 else 0}
     return StepFlops(parts, recomputed, p, b * t)
 
 

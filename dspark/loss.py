@@ -20,6 +20,24 @@ With the target's distribution cached as its top k (``topk_ids``/``topk_probs``,
 :mod:`dspark.target_topk`), the target logits are not computed at all and TV is taken on the
 stored support (:func:`topk_tv`); the greedy match compares with the cached argmax.
 
+With a reduced draft vocabulary D (``drafter.draft_vocab_size``, :mod:`dspark.draft_vocab`) the
+draft distribution p_d lives on D and is 0 on every other target token, exactly as vLLM serves it
+(its draft logits are scattered into the target vocabulary with -inf elsewhere before sampling).
+The target keeps its full distribution; its mass outside D, m_out = sum_{v not in D} p_t(v), is
+unattainable:
+
+    TV = 1/2 (sum_{v in D} |p_d(v) - p_t(v)| + m_out)    (so TV >= m_out, and 1 - TV is still the
+                                                          acceptance probability under sampling)
+    CE = -log p_d(x_{a+k}) where x_{a+k} is in D; 0 where it is not (no draft can be right there:
+         the prediction keeps its weight in the mean, with nothing to learn from the label)
+
+LK and the confidence target read this TV. The greedy match compares the target id of the
+draft's argmax (``d2t``) with the target's argmax, so a target argmax outside D never matches.
+With the cached top k, the top-k ids outside D count p_d = 0 (:func:`topk_tv`). Speculators
+instead renormalises the target over D (``verifier_lm_head`` holds the kept rows only,
+``speculators/models/dflash/core.py``): its minimiser p_d = p_t / (1 - m_out) on D is one of this
+TV's minimisers, but its TV (and 1 - TV as a confidence target) does not see m_out.
+
 Vocabulary-sized logits exist only for ``CHUNK_ROWS`` positions at a time, and each chunk is
 recomputed in backward (activation checkpointing), so thousands of positions never hold
 [rows, V] tensors at once.
@@ -99,19 +117,32 @@ def scalar_names(block_size: int) -> list[str]:
     return [*LOSS_TERMS, *(f"{p}_pos_{k}" for k in range(1, block_size + 1) for p in POSITION_RATES)]
 
 
+def _label_ce(model: DSparkDrafter, logp_d: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[P] -log p_d(label); 0 where the label (a target id) is outside the draft vocabulary."""
+    ids, in_vocab = model.to_draft_ids(labels)
+    ce = -logp_d.gather(-1, ids[:, None]).squeeze(-1)
+    return ce if in_vocab is None else ce * in_vocab
+
+
 def _chunk_terms(model: DSparkDrafter, hidden, markov, target_final, labels):  # noqa: ANN001 - internal
     """Per-row CE, TV, greedy match. hidden [P, H], markov [P, R] or None, target_final [P, Ht], labels [P]."""
-    logp_d = F.log_softmax(model.draft_logits(hidden, markov), dim=-1)
+    logp_d = F.log_softmax(model.draft_logits(hidden, markov), dim=-1)  # [P, Vd]
     with torch.no_grad():
-        logits_t = model.target_logits(target_final)
+        logits_t = model.target_logits(target_final)  # [P, V]
     p_t = torch.softmax(logits_t, dim=-1)
-    ce = -logp_d.gather(-1, labels[:, None]).squeeze(-1)
-    tv = 0.5 * (logp_d.exp() - p_t).abs().sum(-1)
-    match = (logp_d.argmax(-1) == logits_t.argmax(-1)).float()
+    ce = _label_ce(model, logp_d, labels)
+    if model.draft_to_target is None:
+        tv = 0.5 * (logp_d.exp() - p_t).abs().sum(-1)
+    else:  # p_d is 0 outside the draft vocabulary: the target's mass there adds to the distance
+        p_t_kept = p_t[:, model.draft_to_target]
+        tv = 0.5 * ((logp_d.exp() - p_t_kept).abs().sum(-1) + (1.0 - p_t_kept.sum(-1)).clamp_min(0))
+    match = (model.to_target_ids(logp_d.argmax(-1)) == logits_t.argmax(-1)).float()
     return ce, tv, match
 
 
-def topk_tv(p_d: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def topk_tv(
+    p_d: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, in_vocab: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """TV between a full draft distribution and a target known by its top k.
 
     p_d [P, V]; ids, probs [P, K]. On the k ids the exact |p_d - p_t|; outside them only the
@@ -120,19 +151,23 @@ def topk_tv(p_d: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.
         TV_k = 1/2 (sum_{i in S} |p_d,i - p_t,i| + |(1 - sum_S p_d) - (1 - sum_S p_t)|) <= TV
 
     (triangle inequality), with equality when the target's tail is 0 or the two tails are
-    proportional.
+    proportional. ``in_vocab`` [P, K] (a reduced draft vocabulary): p_d is over draft ids, ``ids``
+    are the top k's draft ids, and an id with ``in_vocab`` False has p_d = 0 there.
     """
     pd_s = p_d.gather(-1, ids)
+    if in_vocab is not None:
+        pd_s = pd_s * in_vocab
     tail = (probs.sum(-1) - pd_s.sum(-1)).abs()  # |(1 - sum pd_S) - (1 - sum pt_S)|
     return 0.5 * ((pd_s - probs).abs().sum(-1) + tail)
 
 
 def _chunk_terms_topk(model: DSparkDrafter, hidden, markov, topk_ids, topk_probs, labels):  # noqa: ANN001
-    """As :func:`_chunk_terms` with the target's cached top k ([P, K] ids and probabilities)."""
+    """As :func:`_chunk_terms` with the target's cached top k ([P, K] target ids and probabilities)."""
     logp_d = F.log_softmax(model.draft_logits(hidden, markov), dim=-1)
-    ce = -logp_d.gather(-1, labels[:, None]).squeeze(-1)
-    tv = topk_tv(logp_d.exp(), topk_ids, topk_probs)
-    match = (logp_d.argmax(-1) == topk_ids[:, 0]).float()
+    ce = _label_ce(model, logp_d, labels)
+    ids, in_vocab = model.to_draft_ids(topk_ids)
+    tv = topk_tv(logp_d.exp(), ids, topk_probs, in_vocab)
+    match = (model.to_target_ids(logp_d.argmax(-1)) == topk_ids[:, 0]).float()
     return ce, tv, match
 
 

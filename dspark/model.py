@@ -15,10 +15,16 @@ mirrored here so training = serving):
 * a block sees context positions < a and all of its own tokens (non-causal), nothing else.
 * draft logits = lm_head(norm(h_k)) + W2(W1[x_{k-1}]) (Markov bias, teacher-forced in training;
   x_{k-1} is the anchor for k=1); confidence = sigmoid(w . [h_k ; W1[x_{k-1}]] + b).
+* a reduced draft vocabulary (``drafter.draft_vocab_size`` = N < V, :mod:`dspark.draft_vocab`):
+  the draft logits run over the N kept tokens (draft ids); ``lm_head`` is then the draft's own
+  [N, H] (the target's rows of the kept tokens, frozen like the full head: speculators freezes
+  its reduced head too, ``speculators/model.py``), ``markov_w1`` stays over the target vocabulary
+  (x_{k-1} is a target token) and ``markov_w2`` maps to the N draft logits; ``d2t`` turns a draft
+  id into a target id (``target = draft + d2t[draft]``), as vLLM's ``map_draft_to_target`` does.
 
 Shape symbols: B batch, T tokens, S context positions (T-1), A anchors per sequence,
 Q block queries (gamma or 1+gamma), K = gamma predictions, H drafter hidden, C = n_ctx_layers *
-target hidden, V vocab, R Markov rank, N heads, D head dim.
+target hidden, V target vocab, Vd draft vocab (V unless reduced), R Markov rank, N heads, D head dim.
 
 The model knows nothing of DeepSpeed, losses or logging.
 """
@@ -31,7 +37,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dspark.core.config import DSparkConfig
+from dspark.core.config import ConfigError, DSparkConfig
 from dspark.dims import DrafterDims
 from dspark.families import get_family
 from dspark.layers import RMSNorm
@@ -54,6 +60,11 @@ def resolve_dims(
         head_dim = cfg.head_dim or hidden // heads
     if heads % kv:
         raise ValueError(f"drafter heads {heads} must be a multiple of key/value heads {kv}")
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab_size:
+        raise ConfigError(
+            f"drafter.draft_vocab_size={cfg.draft_vocab_size}: expected an int in [1, {vocab_size}] (the target's "
+            "vocabulary), or null for all of it"
+        )
     dims = DrafterDims(
         hidden,
         cfg.intermediate_size or 3 * hidden,
@@ -72,11 +83,11 @@ class MarkovHead(nn.Module):
     """Logit bias from the previous token: W2(e_k) with e_k = W1[x_{k-1}] (vanilla, what vLLM
     serves), gated by the backbone state (gated), or carried along the block (rnn)."""
 
-    def __init__(self, vocab: int, rank: int, hidden: int, kind: str):
+    def __init__(self, vocab: int, rank: int, hidden: int, kind: str, draft_vocab: Optional[int] = None):
         super().__init__()
         self.kind = kind
-        self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        self.markov_w1 = nn.Embedding(vocab, rank)  # indexed by the previous (target) token
+        self.markov_w2 = nn.Linear(rank, draft_vocab or vocab, bias=False)  # a bias on the draft logits
         nn.init.normal_(self.markov_w1.weight, std=0.02)
         nn.init.zeros_(self.markov_w2.weight)  # starts as the plain (DFlash) drafter
         if kind == "gated":
@@ -110,7 +121,12 @@ class DraftOutput:
 
 class DSparkDrafter(nn.Module):
     """Trainable backbone + heads; the target's embedding, final norm and LM head are frozen
-    buffers-as-parameters (requires_grad=False) shared with the target."""
+    buffers-as-parameters (requires_grad=False) shared with the target.
+
+    With ``cfg.draft_vocab_size`` set, ``d2t`` ([Vd] int64 offsets, :mod:`dspark.draft_vocab`) is
+    required and kept as the persistent buffer ``d2t`` (so every checkpoint and export carries the
+    map); ``lm_head`` is the frozen [Vd, H] rows of the target's head for the kept tokens, and
+    ``target_lm_head`` the target's full head (the target distribution)."""
 
     def __init__(
         self,
@@ -121,6 +137,7 @@ class DSparkDrafter(nn.Module):
         lm_head: torch.Tensor,
         target_norm: torch.Tensor,
         target_norm_eps: float,
+        d2t: Optional[torch.Tensor] = None,
     ):
         super().__init__()
         self.cfg, self.dims = cfg, dims
@@ -130,8 +147,14 @@ class DSparkDrafter(nn.Module):
                 f"(shared embedding/LM head)"
             )
         self.embed_tokens = nn.Embedding.from_pretrained(embed_tokens.clone(), freeze=True)
-        self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
-        self.lm_head.weight = nn.Parameter(lm_head.clone(), requires_grad=False)
+        self.draft_vocab_size = self._set_draft_vocab(cfg, dims, d2t)
+        self.lm_head = nn.Linear(dims.hidden_size, self.draft_vocab_size, bias=False)
+        if self.d2t is None:
+            self.lm_head.weight = nn.Parameter(lm_head.clone(), requires_grad=False)
+        else:
+            self.target_lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+            self.target_lm_head.weight = nn.Parameter(lm_head.clone(), requires_grad=False)
+            self.lm_head.weight = nn.Parameter(lm_head[self.draft_to_target].clone(), requires_grad=False)
         self.target_norm = RMSNorm(dims.target_hidden_size, target_norm_eps)
         self.target_norm.weight = nn.Parameter(target_norm.clone(), requires_grad=False)
         self.fc = nn.Linear(dims.num_context_layers * dims.target_hidden_size, dims.hidden_size, bias=False)
@@ -140,13 +163,65 @@ class DSparkDrafter(nn.Module):
         self.layers = nn.ModuleList(self.family.layer(cfg, dims) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
         self.markov_head = (
-            MarkovHead(dims.vocab_size, cfg.markov_rank, dims.hidden_size, cfg.markov_head_type)
+            MarkovHead(dims.vocab_size, cfg.markov_rank, dims.hidden_size, cfg.markov_head_type, self.draft_vocab_size)
             if cfg.markov_rank > 0
             else None
         )
         conf_in = dims.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov and self.markov_head else 0)
         self.confidence_head = nn.ModuleDict({"proj": nn.Linear(conf_in, 1)}) if cfg.enable_confidence_head else None
         self._init_weights()
+
+    def _set_draft_vocab(self, cfg: DSparkConfig, dims: DrafterDims, d2t: Optional[torch.Tensor]) -> int:
+        """Register the draft vocabulary's buffers (``d2t`` persistent; ``draft_to_target`` [Vd] and
+        ``target_to_draft`` [V], -1 outside, derived); the draft vocabulary's size."""
+        if cfg.draft_vocab_size is None:
+            if d2t is not None:
+                raise ValueError("a d2t map was given for a drafter without drafter.draft_vocab_size")
+            self.d2t = self.draft_to_target = self.target_to_draft = None
+            return dims.vocab_size
+        if d2t is None:
+            raise ValueError(f"drafter.draft_vocab_size={cfg.draft_vocab_size} needs its d2t map (dspark.draft_vocab)")
+        if tuple(d2t.shape) != (cfg.draft_vocab_size,):
+            raise ValueError(
+                f"d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}] (drafter.draft_vocab_size)"
+            )
+        if d2t.device.type != "meta":
+            from dspark.draft_vocab import map_problem
+
+            problem = map_problem(d2t, dims.vocab_size)
+            if problem:
+                raise ValueError(problem)
+        d2t = d2t.to(torch.int64)
+        self.register_buffer("d2t", d2t.clone())
+        to_target = torch.arange(len(d2t), device=d2t.device) + d2t
+        to_draft = torch.full((dims.vocab_size,), -1, dtype=torch.int64, device=d2t.device)
+        to_draft[to_target] = torch.arange(len(d2t), device=d2t.device)
+        self.register_buffer("draft_to_target", to_target, persistent=False)
+        self.register_buffer("target_to_draft", to_draft, persistent=False)
+        return cfg.draft_vocab_size
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids -> target ids (the identity for the full vocabulary)."""
+        if self.draft_to_target is None:
+            return draft_ids
+        return self.draft_to_target.to(draft_ids.device)[draft_ids]
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Target ids -> (draft ids, in_vocab): a token outside the draft vocabulary gets draft id 0
+        and in_vocab False; ``in_vocab`` is None for the full vocabulary (every token is in it)."""
+        if self.target_to_draft is None:
+            return target_ids, None
+        ids = self.target_to_draft.to(target_ids.device)[target_ids]
+        return ids.clamp_min(0), ids >= 0
+
+    def to_target_vocab(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """[..., Vd] over draft ids -> [..., V] over target ids, ``fill`` outside the draft vocabulary
+        (probabilities: 0; logits: -inf, as vLLM scatters a reduced draft before sampling)."""
+        if self.draft_to_target is None:
+            return values
+        out = values.new_full((*values.shape[:-1], self.dims.vocab_size), fill)
+        out[..., self.draft_to_target.to(values.device)] = values
+        return out
 
     def _init_weights(self) -> None:
         for name, p in self.named_parameters():
@@ -269,8 +344,10 @@ class DSparkDrafter(nn.Module):
         return proj(feats.to(proj.weight.dtype)).float().squeeze(-1)
 
     def target_logits(self, final_states: torch.Tensor) -> torch.Tensor:
-        """[..., Ht] target final pre-norm states -> [..., V] target logits (frozen norm + head)."""
-        return self.lm_head(self.target_norm(final_states).to(self.lm_head.weight.dtype)).float()
+        """[..., Ht] target final pre-norm states -> [..., V] target logits (frozen norm + the
+        target's full head, whatever the draft vocabulary)."""
+        head = self.lm_head if self.d2t is None else self.target_lm_head
+        return head(self.target_norm(final_states).to(head.weight.dtype)).float()
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
@@ -279,7 +356,8 @@ class DSparkDrafter(nn.Module):
 def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str, tuple[int, ...]]:
     """Every trainable tensor of the drafter and its shape, read off the model itself (built on
     the meta device, so nothing is allocated): the checkpoint's names (the served names through
-    the family's :meth:`~dspark.families.base.DrafterFamily.to_serving`)."""
+    the family's :meth:`~dspark.families.base.DrafterFamily.to_serving`), plus the draft
+    vocabulary's ``d2t`` map when the drafter has one (a buffer, kept with the weights)."""
     with torch.device("meta"):
         model = DSparkDrafter(
             cfg,
@@ -288,8 +366,12 @@ def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str
             lm_head=torch.empty(dims.vocab_size, dims.hidden_size),
             target_norm=torch.empty(dims.target_hidden_size),
             target_norm_eps=cfg.rms_norm_eps,
+            d2t=torch.empty(cfg.draft_vocab_size, dtype=torch.int64) if cfg.draft_vocab_size else None,
         )
-    return {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+    if model.d2t is not None:
+        shapes["d2t"] = tuple(model.d2t.shape)
+    return shapes
 
 
 def copy_continuations(ids: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,8 @@ def _build_parts(
         train_ds, val_ds = colocated_datasets(cfg, heads, dtype)
     else:
         train_ds, val_ds = shard_datasets(cfg, heads, dtype)
-    drafter, ctx_index, final_index = build_drafter(cfg, heads)
+    d2t = draft_map(cfg, heads, train_ds, checkpointer) if cfg.drafter.draft_vocab_size is not None else None
+    drafter, ctx_index, final_index = build_drafter(cfg, heads, d2t)
     if t.final_norm_init == "ones":
         with torch.no_grad():
             drafter.norm.weight.fill_(1.0)
@@ -355,8 +356,37 @@ def online_batches(
 
 
 # --- model, loss, optimizer ----------------------------------------------------------------------
-def build_drafter(cfg: RunConfig, heads: TargetHeads) -> tuple[DSparkDrafter, list[int], int]:
-    """The model plus, for the shard layout, the context-layer indices and the final-state index."""
+def draft_map(cfg: RunConfig, heads: TargetHeads, train_ds: Any, checkpointer: Checkpointer) -> torch.Tensor:
+    """``drafter.draft_vocab_size``'s ``d2t``: the one of the tag this run resumes (so a resumed run
+    drafts over the vocabulary it trained, whatever the data says now), else built from the
+    training split's supervised tokens (:mod:`dspark.draft_vocab`, counts cached beside the shards)."""
+    from dspark.checkpoint import CheckpointError, saved_draft_map
+    from dspark.draft_vocab import draft_vocab_map
+
+    size = int(cfg.drafter.draft_vocab_size)  # type: ignore[arg-type]
+    if size > heads.vocab_size:
+        raise ConfigError(
+            f"drafter.draft_vocab_size={size}: expected an int in [1, {heads.vocab_size}] (the target's vocabulary), "
+            "or null for all of it"
+        )
+    tag = checkpointer.resume_tag()
+    if tag is not None:
+        d2t = saved_draft_map(tag)
+        if d2t is None or len(d2t) != size:
+            has = "no draft vocabulary map (d2t)" if d2t is None else f"a {len(d2t)}-token d2t"
+            raise CheckpointError(f"{tag}: its drafter has {has}, expected drafter.draft_vocab_size={size} tokens")
+        log.info("draft vocabulary: %d tokens, the map of %s", len(d2t), tag)
+        return d2t
+    if train_ds is None:  # RunConfig refuses the key with data.mode=online
+        raise ConfigError("drafter.draft_vocab_size: expected a training split to count tokens in")
+    return draft_vocab_map(train_ds, size=size, vocab_size=heads.vocab_size, rule=cfg.train.supervise)
+
+
+def build_drafter(
+    cfg: RunConfig, heads: TargetHeads, d2t: Optional[torch.Tensor] = None
+) -> tuple[DSparkDrafter, list[int], int]:
+    """The model plus, for the shard layout, the context-layer indices and the final-state index.
+    ``d2t``: the draft vocabulary's map when ``drafter.draft_vocab_size`` is set (:func:`draft_map`)."""
     dcfg = cfg.drafter
     captured = cfg.target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
     ctx_ids = cfg.context_layer_ids()  # a subset of target.layer_ids: load_config checked it
@@ -380,6 +410,7 @@ def build_drafter(cfg: RunConfig, heads: TargetHeads) -> tuple[DSparkDrafter, li
         lm_head=heads.lm_head,
         target_norm=heads.final_norm,
         target_norm_eps=heads.rms_norm_eps,
+        d2t=d2t,
     )
     return model, [captured.index(i) for i in ctx_ids], len(captured) - 1
 

@@ -17,7 +17,12 @@ The ``k3_mla`` family has the ``dspark`` layout only: ``architectures: ["K3DSpar
 
 Files: ``config.json`` (what vLLM reads), ``model.safetensors`` (weights without a ``model.``
 prefix and without the embedding, LM head and target norm, which vLLM shares from the target),
-``export.json`` (where the export came from). Layer ids go through :mod:`dspark.core.layer_ids`
+``export.json`` (where the export came from). A reduced draft vocabulary (``draft_vocab_size`` N
+below the target's V, :mod:`dspark.draft_vocab`) adds what vLLM's ``Qwen3DSparkForCausalLM`` and
+``DFlashQwen3ForCausalLM`` then require: ``lm_head.weight`` [N, H] (the target's rows of the kept
+tokens: the head cannot be shared) and ``d2t`` [N] int64 offsets (``target = draft + d2t[draft]``);
+``markov_head.markov_w2`` is [N, r]. With N = V the map is the identity and the export is the full
+vocabulary's. Layer ids go through :mod:`dspark.core.layer_ids`
 (vLLM captures id+1 for each ``target_layer_ids`` entry). :func:`read_export` reads an export
 back for the reference loop and the validator.
 """
@@ -32,11 +37,12 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file
 
-from dspark.checkpoint import SHARED_FROM_TARGET, CheckpointError, TrainingCheckpoint, check_weights
+from dspark.checkpoint import DRAFT_MAP, SHARED_FROM_TARGET, CheckpointError, TrainingCheckpoint, check_weights
 from dspark.core.config import DSparkConfig
 from dspark.core.files import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
 from dspark.core.serving import LAYOUTS
+from dspark.draft_vocab import target_ids
 from dspark.families import family_of_architecture, get_family, served_architectures
 from dspark.families.base import confidence_zero_columns
 from dspark.model import DrafterDims
@@ -118,20 +124,37 @@ def drafter_layouts(cfg: DSparkConfig) -> list[str]:
     return fits
 
 
-def serving_weights(ckpt: TrainingCheckpoint, layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def reduces_vocab(cfg: DSparkConfig, dims: DrafterDims) -> bool:
+    """Whether the drafter drafts over fewer tokens than the target has (its export carries
+    ``d2t`` and its own ``lm_head``)."""
+    return cfg.draft_vocab_size is not None and cfg.draft_vocab_size < dims.vocab_size
+
+
+def serving_weights(
+    ckpt: TrainingCheckpoint, layout: str, dtype: torch.dtype, target_lm_head: Optional[torch.Tensor] = None
+) -> dict[str, torch.Tensor]:
     """Tensors as vLLM names and expects them (the family's names). The confidence head stays
-    fp32 (vLLM keeps it fp32)."""
+    fp32 (vLLM keeps it fp32). A reduced draft vocabulary needs ``target_lm_head`` [V, H] (the
+    target's head): its kept rows are the exported ``lm_head.weight``."""
     family = get_family(ckpt.drafter.family)
     out = {}
     for name, t in ckpt.weights.items():
         if layout == "dflash" and name.startswith("confidence_head."):
             continue
+        if name == DRAFT_MAP:
+            continue
         keep_fp32 = name.startswith("confidence_head.")
         out[family.to_serving(name)] = t.to(torch.float32 if keep_fp32 else dtype).contiguous()
+    if reduces_vocab(ckpt.drafter, ckpt.dims):
+        if target_lm_head is None:
+            raise ExportError(f"{ckpt.path}: a reduced draft vocabulary's export needs the target's LM head")
+        d2t = ckpt.weights[DRAFT_MAP].to(torch.int64)
+        out[DRAFT_MAP] = d2t.contiguous()
+        out["lm_head.weight"] = target_lm_head[target_ids(d2t)].to(dtype).contiguous()
     if layout == "dspark" and ckpt.drafter.markov_rank == 0:
         v = ckpt.dims.vocab_size
         out["markov_head.markov_w1.weight"] = torch.zeros(v, 1, dtype=dtype)
-        out["markov_head.markov_w2.weight"] = torch.zeros(v, 1, dtype=dtype)
+        out["markov_head.markov_w2.weight"] = torch.zeros(ckpt.drafter.draft_vocab_size or v, 1, dtype=dtype)
     pad = confidence_zero_columns(ckpt.drafter) if layout == "dspark" else 0
     if pad:
         name = family.to_serving(CONFIDENCE_WEIGHT)
@@ -235,9 +258,10 @@ def read_export(path: Path) -> ExportedDrafter:
             f"trained with sample_from_anchor={drafter.sample_from_anchor}"
         )
     try:
-        weights = {family.from_serving(k): v.float() for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
+        weights = {family.from_serving(k): v for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise ExportError(f"{path / WEIGHTS_FILE}: cannot be read as safetensors ({type(e).__name__}: {e})") from e
+    weights = draft_vocab_weights(weights, drafter, dims, where=path / WEIGHTS_FILE)
     if layout == "dspark" and drafter.markov_rank == 0:
         weights = {k: v for k, v in weights.items() if not k.startswith("markov_head.")}
     pad = confidence_zero_columns(drafter) if layout == "dspark" else 0
@@ -254,6 +278,31 @@ def read_export(path: Path) -> ExportedDrafter:
     return ExportedDrafter(path, config, prov, layout, drafter, dims, ctx_ids, weights)
 
 
+def draft_vocab_weights(
+    weights: dict[str, torch.Tensor], cfg: DSparkConfig, dims: DrafterDims, *, where: Path
+) -> dict[str, torch.Tensor]:
+    """Served weights read back as ours: fp32, the map ``d2t`` kept int64 (the identity's zeros when
+    the draft vocabulary is the target's whole one, which vLLM needs no map for), the draft's
+    ``lm_head`` and speculators' ``t2d`` dropped (the target's rows at ``d2t`` and the map's mask:
+    rebuilt from the target and the map). A reduced vocabulary without ``d2t`` or ``lm_head``, which
+    vLLM refuses to load, is an :class:`ExportError`."""
+    if reduces_vocab(cfg, dims):
+        missing = [k for k in (DRAFT_MAP, "lm_head.weight") if k not in weights]
+        if missing:
+            raise ExportError(
+                f"{where}: tensor(s) {missing} missing; a draft vocabulary of {cfg.draft_vocab_size} of the target's "
+                f"{dims.vocab_size} tokens is served with its d2t map and its own lm_head"
+            )
+    out = {
+        k: (v.float() if v.is_floating_point() else v.to(torch.int64))
+        for k, v in weights.items()
+        if k not in ("lm_head.weight", "t2d")
+    }
+    if cfg.draft_vocab_size is not None and DRAFT_MAP not in out:
+        out[DRAFT_MAP] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+    return out
+
+
 def load_drafter(exported: ExportedDrafter, heads: Any) -> torch.nn.Module:
     """Our PyTorch drafter with the exported weights and the target's shared tensors."""
     from dspark.model import DSparkDrafter
@@ -265,6 +314,7 @@ def load_drafter(exported: ExportedDrafter, heads: Any) -> torch.nn.Module:
         lm_head=heads.lm_head.float(),
         target_norm=heads.final_norm.float(),
         target_norm_eps=heads.rms_norm_eps,
+        d2t=exported.weights.get(DRAFT_MAP),
     )
     problem = load_weights_problem(model, exported.weights)
     if problem:
@@ -272,9 +322,24 @@ def load_drafter(exported: ExportedDrafter, heads: Any) -> torch.nn.Module:
     return model.eval()
 
 
+def _vocab_of(d2t: Optional[torch.Tensor]) -> str:
+    if d2t is None:
+        return "the full vocabulary"
+    head = ", ".join(str(int(i)) for i in target_ids(d2t.cpu())[:4])
+    return f"{len(d2t)} tokens (target ids {head}, ...)"
+
+
 def load_weights_problem(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> Optional[str]:
     """Load a drafter's trainable weights into ``model`` (the target's shared tensors stay); what
-    did not fit, or None."""
+    did not fit, or None. A draft vocabulary map must be the model's own: its ``lm_head`` and
+    Markov output rows were built for that map."""
+    ours = getattr(model, DRAFT_MAP, None)
+    theirs = weights.get(DRAFT_MAP)
+    if (ours is None) != (theirs is None) or (ours is not None and not torch.equal(ours.cpu(), theirs.cpu())):
+        return (
+            f"weights do not fit the drafter: they draft over {_vocab_of(theirs)} (d2t), this drafter over "
+            f"{_vocab_of(ours)}; expected the same draft vocabulary"
+        )
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if not m.startswith(SHARED_FROM_TARGET)]
     if missing or unexpected:

@@ -196,12 +196,24 @@ class ShardDataset:
         """The sequences at ``indices`` (what a micro batch reads)."""
         return [self[i] for i in indices]
 
-    def read(self, index: int) -> ShardSequence:
-        """The sequence as stored (no cached target distribution attached)."""
+    def tokens(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [T] int64, loss_mask [T] bool) of a sequence, its states not decoded (what
+        counting tokens reads: :mod:`dspark.draft_vocab`)."""
+        batch, row = self._locate(index)
+        ids = batch.column("input_ids")[row].values.to_numpy(zero_copy_only=True)
+        mask = batch.column("loss_mask")[row].values.to_numpy(zero_copy_only=True)
+        return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(bool))
+
+    def _locate(self, index: int) -> tuple[pa.RecordBatch, int]:
         if not 0 <= index < self._len:
             raise IndexError(f"sequence {index} out of range for {self._len} in {self.directory}/{self.split}")
         b = bisect.bisect_right(self._starts, index) - 1
-        batch, row = self._batches[b], index - self._starts[b]
+        return self._batches[b], index - self._starts[b]
+
+    def read(self, index: int) -> ShardSequence:
+        """The sequence as stored (no cached target distribution attached)."""
+        batch, row = self._locate(index)
+        b = bisect.bisect_right(self._starts, index) - 1
         hs = batch.column("hidden_states")
         offsets = np.frombuffer(hs.buffers()[1], dtype=np.int64, count=len(hs) + 1, offset=hs.offset * 8)
         data = hs.buffers()[2]

@@ -103,6 +103,12 @@ def speculators_config(
     missing = [k for k in (*LAYER_CONFIG_KEYS, *DSPARK_KEYS, "rope_theta") if k not in ours]
     if missing:
         raise ExportError(f"{where}: missing {missing}; export again with this version of dspark.export")
+    if ours["draft_vocab_size"] != ours["vocab_size"]:
+        raise ExportError(
+            f"{where}: draft_vocab_size is {ours['draft_vocab_size']}, expected the full vocabulary "
+            f"({ours['vocab_size']}): a reduced draft vocabulary is not converted to speculators' format yet (its t2d "
+            "buffer is not written); serve the export itself, which vLLM and llama.cpp load with its d2t"
+        )
     layer_ids = prov.get("context_layer_ids")
     if prov.get("layer_id_convention") != "hf_hidden_states" or not isinstance(layer_ids, list):
         raise ExportError(
@@ -190,7 +196,7 @@ def read_speculators(path: Path) -> ExportedDrafter:
     if cfg.get("draft_vocab_size") not in (None, vocab):
         raise ExportError(
             f"{where}: draft_vocab_size is {cfg['draft_vocab_size']}, expected the full vocabulary ({vocab}): "
-            "a reduced draft vocabulary is not read yet (issue #38, item 4)"
+            "a reduced draft vocabulary is not read from speculators' format yet (our own export carries one)"
         )
     if cfg.get("mask_token_id") is None:
         raise ExportError(f"{where}: mask_token_id is null, expected the token id the block's masked slots embed")

@@ -142,7 +142,8 @@ class DraftRunner:
         confidence_threshold: Optional[float] = None,
     ) -> tuple[list[int], Optional[torch.Tensor], list[float]]:
         """Drafts for the positions after the anchor (at position ``self.length``). Returns the
-        tokens, their proposal distributions [g, V] (sampling only) and confidences (if a head)."""
+        tokens (target ids), their proposal distributions [g, V] over the target vocabulary
+        (sampling only) and confidences (if a head)."""
         d, a = self.drafter, self.length
         q = gamma if self.cfg.sample_from_anchor else gamma + 1
         block = torch.full((1, q), d.dims.mask_token_id, dtype=torch.long, device=self.device)
@@ -161,12 +162,14 @@ class DraftRunner:
                 if confidence_threshold is not None and k > 0 and conf < confidence_threshold:
                     break
                 confs.append(conf)
+            # a reduced draft vocabulary drafts a draft id, mapped to its target id (d2t) as vLLM does;
+            # its proposal distribution is 0 on the other target tokens
             if temperature > 0:  # sampled on the host, with the host generator, wherever the model runs
                 p = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-                tok = int(torch.multinomial(p, 1, generator=gen))
-                probs.append(p)
+                tok = int(d.to_target_ids(torch.multinomial(p, 1, generator=gen)))
+                probs.append(d.to_target_vocab(p))
             else:
-                tok = int(torch.argmax(logits))
+                tok = int(d.to_target_ids(torch.argmax(logits)))
             tokens.append(tok)
             prev.append(tok)
         return tokens, (torch.stack(probs) if probs else None), confs

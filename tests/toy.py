@@ -167,6 +167,7 @@ def tiny_drafter(
     lm_head: torch.Tensor | None = None,
     target_norm_eps: float = 1e-6,
     seed: int | None = 0,
+    d2t: torch.Tensor | None = None,
 ) -> DSparkDrafter:
     """A DSparkDrafter for ``cfg`` (train mode, as constructed).
 
@@ -174,7 +175,7 @@ def tiny_drafter(
     norm. Otherwise on a made-up target as wide as ``cfg.hidden_size`` with ``vocab_size`` tokens:
     ``embed_tokens`` and ``lm_head`` as given, else N(0, 1) (drawn in that order), a final norm of
     ones. ``seed``: ``torch.manual_seed`` before anything random is drawn (None: the global
-    generator as it stands)."""
+    generator as it stands). ``d2t``: the draft vocabulary's map (``cfg.draft_vocab_size`` set)."""
     import torch
 
     from dspark.model import DSparkDrafter, resolve_dims
@@ -204,6 +205,7 @@ def tiny_drafter(
         lm_head=lm_head,
         target_norm=target_norm,
         target_norm_eps=target_norm_eps,
+        d2t=d2t,
     )
 
 

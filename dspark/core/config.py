@@ -52,6 +52,9 @@ DRAFTER_FAMILIES = {
 }
 """``drafter.family`` choices -> the ``drafter.*`` fields only that family reads. The families
 themselves are registered in :mod:`dspark.families` (which checks it has exactly these)."""
+FULL_VOCAB_FAMILIES = ("k3_mla",)
+"""Drafter families whose vLLM class has no draft vocabulary map (``drafter.draft_vocab_size``
+refused): K3's ``K3DSparkForCausalLM`` takes the full vocabulary, with no d2t."""
 FAMILY_TAG_DEFAULTS = {"k3_mla": {"rope_theta": 50_000.0}}
 """What ``conf/drafter/<family>.yaml`` sets besides ``family``: a run name spells a field only
 where it differs from these (``k3_mla-markov256``, not ``...-rope50000.0``); tests/test_configs.py
@@ -248,9 +251,25 @@ class DSparkConfig:
     """``k3_mla`` only: per-head RoPE width (one k_pe shared by all heads)."""
     v_head_dim: Optional[int] = None
     """``k3_mla`` only: per-head value width."""
+    draft_vocab_size: Optional[int] = None
+    """The draft's own vocabulary: the N target tokens most frequent among the training split's
+    supervised next tokens (:mod:`dspark.draft_vocab`, as speculators builds its ``d2t``), with its
+    own frozen LM head (the target's rows of those tokens) and a Markov output over them; vLLM's
+    ``Qwen3DSparkModel`` serves it through ``d2t``. A token outside it is never drafted. None: the
+    target's full vocabulary. An int in [1, the target's vocab_size]; ``qwen3`` family only (vLLM's
+    K3 class serves the full vocabulary)."""
 
     def __post_init__(self) -> None:
         _choice("drafter.family", self.family, tuple(DRAFTER_FAMILIES))
+        if self.draft_vocab_size is not None and not _unresolved(self.draft_vocab_size):
+            _at_least("drafter.draft_vocab_size", self.draft_vocab_size, 1)
+            _check(
+                self.family not in FULL_VOCAB_FAMILIES,
+                "drafter.draft_vocab_size",
+                self.draft_vocab_size,
+                f"vLLM's class for drafter.family={self.family} serves the target's full vocabulary only (no d2t); "
+                "expected null",
+            )
         for fam, keys in DRAFTER_FAMILIES.items():
             for key in keys:
                 value = getattr(self, key)
@@ -302,6 +321,7 @@ _TAG_NAMES = {
     "qk_nope_head_dim": "nope",
     "qk_rope_head_dim": "ropehd",
     "v_head_dim": "vhd",
+    "draft_vocab_size": "dv",
 }
 _TAG_SPELLED = ("family", "markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")
 
@@ -955,6 +975,13 @@ class RunConfig:
 
         if self.data.mode == "online":
             self._check_online()
+            _check(
+                self.drafter.draft_vocab_size is None,
+                "drafter.draft_vocab_size",
+                self.drafter.draft_vocab_size,
+                "expected null with data.mode=online: the draft vocabulary is built from the training split's "
+                "answers before the first step, and a streamed run has none yet; train it offline or colocated",
+            )
         if self.data.mode == "colocated":
             _check(
                 self.train.target_topk == 0,

@@ -137,7 +137,7 @@ class Qwen3Family(DrafterFamily):
             "rope_theta": cfg.rope_theta,
             "max_position_embeddings": max_position_embeddings,
             "vocab_size": dims.vocab_size,
-            "draft_vocab_size": dims.vocab_size,
+            "draft_vocab_size": cfg.draft_vocab_size or dims.vocab_size,  # < vocab_size: served with d2t
             "tie_word_embeddings": False,
             "attention_bias": False,
             "torch_dtype": dtype,

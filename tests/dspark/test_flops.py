@@ -23,7 +23,10 @@ VOCAB, HIDDEN, CTX_LAYERS = 64, 32, 2
 
 def counted_step(cfg, *, recompute: bool, topk: bool, batch: int = 2, tokens: int = 24, anchors: int = 3):
     """(FLOPs FlopCounterMode counts in one forward + loss + backward, the formula's count)."""
-    model = tiny_drafter(cfg, vocab_size=VOCAB, num_context_layers=CTX_LAYERS)
+    from dspark.draft_vocab import build_d2t
+
+    d2t = build_d2t(torch.arange(VOCAB) % 5, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
+    model = tiny_drafter(cfg, vocab_size=VOCAB, num_context_layers=CTX_LAYERS, d2t=d2t)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (batch, tokens), generator=g)
     mask = torch.zeros(batch, tokens, dtype=torch.bool)
@@ -78,6 +81,8 @@ def counted_step(cfg, *, recompute: bool, topk: bool, batch: int = 2, tokens: in
         ({"markov_head_type": "gated", "sample_from_anchor": False}, True, False),  # DFlash layout: 1+gamma queries
         ({"markov_head_type": "rnn", "enable_confidence_head": False}, False, False),
         ({"markov_rank": 0, "confidence_head_with_markov": False}, True, False),
+        ({"draft_vocab_size": 24}, True, False),  # a reduced draft vocabulary: draft head and Markov output 24 wide
+        ({"draft_vocab_size": 24}, False, True),
         (  # Kimi K3's family: MLA layers (latent, its expansion, Dn+Dr-wide scores, Dv-wide values)
             dict(
                 family="k3_mla", q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6

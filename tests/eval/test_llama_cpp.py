@@ -382,6 +382,64 @@ def test_a_markov_off_drafter_with_a_confidence_head_is_served_and_accepts_what_
 
 
 @pytest.mark.slow
+def test_a_reduced_draft_vocabulary_is_served_through_d2t_and_accepts_what_the_reference_does(
+    tmp_path, llama_cpp, tiny_pair
+):
+    """A drafter over 256 of the target's tokens (drafter.draft_vocab_size, issue #38 item 4): llama.cpp's
+    converter reads its d2t and lm_head, and llama-server drafts target tokens through the map exactly
+    as the reference loop does (the same tokens, the same acceptance per position)."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dspark.checkpoint import load_training_checkpoint
+    from dspark.core.target import load_target_heads
+    from dspark.draft_vocab import build_d2t, target_ids
+    from dspark.export import export
+    from dspark.gguf import check_pair, convert_export, gguf_fields
+    from dspark.serving_format import load_drafter, read_export
+    from eval.llama_serve import LlamaCppServing, serve_prompts
+    from eval.reference import DecodeConfig, DraftRunner, TargetRunner, speculative_generate
+
+    target, _, _, target_dir = tiny_pair
+    ckpt = load_training_checkpoint(_ckpt_of(tiny_pair))
+    heads = load_target_heads(target_dir)
+    prompts = _prompts()
+    counts = torch.zeros(heads.vocab_size, dtype=torch.int64)
+    for p in prompts:  # keep the prompts' tokens and the most common others (by id)
+        counts[p.prompt_token_ids] += 1
+    d2t = build_d2t(counts, 256)
+    weights = dict(ckpt.weights, d2t=d2t)
+    weights["markov_head.markov_w2.weight"] = ckpt.weights["markov_head.markov_w2.weight"][target_ids(d2t)]
+    reduced = dataclasses.replace(
+        ckpt, drafter=dataclasses.replace(ckpt.drafter, draft_vocab_size=256), weights=weights
+    )
+    export(reduced, tmp_path / "dv", layout="dspark", target_dir=target_dir)
+    draft = convert_export(llama_cpp, tmp_path / "dv", target_dir, "f32")
+    check_pair(llama_cpp, target, draft, layout="dspark", gamma=4, log_dir=tmp_path / "check")
+    gamma, n = 4, 24
+    s = LlamaCppServing(llama_cpp, target, ctx=512, gamma=gamma, max_new_tokens=n, temperature=0.0, seed=0)
+    served = serve_prompts(s, LLAMA_CPP_BY_NAME["dspark"], draft, prompts, tmp_path / "dv.log")
+    assert not _servers_left()
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    exp = read_export(tmp_path / "dv")
+    cfg = DecodeConfig(gamma=gamma, max_new_tokens=n, budget_blocks=True)
+    for p, got in zip(prompts, served):
+        ref = speculative_generate(
+            TargetRunner(model, exp.context_layer_ids),
+            DraftRunner(load_drafter(exp, heads)),
+            p.prompt_token_ids,
+            cfg,
+            set(),
+            torch.Generator().manual_seed(0),
+        )
+        assert got["output_ids"] == ref.tokens and got["num_drafts"] == ref.counts.num_drafts > 0
+        assert got["accepted_per_pos"] == ref.counts.accepted_per_pos
+    assert gguf_fields(draft)  # the GGUF reads back
+
+
+@pytest.mark.slow
 def test_the_serving_benchmark_drives_llama_server_with_vllms_client_and_counts_from_its_metrics(
     tmp_path, llama_cpp, tiny_pair
 ):
