@@ -23,6 +23,7 @@ validation split, fixed anchors) gives val tau and pos-1 with their 95 % interva
 
     .venv/bin/python benchmarks/speculators_side_by_side.py +experiment=smollm2_cpu_demo \\
         --steps 200 --validate-at 25 50 100 200 [--json outputs/benchmarks/side_by_side.json]
+    .venv/bin/python benchmarks/speculators_side_by_side.py --summarize RUN.json [RUN.json ...]  # seeds
 """
 
 from __future__ import annotations
@@ -179,7 +180,62 @@ def run_speculators(tr: Any, heads: Any, tmp: Path, *, matched: bool, validate_a
     return {"validations": rows, "seconds_per_step": seconds / max(steps_done, 1), "loss": spec}
 
 
+def summarize(paths: list[Path]) -> str:
+    """One Markdown table over several runs' JSON (one per seed): per arm and validated step the
+    mean val tau and pos-1 over seeds with their standard error, the training seconds per step and
+    predictions/s (every arm sees the same batches, so ours' predictions per step hold for all),
+    then each arm's difference from ``ours`` at the last step, paired by seed."""
+    import statistics
+
+    reports = [json.loads(p.read_text()) for p in paths]
+
+    def mean_se(xs: list[float]) -> str:
+        if len(xs) < 2:
+            return f"{xs[0]:.3f}" if xs else "-"
+        return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs) / math.sqrt(len(xs)):.3f}"
+
+    arms = [a for a in ARMS if any(a in r for r in reports)]
+    steps = sorted({v["step"] for r in reports for a in arms if a in r for v in r[a]["validations"]})
+    per_step = {}  # predictions per step, from ours
+    for r in reports:
+        if "ours" in r:
+            per_step[id(r)] = r["ours"]["predictions_per_s"] * r["ours"]["seconds_per_step"]
+    head = " | ".join(f"step {s}" for s in steps)
+    lines = [
+        f"| arm | seeds | {head} | pos-1, step {steps[-1]} | s / step | predictions/s |",
+        "|---|---|" + "---|" * (len(steps) + 3),
+    ]
+    last: dict[str, dict[int, dict]] = {}
+    for arm in arms:
+        runs = [r for r in reports if arm in r]
+        taus = []
+        for s in steps:
+            taus.append(mean_se([v["tau"] for r in runs for v in r[arm]["validations"] if v["step"] == s]))
+        pos1 = [v["pos1"] for r in runs for v in r[arm]["validations"] if v["step"] == steps[-1]]
+        sps = [r[arm]["seconds_per_step"] for r in runs]
+        pps = [per_step[id(r)] / r[arm]["seconds_per_step"] for r in runs if id(r) in per_step]
+        pps_txt = f"{statistics.mean(pps):.0f}" if pps else "-"
+        lines.append(
+            f"| {arm} | {len(runs)} | {' | '.join(taus)} | {mean_se(pos1)} | {statistics.mean(sps):.2f} | {pps_txt} |"
+        )
+        last[arm] = {
+            r.get("seed", i): next(v for v in r[arm]["validations"] if v["step"] == steps[-1])
+            for i, r in enumerate(reports)
+            if arm in r
+        }
+    lines.append("")
+    for arm in arms[1:]:
+        pairs = [k for k in last[arm] if k in last.get("ours", {})]
+        for key in ("tau", "pos1"):
+            d = [last[arm][k][key] - last["ours"][k][key] for k in pairs]
+            lines.append(f"- {arm} - ours, {key} at step {steps[-1]}, paired over {len(d)} seeds: {mean_se(d)}")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--summarize"]:
+        print(summarize([Path(a) for a in sys.argv[2:]]))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides naming the run, as for train.py")
     p.add_argument("--steps", type=int, default=200)
@@ -240,9 +296,9 @@ def main() -> None:
             finally:
                 tr.close()
         print(f"{arm}: {report[arm]['seconds_per_step']:.2f} s per step", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        if args.json:  # after each arm: a run stopped later keeps the arms it finished
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
