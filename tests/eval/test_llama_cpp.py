@@ -276,6 +276,33 @@ def _prompts():
     ]
 
 
+def _assert_served_as_reference(served: list, prompts: list, exp_dir: Path, target_dir: Path, gamma: int, n: int):
+    """Each served prompt's tokens, drafts and per-position acceptance equal the reference loop's
+    (greedy, llama.cpp's last-block rule) for the export in ``exp_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dspark.core.target import load_target_heads
+    from dspark.serving_format import load_drafter, read_export
+    from eval.reference import DecodeConfig, DraftRunner, TargetRunner, speculative_generate
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    exp = read_export(exp_dir)
+    drafter = load_drafter(exp, load_target_heads(target_dir))
+    cfg = DecodeConfig(gamma=gamma, max_new_tokens=n, budget_blocks=True)
+    for p, got in zip(prompts, served, strict=True):
+        ref = speculative_generate(
+            TargetRunner(model, exp.context_layer_ids),
+            DraftRunner(drafter),
+            p.prompt_token_ids,
+            cfg,
+            set(),
+            torch.Generator().manual_seed(0),
+        )
+        assert got["output_ids"] == ref.tokens and got["num_drafts"] == ref.counts.num_drafts > 0, p.prompt_id
+        assert got["accepted_per_pos"] == ref.counts.accepted_per_pos, p.prompt_id
+
+
 @pytest.mark.slow
 def test_every_method_gives_the_targets_greedy_tokens_and_llama_cpp_accepts_what_the_reference_does(
     tmp_path, llama_cpp, tiny_pair
@@ -340,16 +367,11 @@ def test_a_markov_off_drafter_with_a_confidence_head_is_served_and_accepts_what_
     zero Markov column, and llama.cpp (which refused the state-only form) now serves it."""
     import dataclasses
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from dspark.checkpoint import load_training_checkpoint
-    from dspark.core.target import load_target_heads
     from dspark.export import export
     from dspark.gguf import check_pair, convert_export
-    from dspark.serving_format import load_drafter, read_export
+    from dspark.serving_format import read_export
     from eval.llama_serve import LlamaCppServing, serve_prompts
-    from eval.reference import DecodeConfig, DraftRunner, TargetRunner, speculative_generate
 
     target, _, _, target_dir = tiny_pair
     ckpt = load_training_checkpoint(_ckpt_of(tiny_pair))
@@ -364,21 +386,9 @@ def test_a_markov_off_drafter_with_a_confidence_head_is_served_and_accepts_what_
     s = LlamaCppServing(llama_cpp, target, ctx=512, gamma=gamma, max_new_tokens=n, temperature=0.0, seed=0)
     served = serve_prompts(s, LLAMA_CPP_BY_NAME["dspark"], draft, prompts, tmp_path / "off.log")
     assert not _servers_left()
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     exp = read_export(tmp_path / "off")
     assert exp.drafter.markov_rank == 0 and exp.weights["confidence_head.proj.weight"].shape == (1, h)
-    cfg = DecodeConfig(gamma=gamma, max_new_tokens=n, budget_blocks=True)
-    for p, got in zip(prompts, served):
-        ref = speculative_generate(
-            TargetRunner(model, exp.context_layer_ids),
-            DraftRunner(load_drafter(exp, load_target_heads(target_dir))),
-            p.prompt_token_ids,
-            cfg,
-            set(),
-            torch.Generator().manual_seed(0),
-        )
-        assert got["output_ids"] == ref.tokens and got["num_drafts"] == ref.counts.num_drafts > 0
-        assert got["accepted_per_pos"] == ref.counts.accepted_per_pos
+    _assert_served_as_reference(served, prompts, tmp_path / "off", target_dir, gamma, n)
 
 
 @pytest.mark.slow
@@ -391,16 +401,13 @@ def test_a_reduced_draft_vocabulary_is_served_through_d2t_and_accepts_what_the_r
     import dataclasses
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from dspark.checkpoint import load_training_checkpoint
     from dspark.core.target import load_target_heads
     from dspark.draft_vocab import build_d2t, target_ids
     from dspark.export import export
     from dspark.gguf import check_pair, convert_export, gguf_fields
-    from dspark.serving_format import load_drafter, read_export
     from eval.llama_serve import LlamaCppServing, serve_prompts
-    from eval.reference import DecodeConfig, DraftRunner, TargetRunner, speculative_generate
 
     target, _, _, target_dir = tiny_pair
     ckpt = load_training_checkpoint(_ckpt_of(tiny_pair))
@@ -422,20 +429,7 @@ def test_a_reduced_draft_vocabulary_is_served_through_d2t_and_accepts_what_the_r
     s = LlamaCppServing(llama_cpp, target, ctx=512, gamma=gamma, max_new_tokens=n, temperature=0.0, seed=0)
     served = serve_prompts(s, LLAMA_CPP_BY_NAME["dspark"], draft, prompts, tmp_path / "dv.log")
     assert not _servers_left()
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    exp = read_export(tmp_path / "dv")
-    cfg = DecodeConfig(gamma=gamma, max_new_tokens=n, budget_blocks=True)
-    for p, got in zip(prompts, served):
-        ref = speculative_generate(
-            TargetRunner(model, exp.context_layer_ids),
-            DraftRunner(load_drafter(exp, heads)),
-            p.prompt_token_ids,
-            cfg,
-            set(),
-            torch.Generator().manual_seed(0),
-        )
-        assert got["output_ids"] == ref.tokens and got["num_drafts"] == ref.counts.num_drafts > 0
-        assert got["accepted_per_pos"] == ref.counts.accepted_per_pos
+    _assert_served_as_reference(served, prompts, tmp_path / "dv", target_dir, gamma, n)
     assert gguf_fields(draft)  # the GGUF reads back
 
 
