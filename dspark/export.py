@@ -23,11 +23,11 @@ from safetensors.torch import save_file
 from dspark.checkpoint import TrainingCheckpoint, latest_tag, load_training_checkpoint
 from dspark.core.config import TORCH_DTYPES, TargetConfig
 from dspark.core.errors import exit_on_user_error
+from dspark.core.families import get_family
 from dspark.core.files import atomic_path, remove_stale_temporaries, replace_problem, reporting_disk_full
 from dspark.core.layer_ids import CONVENTION
 from dspark.core.serving import BY_LAYOUT, LAYOUTS
 from dspark.core.target_dir import read_text_config
-from dspark.families import get_family
 from dspark.gguf import GGUF_TYPES
 from dspark.serving_format import (
     CONFIG_FILE,

@@ -24,10 +24,10 @@ from typing import Any, Optional
 
 import torch
 
+from dspark.core.families import get_family
 from dspark.core.files import free_port
 from dspark.core.serving import BY_LAYOUT
 from dspark.core.target_dir import read_text_config
-from dspark.families import get_family
 from dspark.serving_format import ExportError
 from dspark.speculators_format import read_drafter_dir, verifier_dir
 

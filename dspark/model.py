@@ -6,7 +6,7 @@ mirrored here so training = serving):
 
 * context: the chosen target layers' states, concatenated per token, ``fc`` -> ``hidden_norm``;
   in every layer that layer's own projections turn it into extra keys/values (its drafter
-  family's layers, :mod:`dspark.families`: GQA ``k_proj``/``v_proj`` for Qwen3, the MLA latent
+  family's layers, :mod:`dspark.core.families`: GQA ``k_proj``/``v_proj`` for Qwen3, the MLA latent
   for K3), RoPE at the context position. Queries come only from the block.
 * block for an anchor at position a (the last verified token):
   ``sample_from_anchor=True``  inputs [x_a, m, ..., m] (gamma) at a..a+gamma-1; query i
@@ -38,9 +38,8 @@ import torch
 from torch import nn
 
 from dspark.core.config import ConfigError, DSparkConfig
-from dspark.dims import DrafterDims
-from dspark.families import get_family
-from dspark.layers import RMSNorm
+from dspark.core.families import DrafterDims, get_family
+from dspark.core.families.layers import RMSNorm
 
 
 def resolve_dims(
@@ -48,7 +47,7 @@ def resolve_dims(
 ) -> DrafterDims:
     """Derive sizes left open in ``DSparkConfig`` from the target: width and head layout copy
     the target's when the drafter is as wide as the target (the usual DFlash/DSpark choice);
-    the family fills in its own sizes (:meth:`dspark.families.base.DrafterFamily.resolve_dims`)."""
+    the family fills in its own sizes (:meth:`dspark.core.families.base.DrafterFamily.resolve_dims`)."""
     t_hidden = int(target_config["hidden_size"])
     hidden = cfg.hidden_size or t_hidden
     if hidden == t_hidden and cfg.head_dim is None:
@@ -356,7 +355,7 @@ class DSparkDrafter(nn.Module):
 def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str, tuple[int, ...]]:
     """Every trainable tensor of the drafter and its shape, read off the model itself (built on
     the meta device, so nothing is allocated): the checkpoint's names (the served names through
-    the family's :meth:`~dspark.families.base.DrafterFamily.to_serving`), plus the draft
+    the family's :meth:`~dspark.core.families.base.DrafterFamily.to_serving`), plus the draft
     vocabulary's ``d2t`` map when the drafter has one (a buffer, kept with the weights)."""
     with torch.device("meta"):
         model = DSparkDrafter(

@@ -1,6 +1,6 @@
 """The serving format: the directory vLLM loads as a draft model, declared once.
 
-The layout (below) is the vLLM method; the drafter family (:mod:`dspark.families`) says which
+The layout (below) is the vLLM method; the drafter family (:mod:`dspark.core.families`) says which
 vLLM class serves it (``architectures[0]``), the config.json that class reads and the names
 its loader reads. For the default family, ``qwen3``:
 
@@ -39,12 +39,12 @@ from safetensors.torch import load_file
 
 from dspark.checkpoint import DRAFT_MAP, SHARED_FROM_TARGET, CheckpointError, TrainingCheckpoint, check_weights
 from dspark.core.config import DSparkConfig
+from dspark.core.families import family_of_architecture, get_family, served_architectures
+from dspark.core.families.base import confidence_zero_columns, missing_served_fields
 from dspark.core.files import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
 from dspark.core.serving import LAYOUTS
 from dspark.draft_vocab import target_ids
-from dspark.families import family_of_architecture, get_family, served_architectures
-from dspark.families.base import confidence_zero_columns
 from dspark.model import DrafterDims
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,10 @@ def architecture(cfg: DSparkConfig, layout: str) -> str:
 
 
 def draft_config(ckpt: TrainingCheckpoint, layout: str, target_config: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """config.json for ``layout``: the drafter family's config plus the drafter fields vLLM reads."""
-    return get_family(ckpt.drafter.family).config_json(
+    """config.json for ``layout``: the drafter family's config plus the drafter fields vLLM reads,
+    checked to carry the fields every DSpark-family class reads (:func:`served_fields`)."""
+    family = get_family(ckpt.drafter.family)
+    config = family.config_json(
         ckpt.drafter,
         ckpt.dims,
         layout,
@@ -73,6 +75,13 @@ def draft_config(ckpt: TrainingCheckpoint, layout: str, target_config: dict[str,
         max_position_embeddings=int(target_config.get("max_position_embeddings") or 32768),
         dtype=dtype,
     )
+    wrong = missing_served_fields(config, ckpt.drafter, ckpt.dims, dtype)
+    if wrong:
+        raise ExportError(
+            f"drafter family {family.name!r} wrote a {layout} config.json without the fields every DSpark "
+            f"class reads ({'; '.join(wrong)}): its config_json should include base.served_fields(...)"
+        )
+    return config
 
 
 def layout_problem(cfg: DSparkConfig, layout: str) -> Optional[str]:

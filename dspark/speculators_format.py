@@ -32,9 +32,9 @@ from safetensors.torch import load_file
 
 from dspark.checkpoint import check_weights
 from dspark.core.config import DSparkConfig
+from dspark.core.families import DrafterDims
 from dspark.core.files import atomic_path, read_json, remove_stale_temporaries, replace_problem
 from dspark.core.shard_format import layer_ids_problem
-from dspark.dims import DrafterDims
 from dspark.serving_format import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, ExportedDrafter, ExportError
 
 SPECULATORS_VERSION = "0.9.0"

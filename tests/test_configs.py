@@ -138,15 +138,15 @@ def test_kimi_k3_preset():
 
 
 def test_family_presets_set_what_their_run_names_take_as_given():
-    from dspark.core.config import DRAFTER_FAMILIES, FAMILY_TAG_DEFAULTS
+    from dspark.core.families import FAMILIES
 
-    for family in DRAFTER_FAMILIES:
+    for family, fam in FAMILIES.items():
         preset = REPO / "conf" / "drafter" / f"{family}.yaml"
         if family == "qwen3":
-            assert FAMILY_TAG_DEFAULTS.get(family, {}) == {}  # conf/drafter/dspark.yaml: the schema's defaults
+            assert fam.tag_defaults == {}  # conf/drafter/dspark.yaml: the schema's defaults
             continue
         fields = {k: v for k, v in OmegaConf.to_container(OmegaConf.load(preset)).items() if k != "family"}
-        assert fields == FAMILY_TAG_DEFAULTS.get(family, {}), preset
+        assert fields == fam.tag_defaults, preset
 
 
 def test_smollm2_demo_preset():

@@ -6,6 +6,10 @@ by :func:`load_config`, which every entry point calls right after composing and 
 stage starts; it returns the typed :class:`RunConfig` that the stages receive. The yaml files
 in ``conf/`` list only what a preset changes.
 
+The drafter's fields are the one exception: :class:`DSparkConfig` is composed from the fields
+every family reads (:mod:`dspark.core.families.shared`) and each family's own, declared in its
+module (docs/architecture.md, "Adding a drafter family").
+
 Why this file is over 600 lines: it is the schema, read as a reference (every key of every group
 with its default, its docstring and its check, in the order of ``conf/config.yaml``), and
 :class:`RunConfig`'s checks across groups need all of them. Most of its length is field
@@ -29,6 +33,8 @@ from omegaconf import II, DictConfig, OmegaConf
 
 from dspark.core import fp8
 from dspark.core.errors import UserError, exit_on_user_error
+from dspark.core.families import FAMILIES, FIELD_CLASSES, FIELD_FAMILY
+from dspark.core.families.shared import SharedDrafterFields
 from dspark.core.layer_ids import spread_layer_ids
 from dspark.core.serving import BASELINES, BENCH_CONFIGS, LLAMA_CPP_BY_NAME
 from dspark.core.target_dir import TargetError, check_field, hf_target_dir, read_config
@@ -46,19 +52,9 @@ computes in them."""
 STORE_DTYPES = DTYPES + FP8_STORE_DTYPES
 """Every ``data.store_dtype``; :data:`dspark.core.shard_format.STORE_DTYPES` maps them to bytes."""
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
-DRAFTER_FAMILIES = {
-    "qwen3": (),
-    "k3_mla": ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
-}
-"""``drafter.family`` choices -> the ``drafter.*`` fields only that family reads. The families
-themselves are registered in :mod:`dspark.families` (which checks it has exactly these)."""
-FULL_VOCAB_FAMILIES = ("k3_mla",)
-"""Drafter families whose vLLM class has no draft vocabulary map (``drafter.draft_vocab_size``
-refused): K3's ``K3DSparkForCausalLM`` takes the full vocabulary, with no d2t."""
-FAMILY_TAG_DEFAULTS = {"k3_mla": {"rope_theta": 50_000.0}}
-"""What ``conf/drafter/<family>.yaml`` sets besides ``family``: a run name spells a field only
-where it differs from these (``k3_mla-markov256``, not ``...-rope50000.0``); tests/test_configs.py
-keeps the two equal."""
+DRAFTER_FAMILIES = {name: fam.config_fields for name, fam in FAMILIES.items()}
+"""``drafter.family`` choices -> the ``drafter.*`` fields only that family reads (each family
+declares its own in its module, :mod:`dspark.core.families`)."""
 COMPRESSIONS = ("none", "zstd")
 ON_OVERLONG = ("skip", "truncate")
 STAGES = ("extract", "train", "eval", "serve_bench")
@@ -202,83 +198,31 @@ class TargetConfig:
 
 
 @dataclass
-class DSparkConfig:
-    """The DSpark drafter (arXiv 2607.05147; serving contract of vLLM 0.32)."""
-
-    family: str = "qwen3"
-    """The backbone's layers and the vLLM class that serves them (:mod:`dspark.families`):
-    ``qwen3`` (GQA, ``Qwen3DSparkModel``/``DFlashDraftModel``) or ``k3_mla`` (Kimi K3's
-    multi-head latent attention, ``K3DSparkModel``; ``drafter=k3_mla``)."""
-    num_layers: int = 5
-    """Decoder layers in the non-causal block-diffusion backbone."""
-    block_size: int = 7
-    """gamma: tokens drafted per forward (anchor + gamma-1 mask tokens)."""
-    hidden_size: Optional[int] = None
-    """Backbone width; None means the target's hidden size."""
-    intermediate_size: Optional[int] = None
-    """SwiGLU width; None means 3x hidden size."""
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 4
-    head_dim: Optional[int] = None
-    """None means hidden_size // num_attention_heads."""
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    target_layer_ids: Optional[list[int]] = None
-    """Which captured target layers feed the context (subset of target.layer_ids);
-    None means all of them."""
-    sample_from_anchor: bool = True
-    """True: the anchor position predicts the next token (gamma drafts from gamma inputs,
-    DSpark layout). False: the anchor is given and masks are predicted (DFlash layout)."""
-    markov_rank: int = 256
-    """Rank of the low-rank sequential Markov head; 0 turns it off (= DFlash)."""
-    markov_head_type: str = "vanilla"
-    """vanilla (served by vLLM), gated or rnn."""
-    mask_token_id: Optional[int] = None
-    """Token whose (frozen, shared) embedding fills the block's mask slots; None means the
-    tokenizer's unk token (else its eos)."""
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    """Feed the Markov embedding W1[x_{k-1}] into the confidence head."""
-    q_lora_rank: Optional[int] = None
-    """``k3_mla`` only: the query's low rank Rq. None (this and the four below): the target's
-    value when the drafter is as wide as the target and the target has one, else K3's
-    (:data:`dspark.families.k3_mla.K3_DSPARK_SIZES`: 1536, 512, 128, 64, 128)."""
-    kv_lora_rank: Optional[int] = None
-    """``k3_mla`` only: the latent width R (the cache holds R + qk_rope_head_dim per token and layer)."""
-    qk_nope_head_dim: Optional[int] = None
-    """``k3_mla`` only: per-head query/key width without RoPE."""
-    qk_rope_head_dim: Optional[int] = None
-    """``k3_mla`` only: per-head RoPE width (one k_pe shared by all heads)."""
-    v_head_dim: Optional[int] = None
-    """``k3_mla`` only: per-head value width."""
-    draft_vocab_size: Optional[int] = None
-    """The draft's own vocabulary: the N target tokens most frequent among the training split's
-    supervised next tokens (:mod:`dspark.draft_vocab`, as speculators builds its ``d2t``), with its
-    own frozen LM head (the target's rows of those tokens) and a Markov output over them; vLLM's
-    ``Qwen3DSparkModel`` serves it through ``d2t``. A token outside it is never drafted. None: the
-    target's full vocabulary. An int in [1, the target's vocab_size]; ``qwen3`` family only (vLLM's
-    K3 class serves the full vocabulary)."""
+class DSparkConfig(*FIELD_CLASSES, SharedDrafterFields):
+    """The DSpark drafter (arXiv 2607.05147; serving contract of vLLM 0.32): the shared fields
+    (:class:`SharedDrafterFields`), then each registered family's own (``DrafterFamily.fields``
+    in its module: ``k3_mla``'s MLA sizes), flat under ``drafter.``."""
 
     def __post_init__(self) -> None:
         _choice("drafter.family", self.family, tuple(DRAFTER_FAMILIES))
         if self.draft_vocab_size is not None and not _unresolved(self.draft_vocab_size):
             _at_least("drafter.draft_vocab_size", self.draft_vocab_size, 1)
             _check(
-                self.family not in FULL_VOCAB_FAMILIES,
+                FAMILIES[self.family].serves_draft_vocab,
                 "drafter.draft_vocab_size",
                 self.draft_vocab_size,
                 f"vLLM's class for drafter.family={self.family} serves the target's full vocabulary only (no d2t); "
                 "expected null",
             )
-        for fam, keys in DRAFTER_FAMILIES.items():
-            for key in keys:
-                value = getattr(self, key)
-                if value is not None and not _unresolved(value):
-                    if self.family != fam:
-                        raise ConfigError(
-                            f"drafter.{key}={value}: read by drafter.family={fam} only, this drafter is "
-                            f"{self.family!r}; expected null (or drafter={fam})"
-                        )
+        for key, fam in FIELD_FAMILY.items():
+            value = getattr(self, key)
+            if value is not None and not _unresolved(value):
+                if self.family != fam:
+                    raise ConfigError(
+                        f"drafter.{key}={value}: read by drafter.family={fam} only, this drafter is "
+                        f"{self.family!r}; expected null (or drafter={fam})"
+                    )
+                if isinstance(value, int) and not isinstance(value, bool):  # a family's sizes
                     _at_least(f"drafter.{key}", value, 1)
         if self.num_layers < 1:
             raise ConfigError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
@@ -316,12 +260,8 @@ _TAG_NAMES = {
     "target_layer_ids": "ctx",
     "mask_token_id": "mask",
     "confidence_head_with_markov": "confmarkov",
-    "q_lora_rank": "qr",
-    "kv_lora_rank": "kvr",
-    "qk_nope_head_dim": "nope",
-    "qk_rope_head_dim": "ropehd",
-    "v_head_dim": "vhd",
     "draft_vocab_size": "dv",
+    **{k: v for fam in FAMILIES.values() for k, v in fam.tag_names.items()},  # each family's own
 }
 _TAG_SPELLED = ("family", "markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")
 
@@ -339,7 +279,7 @@ def drafter_tag(drafter: Any) -> str:
     default = asdict(DSparkConfig())
     family = d.get("family", default["family"])
     named_family = [family] if family != default["family"] else []
-    default.update(FAMILY_TAG_DEFAULTS.get(family, {}))
+    default.update(FAMILIES[family].tag_defaults if family in FAMILIES else {})
     head = f"markov{d['markov_rank']}" + (
         d["markov_head_type"] if d["markov_rank"] and d["markov_head_type"] != "vanilla" else ""
     )

@@ -25,7 +25,7 @@ class ServingMethod:
     """vLLM's ``speculative_config["method"]``; None: no speculation."""
     layout: Optional[str] = None
     """The export layout its draft model is; None: it serves no drafter of ours. The vLLM class
-    (``architectures[0]`` of its config.json) is the drafter family's (:mod:`dspark.families`)."""
+    (``architectures[0]`` of its config.json) is the drafter family's (:mod:`dspark.core.families`)."""
     needs_gpu: bool = False
     """vLLM serves it on GPUs only (its runner needs Triton)."""
 

@@ -3,7 +3,7 @@ model.safetensors) from a checkpoint of fixed weights, pinned by SHA-256.
 
 The digests were recorded with the code from before the drafter-family seam (commit ac0119a,
 ``python -m pytest tests/dspark/test_export_bytes.py`` printing them). Moving the Qwen3 layers
-behind dspark.families must not change one byte of what is served; a deliberate format change
+behind dspark.core.families must not change one byte of what is served; a deliberate format change
 updates them here, with its reason in the commit.
 """
 
@@ -151,7 +151,7 @@ def test_confidence_head_on_the_state_alone_is_served_over_state_and_markov_with
     reads back as it was trained."""
     from safetensors.torch import load_file
 
-    from dspark.families import get_family
+    from dspark.core.families import get_family
     from dspark.model import DSparkDrafter
     from dspark.serving_format import read_export
 

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.families.k3_mla import MLAAttention, MLAConfig, MLADecoderLayer
+from dspark.core.families.k3_mla import MLAAttention, MLAConfig, MLADecoderLayer
 from dspark.model import DSparkDrafter
 
 TOL = 1e-5

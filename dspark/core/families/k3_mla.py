@@ -44,12 +44,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.families.base import DrafterFamily, dspark_head_fields, linear_flops, mlp_flops, mlp_fused
-from dspark.layers import MLP, RMSNorm
+from dspark.core.families.base import (
+    DrafterFamily,
+    dspark_head_fields,
+    linear_flops,
+    mlp_flops,
+    mlp_fused,
+    served_fields,
+)
+from dspark.core.families.layers import MLP, RMSNorm
 
 if TYPE_CHECKING:
-    from dspark.core.config import DSparkConfig
-    from dspark.dims import DrafterDims
+    from dspark.core.families.shared import SharedDims, SharedDrafterFields
 
 DEFAULT_ROPE_THETA = 50_000.0
 """``K3DSparkConfig``'s ``rope_theta`` default (vllm/transformers_utils/configs/k3_dspark.py:18)."""
@@ -320,6 +326,25 @@ class MLADecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass
+class K3MLAFields:
+    """``drafter.*`` fields read by ``drafter.family=k3_mla`` only (and, resolved, its sizes in
+    :class:`~dspark.core.families.DrafterDims`). None: the target's value when the drafter is as
+    wide as the target and the target has one, else :data:`K3_DSPARK_SIZES` (1536, 512, 128, 64,
+    128)."""
+
+    q_lora_rank: Optional[int] = None
+    """The query's low rank Rq."""
+    kv_lora_rank: Optional[int] = None
+    """The latent width R (the cache holds R + qk_rope_head_dim per token and layer)."""
+    qk_nope_head_dim: Optional[int] = None
+    """Per-head query/key width without RoPE."""
+    qk_rope_head_dim: Optional[int] = None
+    """Per-head RoPE width (one k_pe shared by all heads)."""
+    v_head_dim: Optional[int] = None
+    """Per-head value width."""
+
+
 K3_DSPARK_SIZES = {
     "q_lora_rank": 1536,
     "kv_lora_rank": 512,
@@ -341,11 +366,20 @@ class K3MLAFamily(DrafterFamily):
     name = "k3_mla"
     architectures = {"dspark": "K3DSparkModel"}
     serving_prefixes = (("fc.", "context_proj."), ("hidden_norm.", "context_norm."), ("norm.", "final_norm."))
-    config_fields = tuple(K3_DSPARK_SIZES)  # the DSparkConfig fields of the same names
+    fields = K3MLAFields
+    tag_names = {
+        "q_lora_rank": "qr",
+        "kv_lora_rank": "kvr",
+        "qk_nope_head_dim": "nope",
+        "qk_rope_head_dim": "ropehd",
+        "v_head_dim": "vhd",
+    }
+    tag_defaults = {"rope_theta": 50_000.0}
+    serves_draft_vocab = False  # K3DSparkForCausalLM takes the full vocabulary, with no d2t
     cache_seq_dim = 1  # c [B, S, R], k_pe [B, S, Dr]
     context_proj_param = "model.context_proj.weight"
 
-    def resolve_dims(self, cfg: DSparkConfig, dims: DrafterDims, target_config: dict[str, Any]) -> DrafterDims:
+    def resolve_dims(self, cfg: SharedDrafterFields, dims: SharedDims, target_config: dict[str, Any]) -> SharedDims:
         """Each MLA size: ``drafter.<key>``, else the target's own (a drafter as wide as an MLA
         target copies its attention layout, as the Qwen3 family copies a GQA target's heads),
         else :data:`K3_DSPARK_SIZES`."""
@@ -362,7 +396,7 @@ class K3MLAFamily(DrafterFamily):
             **sizes,
         )
 
-    def mla_config(self, cfg: DSparkConfig, dims: DrafterDims) -> MLAConfig:
+    def mla_config(self, cfg: SharedDrafterFields, dims: SharedDims) -> MLAConfig:
         return MLAConfig(
             hidden_size=dims.hidden_size,
             intermediate_size=dims.intermediate_size,
@@ -376,13 +410,13 @@ class K3MLAFamily(DrafterFamily):
             rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
         )
 
-    def layer(self, cfg: DSparkConfig, dims: DrafterDims) -> nn.Module:
+    def layer(self, cfg: SharedDrafterFields, dims: SharedDims) -> nn.Module:
         return MLADecoderLayer(self.mla_config(cfg, dims))
 
     def config_json(
         self,
-        cfg: DSparkConfig,
-        dims: DrafterDims,
+        cfg: SharedDrafterFields,
+        dims: SharedDims,
         layout: str,
         *,
         target_layer_ids: list[int],
@@ -403,16 +437,9 @@ class K3MLAFamily(DrafterFamily):
             "n_routed_experts": 0,
             "n_shared_experts": 0,
             "num_experts_per_tok": 0,
-            "vocab_size": dims.vocab_size,
-            "draft_vocab_size": dims.vocab_size,
-            "tie_word_embeddings": False,
-            "torch_dtype": dtype,
-            "target_hidden_size": dims.target_hidden_size,
             "num_target_layers": len(target_layer_ids),
             "target_layer_ids": target_layer_ids,
-            "block_size": cfg.block_size,
-            "mask_token_id": dims.mask_token_id,
-            "sample_from_anchor": cfg.sample_from_anchor,
+            **served_fields(cfg, dims, dtype=dtype),
             **dspark_head_fields(cfg),
         }
 
@@ -434,8 +461,8 @@ class K3MLAFamily(DrafterFamily):
 
     def layer_flops(
         self,
-        cfg: DSparkConfig,
-        dims: DrafterDims,
+        cfg: SharedDrafterFields,
+        dims: SharedDims,
         *,
         context_rows: int,
         block_rows: int,
@@ -465,7 +492,7 @@ class K3MLAFamily(DrafterFamily):
         b, queries, keys = attention
         return ctx, proj, 2 * b * n * queries * keys * ((dn + dr) + dv)
 
-    def cache_values_per_token(self, dims: DrafterDims) -> int:
+    def cache_values_per_token(self, dims: SharedDims) -> int:
         return dims.kv_lora_rank + dims.qk_rope_head_dim
 
 

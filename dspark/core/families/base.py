@@ -12,8 +12,17 @@ online and colocated data) and the reference loop. A family supplies:
   (one layer's per-token context cache, what vLLM precomputes and stores: a tuple of tensors that
   grows along :attr:`cache_seq_dim`) and ``forward_cached(x, positions, cache)`` (one block
   over that cache, as vLLM serves it);
-* **its sizes** (:meth:`resolve_dims`): the config fields only it reads, filled into
-  :class:`~dspark.model.DrafterDims` from ``drafter.*`` or the target;
+* **its own settings** (:attr:`fields`): a dataclass of the ``drafter.*`` fields only it reads,
+  each ``Optional`` with default ``None`` and a docstring. The config schema
+  (:class:`dspark.core.config.DSparkConfig`) and the resolved sizes (:class:`DrafterDims`) are
+  composed from the shared fields and every registered family's, flat (``drafter.q_lora_rank``);
+  another family refuses them when set. With them: their short names in a run name
+  (:attr:`tag_names`), what its ``conf/drafter/NAME.yaml`` sets (:attr:`tag_defaults`), and
+  whether its vLLM class serves a draft vocabulary map (:attr:`serves_draft_vocab`);
+  A family's methods get the composed ``DSparkConfig`` and ``DrafterDims``; they are annotated
+  with the shared parts (:mod:`dspark.core.families.shared`), which the composed types extend;
+* **its sizes** (:meth:`resolve_dims`): its own fields filled into :class:`DrafterDims` from
+  ``drafter.*`` or the target;
 * **its export layout**: the architecture vLLM's registry maps to its class, per export layout
   (:attr:`architectures`); the ``config.json`` that class reads (:meth:`config_json`); the
   checkpoint names its ``load_weights`` reads (:attr:`serving_prefixes`: our module names that
@@ -25,14 +34,19 @@ online and colocated data) and the reference loop. A family supplies:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from dspark.core.config import DSparkConfig
-    from dspark.dims import DrafterDims
+    from dspark.core.families.shared import SharedDims, SharedDrafterFields
+
+
+@dataclass
+class NoFields:
+    """A family with no ``drafter.*`` fields of its own."""
 
 
 class DrafterFamily:
@@ -43,24 +57,40 @@ class DrafterFamily:
     serving_prefixes: tuple[tuple[str, str], ...] = ()
     """(our name prefix, the served checkpoint's name prefix) for the shared modules a family's
     vLLM class names otherwise; every other name is the same on both sides."""
-    config_fields: tuple[str, ...] = ()
-    """``drafter.*`` fields only this family reads; another family refuses them when set."""
+    fields: ClassVar[type] = NoFields
+    """A dataclass of the ``drafter.*`` fields only this family reads (each ``Optional``, default
+    ``None``: derived from the target or the family's defaults by :meth:`resolve_dims`). Composed
+    into ``DSparkConfig`` and ``DrafterDims`` under the same names; another family refuses them."""
+    tag_names: dict[str, str] = {}
+    """Each of :attr:`fields` -> its short name in a run name (``qr1536``)."""
+    tag_defaults: dict[str, Any] = {}
+    """What ``conf/drafter/NAME.yaml`` sets besides ``family``: a run name spells a field only where
+    it differs from these (``k3_mla-markov256``, not ``...-rope50000.0``); tests/test_configs.py
+    keeps the two equal."""
+    serves_draft_vocab: bool = True
+    """Whether the family's vLLM class serves a reduced draft vocabulary (``draft_vocab_size``
+    below the target's, with ``d2t``); False refuses ``drafter.draft_vocab_size``."""
     cache_seq_dim: int = 2
     """The dimension of each ``context_cache`` tensor that runs along the context positions."""
     context_proj_param: str = "model.fc.weight"
     """vLLM's name for the context projection's weight (the export check reports its width)."""
 
-    def resolve_dims(self, cfg: DSparkConfig, dims: DrafterDims, target_config: dict[str, Any]) -> DrafterDims:
+    @property
+    def config_fields(self) -> tuple[str, ...]:
+        """The names of :attr:`fields`."""
+        return tuple(f.name for f in fields(self.fields))
+
+    def resolve_dims(self, cfg: SharedDrafterFields, dims: SharedDims, target_config: dict[str, Any]) -> SharedDims:
         """``dims`` with the family's own sizes filled in (default: nothing of its own)."""
         return dims
 
-    def layer(self, cfg: DSparkConfig, dims: DrafterDims) -> nn.Module:
+    def layer(self, cfg: SharedDrafterFields, dims: SharedDims) -> nn.Module:
         raise NotImplementedError
 
     def config_json(
         self,
-        cfg: DSparkConfig,
-        dims: DrafterDims,
+        cfg: SharedDrafterFields,
+        dims: SharedDims,
         layout: str,
         *,
         target_layer_ids: list[int],
@@ -77,8 +107,8 @@ class DrafterFamily:
 
     def layer_flops(
         self,
-        cfg: DSparkConfig,
-        dims: DrafterDims,
+        cfg: SharedDrafterFields,
+        dims: SharedDims,
         *,
         context_rows: int,
         block_rows: int,
@@ -88,7 +118,7 @@ class DrafterFamily:
         attention). ``attention`` is (B, queries per row, keys per row), counted dense."""
         raise NotImplementedError
 
-    def cache_values_per_token(self, dims: DrafterDims) -> int:
+    def cache_values_per_token(self, dims: SharedDims) -> int:
         """Values one layer's context cache holds per token (vLLM's KV or latent cache)."""
         raise NotImplementedError
 
@@ -106,7 +136,7 @@ class DrafterFamily:
         return name
 
 
-def confidence_zero_columns(cfg: DSparkConfig) -> int:
+def confidence_zero_columns(cfg: SharedDrafterFields) -> int:
     """How many zero input columns the served confidence head gets (0: none). Every DSpark export
     serves its confidence head over [state; Markov embedding], the one form llama.cpp reads: a head
     trained on the state alone gets zero weights for the Markov part (the rank-1 zero head's when
@@ -116,7 +146,34 @@ def confidence_zero_columns(cfg: DSparkConfig) -> int:
     return max(cfg.markov_rank, 1)
 
 
-def dspark_head_fields(cfg: DSparkConfig) -> dict[str, Any]:
+def served_fields(cfg: SharedDrafterFields, dims: SharedDims, *, dtype: str) -> dict[str, Any]:
+    """The config.json keys every DSpark-family vLLM class reads about the draft whatever its
+    layers (the vocabulary and its map, the block, the mask token, the context width, the dtype),
+    with their values. A family writes them, ``**served_fields(...)`` where its key order is free;
+    the export checks that every family's config.json carries them with these values
+    (:func:`missing_served_fields`)."""
+    return {
+        "vocab_size": dims.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size or dims.vocab_size,  # < vocab_size: served with d2t
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "target_hidden_size": dims.target_hidden_size,
+        "block_size": cfg.block_size,
+        "mask_token_id": dims.mask_token_id,
+        "sample_from_anchor": cfg.sample_from_anchor,
+    }
+
+
+def missing_served_fields(config: dict[str, Any], cfg: SharedDrafterFields, dims: SharedDims, dtype: str) -> list[str]:
+    """The :func:`served_fields` keys a family's config.json lacks or writes otherwise."""
+    return [
+        f"{k}: expected {v!r}, got {config.get(k, '<missing>')!r}"
+        for k, v in served_fields(cfg, dims, dtype=dtype).items()
+        if config.get(k, object()) != v
+    ]
+
+
+def dspark_head_fields(cfg: SharedDrafterFields) -> dict[str, Any]:
     """The Markov and confidence heads' config.json fields, as vLLM's ``DSparkMarkovHead`` /
     ``DSparkConfidenceHead`` read them (shared by every family's DSpark class)."""
     return {
@@ -132,8 +189,8 @@ def linear_flops(rows: int, n_in: int, n_out: int) -> int:
     return 2 * rows * n_in * n_out
 
 
-def mlp_flops(rows: int, dims: DrafterDims) -> int:
-    """The shared SwiGLU MLP (:class:`dspark.layers.MLP`) over ``rows``: gate, up and down."""
+def mlp_flops(rows: int, dims: SharedDims) -> int:
+    """The shared SwiGLU MLP (:class:`dspark.core.families.layers.MLP`) over ``rows``: gate, up and down."""
     return 3 * linear_flops(rows, dims.hidden_size, dims.intermediate_size)
 
 

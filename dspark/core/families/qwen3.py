@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.families.base import DrafterFamily, dspark_head_fields, linear_flops, mlp_flops, mlp_fused
-from dspark.layers import MLP, RMSNorm
+from dspark.core.families.base import DrafterFamily, dspark_head_fields, linear_flops, mlp_flops, mlp_fused
+from dspark.core.families.layers import MLP, RMSNorm
 
 if TYPE_CHECKING:
-    from dspark.core.config import DSparkConfig
-    from dspark.dims import DrafterDims
+    from dspark.core.families.shared import SharedDims, SharedDrafterFields
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -35,7 +34,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 class Attention(nn.Module):
-    def __init__(self, dims: DrafterDims, cfg: DSparkConfig):
+    def __init__(self, dims: SharedDims, cfg: SharedDrafterFields):
         super().__init__()
         self.n, self.nkv, self.d, self.theta = dims.num_heads, dims.num_kv_heads, dims.head_dim, cfg.rope_theta
         self.q_proj = nn.Linear(dims.hidden_size, self.n * self.d, bias=False)
@@ -85,7 +84,7 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, dims: DrafterDims, cfg: DSparkConfig):
+    def __init__(self, dims: SharedDims, cfg: SharedDrafterFields):
         super().__init__()
         self.input_layernorm = RMSNorm(dims.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(dims, cfg)
@@ -110,20 +109,21 @@ class Qwen3Family(DrafterFamily):
     architectures = {"dspark": "Qwen3DSparkModel", "dflash": "DFlashDraftModel"}
     cache_seq_dim = 2  # k, v: [B, Nkv, S, D]
 
-    def layer(self, cfg: DSparkConfig, dims: DrafterDims) -> nn.Module:
+    def layer(self, cfg: SharedDrafterFields, dims: SharedDims) -> nn.Module:
         return DecoderLayer(dims, cfg)
 
     def config_json(
         self,
-        cfg: DSparkConfig,
-        dims: DrafterDims,
+        cfg: SharedDrafterFields,
+        dims: SharedDims,
         layout: str,
         *,
         target_layer_ids: list[int],
         max_position_embeddings: int,
         dtype: str,
     ) -> dict[str, Any]:
-        """A Qwen3 config plus the drafter fields vLLM reads."""
+        """A Qwen3 config plus the drafter fields vLLM reads: :func:`served_fields`'s written out
+        one by one, as their order in the pinned bytes has them (tests/dspark/test_export_bytes.py)."""
         base = {
             "model_type": "qwen3",
             "hidden_size": dims.hidden_size,
@@ -175,8 +175,8 @@ class Qwen3Family(DrafterFamily):
 
     def layer_flops(
         self,
-        cfg: DSparkConfig,
-        dims: DrafterDims,
+        cfg: SharedDrafterFields,
+        dims: SharedDims,
         *,
         context_rows: int,
         block_rows: int,
@@ -193,7 +193,7 @@ class Qwen3Family(DrafterFamily):
         b, queries, keys = attention
         return ctx_kv, proj, 2 * 2 * b * n * queries * keys * d  # QK^T and AV
 
-    def cache_values_per_token(self, dims: DrafterDims) -> int:
+    def cache_values_per_token(self, dims: SharedDims) -> int:
         return 2 * dims.num_kv_heads * dims.head_dim
 
 
