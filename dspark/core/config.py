@@ -52,9 +52,6 @@ computes in them."""
 STORE_DTYPES = DTYPES + FP8_STORE_DTYPES
 """Every ``data.store_dtype``; :data:`dspark.core.shard_format.STORE_DTYPES` maps them to bytes."""
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
-DRAFTER_FAMILIES = {name: fam.config_fields for name, fam in FAMILIES.items()}
-"""``drafter.family`` choices -> the ``drafter.*`` fields only that family reads (each family
-declares its own in its module, :mod:`dspark.core.families`)."""
 COMPRESSIONS = ("none", "zstd")
 ON_OVERLONG = ("skip", "truncate")
 STAGES = ("extract", "train", "eval", "serve_bench")
@@ -204,7 +201,7 @@ class DSparkConfig(*FIELD_CLASSES, SharedDrafterFields):
     in its module: ``k3_mla``'s MLA sizes), flat under ``drafter.``."""
 
     def __post_init__(self) -> None:
-        _choice("drafter.family", self.family, tuple(DRAFTER_FAMILIES))
+        _choice("drafter.family", self.family, tuple(FAMILIES))
         if self.draft_vocab_size is not None and not _unresolved(self.draft_vocab_size):
             _at_least("drafter.draft_vocab_size", self.draft_vocab_size, 1)
             _check(

@@ -374,7 +374,7 @@ class K3MLAFamily(DrafterFamily):
         "qk_rope_head_dim": "ropehd",
         "v_head_dim": "vhd",
     }
-    tag_defaults = {"rope_theta": 50_000.0}
+    tag_defaults = {"rope_theta": DEFAULT_ROPE_THETA}  # conf/drafter/k3_mla.yaml sets it
     serves_draft_vocab = False  # K3DSparkForCausalLM takes the full vocabulary, with no d2t
     cache_seq_dim = 1  # c [B, S, R], k_pe [B, S, Dr]
     context_proj_param = "model.context_proj.weight"
