@@ -218,8 +218,8 @@ def summarize(paths: list[Path]) -> str:
         lines.append(
             f"| {arm} | {len(runs)} | {' | '.join(taus)} | {mean_se(pos1)} | {statistics.mean(sps):.2f} | {pps_txt} |"
         )
-        last[arm] = {
-            r.get("seed", i): next(v for v in r[arm]["validations"] if v["step"] == steps[-1])
+        last[arm] = {  # keyed by run: each run's arms share its seed
+            i: next(v for v in r[arm]["validations"] if v["step"] == steps[-1])
             for i, r in enumerate(reports)
             if arm in r
         }
@@ -233,16 +233,19 @@ def summarize(paths: list[Path]) -> str:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--summarize"]:
-        print(summarize([Path(a) for a in sys.argv[2:]]))
-        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides naming the run, as for train.py")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--validate-at", type=int, nargs="+", default=[25, 50, 100, 200])
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--summarize", type=Path, nargs="+", metavar="RUN.json", help="print one table over these runs' --json (seeds)"
+    )
     args = p.parse_args()
+    if args.summarize:
+        print(summarize(args.summarize))
+        return
     validate_at = sorted(set(args.validate_at) | {args.steps})
 
     from dspark.core.target import prepare_target
