@@ -8,8 +8,10 @@ positions (answer-token label inside the sequence):
     CE  = -log p_d(x_{a+k})
     TV  = 1/2 ||p_d - p_t||_1
     LK  = -log(sum_v min(p_d, p_t)) = -log(1 - TV)      (the acceptance probability's log)
+    KL  = sum_v p_t log(p_t / p_d)                      (speculators' default loss, ``kl_div``)
     BCE = bce(confidence_logit_k, 1 - TV)              (target detached)
-    loss = sum_k w_k (ce_weight*CE + tv_weight*TV + lk_weight*LK + confidence_weight*BCE) / sum_k w_k
+    loss = sum_k w_k (ce_weight*CE + tv_weight*TV + lk_weight*LK + kl_weight*KL
+                      + confidence_weight*BCE) / sum_k w_k
 
 LK is the acceptance loss of arXiv 2602.23881 (speculators PRs #657/#673): under sampling the
 k-th draft is accepted with probability sum_v min(p_d, p_t) = 1 - TV, and the log makes its
@@ -18,7 +20,8 @@ gradient 1/(1 - TV) times TV's, large exactly where acceptance is small and TV's
 
 With the target's distribution cached as its top k (``topk_ids``/``topk_probs``,
 :mod:`dspark.target_topk`), the target logits are not computed at all and TV is taken on the
-stored support (:func:`topk_tv`); the greedy match compares with the cached argmax.
+stored support (:func:`topk_tv`) and KL on the top k and one tail bin (:func:`topk_kl`); the
+greedy match compares with the cached argmax.
 
 With a reduced draft vocabulary D (``drafter.draft_vocab_size``, :mod:`dspark.draft_vocab`) the
 draft distribution p_d lives on D and is 0 on every other target token, exactly as vLLM serves it
@@ -31,7 +34,9 @@ unattainable:
     CE = -log p_d(x_{a+k}) where x_{a+k} is in D; 0 where it is not (no draft can be right there:
          the prediction keeps its weight in the mean, with nothing to learn from the label)
 
-LK and the confidence target read this TV. The greedy match compares the target id of the
+LK and the confidence target read this TV. KL is infinite there (the target has mass where the
+draft has none): it is logged as inf and the config refuses ``train.kl_weight`` with a reduced
+vocabulary. The greedy match compares the target id of the
 draft's argmax (``d2t``) with the target's argmax, so a target argmax outside D never matches.
 With the cached top k, the top-k ids outside D count p_d = 0 (:func:`topk_tv`). Speculators
 instead renormalises the target over D (``verifier_lm_head`` holds the kept rows only,
@@ -45,6 +50,7 @@ recomputed in backward (activation checkpointing), so thousands of positions nev
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -76,6 +82,7 @@ class LossOutput:
     )  # [P] predicted acceptance of valid positions
     confidence_target: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [P] 1 - TV
     num_positions: int = 0
+    kl: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # KL(target || draft), weighted mean
 
     @property
     def tau(self) -> float:
@@ -95,10 +102,12 @@ class LossOutput:
 
 
 #: The scalars of a :class:`LossOutput` that training logs and validation averages.
-LOSS_TERMS = ("loss", "ce", "tv", "lk", "confidence_bce", "tau")
+LOSS_TERMS = ("loss", "ce", "tv", "lk", "kl", "confidence_bce", "tau")
 
 LK_FLOOR = 1e-6
 """The smallest 1 - TV the LK term takes the log of (a draft with no overlap at all)."""
+TAIL_FLOOR = 1e-6
+"""The smallest draft tail mass :func:`topk_kl` takes the log of (a draft all on the top k)."""
 #: Per-position rates: metric prefix -> the LossOutput field holding them.
 POSITION_RATES = {
     "accept": "accept_per_position",
@@ -125,19 +134,22 @@ def _label_ce(model: DSparkDrafter, logp_d: torch.Tensor, labels: torch.Tensor) 
 
 
 def _chunk_terms(model: DSparkDrafter, hidden, markov, target_final, labels):  # noqa: ANN001 - internal
-    """Per-row CE, TV, greedy match. hidden [P, H], markov [P, R] or None, target_final [P, Ht], labels [P]."""
+    """Per-row CE, TV, KL, greedy match. hidden [P, H], markov [P, R] or None, target_final [P, Ht], labels [P]."""
     logp_d = F.log_softmax(model.draft_logits(hidden, markov), dim=-1)  # [P, Vd]
     with torch.no_grad():
         logits_t = model.target_logits(target_final)  # [P, V]
-    p_t = torch.softmax(logits_t, dim=-1)
+        logp_t = F.log_softmax(logits_t, dim=-1)
+    p_t = logp_t.exp()
     ce = _label_ce(model, logp_d, labels)
     if model.draft_to_target is None:
         tv = 0.5 * (logp_d.exp() - p_t).abs().sum(-1)
+        kl = (p_t * (logp_t - logp_d)).sum(-1)
     else:  # p_d is 0 outside the draft vocabulary: the target's mass there adds to the distance
         p_t_kept = p_t[:, model.draft_to_target]
         tv = 0.5 * ((logp_d.exp() - p_t_kept).abs().sum(-1) + (1.0 - p_t_kept.sum(-1)).clamp_min(0))
+        kl = torch.full_like(tv, math.inf)
     match = (model.to_target_ids(logp_d.argmax(-1)) == logits_t.argmax(-1)).float()
-    return ce, tv, match
+    return ce, tv, kl, match
 
 
 def topk_tv(
@@ -161,14 +173,32 @@ def topk_tv(
     return 0.5 * ((pd_s - probs).abs().sum(-1) + tail)
 
 
+def topk_kl(logp_d: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """KL(target || draft) with the target known by its top k: the KL of the two distributions
+    coarsened to the k ids and one bin for the rest,
+
+        KL_k = sum_{i in S} p_t,i log(p_t,i / p_d,i) + r_t log(r_t / r_d) <= KL,
+        r = 1 - sum_S p (each side's tail mass)
+
+    (the log-sum inequality: merging outcomes never increases a KL), exact when the target's tail is
+    0 or the two tails are proportional. logp_d [P, V] log-probabilities; ids, probs [P, K]."""
+    logpd_s = logp_d.gather(-1, ids)
+    probs = probs.float()
+    head = (torch.xlogy(probs, probs) - probs * logpd_s).sum(-1)
+    r_t = (1.0 - probs.sum(-1)).clamp_min(0)
+    r_d = (1.0 - logpd_s.exp().sum(-1)).clamp_min(TAIL_FLOOR)
+    return head + torch.xlogy(r_t, r_t) - r_t * r_d.log()
+
+
 def _chunk_terms_topk(model: DSparkDrafter, hidden, markov, topk_ids, topk_probs, labels):  # noqa: ANN001
     """As :func:`_chunk_terms` with the target's cached top k ([P, K] target ids and probabilities)."""
     logp_d = F.log_softmax(model.draft_logits(hidden, markov), dim=-1)
     ce = _label_ce(model, logp_d, labels)
     ids, in_vocab = model.to_draft_ids(topk_ids)
     tv = topk_tv(logp_d.exp(), ids, topk_probs, in_vocab)
+    kl = topk_kl(logp_d, ids, topk_probs) if in_vocab is None else torch.full_like(tv, math.inf)
     match = (model.to_target_ids(logp_d.argmax(-1)) == topk_ids[:, 0]).float()
-    return ce, tv, match
+    return ce, tv, kl, match
 
 
 @dataclass
@@ -214,8 +244,8 @@ def _vocab_terms(
     labels: torch.Tensor,
     cfg: LossSettings,
     chunk_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CE, TV and greedy match per prediction, ``chunk_rows`` rows of vocabulary-wide logits at a
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CE, TV, KL and greedy match per prediction, ``chunk_rows`` rows of vocabulary-wide logits at a
     time (recomputed in backward unless ``recompute_vocab_chunks`` is off). ``target``: the target's
     final states ([P, Ht]) or its cached top k (ids and probabilities, [P, K] each)."""
     fn = _chunk_terms if len(target) == 1 else _chunk_terms_topk
@@ -227,7 +257,7 @@ def _vocab_terms(
         parts.append(checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
     if not parts:
         empty = hidden.new_zeros(0)
-        return empty, empty, empty
+        return empty, empty, empty, empty
     return tuple(torch.cat(p) for p in zip(*parts))  # type: ignore[return-value]
 
 
@@ -287,15 +317,18 @@ def dspark_loss(
     target = (
         (at_predictions(final_states),) if topk_ids is None else (at_predictions(topk_ids), at_predictions(topk_probs))
     )
-    ce_v, tv_v, match_v = _vocab_terms(model, hidden, markov, target, tg.labels, cfg, chunk_rows)
+    ce_v, tv_v, kl_v, match_v = _vocab_terms(model, hidden, markov, target, tg.labels, cfg, chunk_rows)
     w, wsum = tg.weights, tg.weights.sum().clamp_min(1e-8)
     ce = (w * ce_v).sum() / wsum
     tv = (w * tv_v).sum() / wsum
     lk_v = -torch.log((1.0 - tv_v).clamp_min(LK_FLOOR))
     lk = (w * lk_v).sum() / wsum
+    kl = (w * kl_v).sum() / wsum
     loss = cfg.ce_weight * ce + cfg.tv_weight * tv
     if cfg.lk_weight:
         loss = loss + cfg.lk_weight * lk
+    if cfg.kl_weight:
+        loss = loss + cfg.kl_weight * kl
     bce = torch.zeros((), device=ce.device)
     conf_p = conf_t = hidden.new_zeros(0)
     if out.confidence_logits is not None:
@@ -310,6 +343,7 @@ def dspark_loss(
         ce=ce.detach(),
         tv=tv.detach(),
         lk=lk.detach(),
+        kl=kl.detach(),
         confidence_bce=bce.detach(),
         accept_per_position=uncond,
         accept_cond_per_position=cond,

@@ -95,6 +95,14 @@ class MarkovHead(nn.Module):
             self.recur = nn.Linear(rank, rank, bias=False)
             nn.init.zeros_(self.recur.weight)
 
+    @torch.no_grad()
+    def init_as_speculators(self) -> None:
+        """``train.markov_init=speculators``: W1 ~ N(0, 0.01) and W2 nn.Linear's own (uniform) init,
+        as speculators' DSpark starts (``speculators/models/dspark/model_definitions.py``): the
+        head's bias is nonzero from the first step, where ours starts at W2 = 0."""
+        nn.init.normal_(self.markov_w1.weight, std=0.01)
+        self.markov_w2.reset_parameters()
+
     def embed(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """prev_ids: [..., K] previous tokens; hidden: [..., K, H]. Returns e: [..., K, R]."""
         e = self.markov_w1(prev_ids)

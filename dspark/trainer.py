@@ -353,12 +353,13 @@ class Trainer:
         flops_note = f" | {compute['tflops_per_s']:.3g} TFLOP/s" if compute else ""
         flops_note += f" MFU {100 * compute['mfu']:.1f}%" if "mfu" in compute else ""
         log.info(
-            "%s | loss %.4f (ce %.3f tv %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s "
+            "%s | loss %.4f (ce %.3f tv %.3f kl %.3f conf %.3f) | tau %.2f | lr %.2e | grad %.3f | %.0f tok/s "
             "%.0f pred/s%s | data %.1f%% | mem %.2f GB",
             progress(self.state.step, self.t.max_steps, start_step=self._start_step, elapsed=elapsed),
             m["loss"],
             m["ce"],
             m["tv"],
+            m["kl"],
             m["confidence_bce"],
             m["tau"],
             m["lr"],

@@ -64,8 +64,9 @@ SERVE_EXPORT = ("auto", "never")
 LLAMA_CPP_USE = ("auto", "always", "never")
 LLAMA_CPP_TARGETS = ("auto", "embedded", "f32", "f16", "bf16", "q8_0")
 SUPERVISE = ("answer", "all")
-FINAL_NORM_INITS = ("target", "ones")
 """``train.supervise``: the tokens the loss supervises, and the positions :mod:`dspark.target_topk` caches."""
+FINAL_NORM_INITS = ("target", "ones")
+MARKOV_INITS = ("zeros", "speculators")
 REFERENCE_PROPOSERS = ("dspark", "ngram-then-dspark", "ngram")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 DATA_MODES = ("offline", "online", "colocated")
@@ -474,7 +475,7 @@ class LossSettings:
     """The loss (dspark/loss.py), declared once: these are ``train.<field>`` in the config
     (:class:`TrainConfig` is a LossSettings) and the loss reads them from here, no field copied.
 
-    loss = sum over positions k of w_k (ce_weight*CE + tv_weight*TV + lk_weight*LK +
+    loss = sum over positions k of w_k (ce_weight*CE + tv_weight*TV + lk_weight*LK + kl_weight*KL +
     confidence_weight*BCE) / sum_k w_k, with w_k = exp(-(k-1)/position_decay)."""
 
     ce_weight: float = 0.1
@@ -485,6 +486,10 @@ class LossSettings:
     lk_weight: float = 0.0
     """The LK acceptance loss, -log(sum_v min(p_d, p_t)) = -log(1 - TV) (arXiv 2602.23881); 0: off
     (it is still logged as ``lk``)."""
+    kl_weight: float = 0.0
+    """KL(target || draft), speculators' default loss (``kl_div``); on the cached top k the coarsened
+    KL over the top k and one tail bin, a lower bound (:func:`dspark.loss.topk_kl`). 0: off (it is
+    still logged as ``kl``)."""
     confidence_weight: float = 1.0
     """The confidence head's BCE against 1 - TV."""
     position_decay: float = 4.0
@@ -494,14 +499,14 @@ class LossSettings:
     ZeRO-3 turns it off (:func:`dspark.recipe.loss_settings`)."""
 
     def __post_init__(self) -> None:
-        for key in ("ce_weight", "tv_weight", "lk_weight", "confidence_weight"):
+        for key in ("ce_weight", "tv_weight", "lk_weight", "kl_weight", "confidence_weight"):
             _at_least(f"train.{key}", getattr(self, key), 0)
         _check(self.position_decay > 0, "train.position_decay", self.position_decay, "expected a number > 0")
         _check(
-            self.ce_weight + self.tv_weight + self.lk_weight > 0,
+            self.ce_weight + self.tv_weight + self.lk_weight + self.kl_weight > 0,
             "train.ce_weight",
             self.ce_weight,
-            "ce_weight, tv_weight and lk_weight cannot all be 0 (nothing would train the drafter)",
+            "ce_weight, tv_weight, lk_weight and kl_weight cannot all be 0 (nothing would train the drafter)",
         )
 
 
@@ -544,6 +549,10 @@ class TrainConfig(LossSettings):
     """The drafter's final norm at step 0: ``target`` (a copy of the target's final norm weight, so
     the first logits have the target's scale) or ``ones`` (RMSNorm's own init, as DeepSpec's;
     a flatter first draft, where TV's gradient is not yet flat)."""
+    markov_init: str = "zeros"
+    """The Markov head at step 0: ``zeros`` (W1 ~ N(0, 0.02), W2 = 0: the drafter starts as the plain
+    DFlash drafter) or ``speculators`` (speculators' DSpark: W1 ~ N(0, 0.01), W2 nn.Linear's default
+    uniform init, ``speculators/models/dspark/model_definitions.py``)."""
     ce_weight_start: Optional[float] = None
     """A loss schedule: the CE weight starts here and moves linearly to ``ce_weight`` over the
     first ``ce_anneal_frac`` of ``max_steps`` (TV's gradient is weak while the draft is spread
@@ -574,6 +583,7 @@ class TrainConfig(LossSettings):
         _compute_dtype("train.dtype", self.dtype)
         _choice("train.supervise", self.supervise, SUPERVISE)
         _choice("train.final_norm_init", self.final_norm_init, FINAL_NORM_INITS)
+        _choice("train.markov_init", self.markov_init, MARKOV_INITS)
         _at_least("train.target_topk", self.target_topk, 0)
         _at_least("train.copy_anchor_boost", self.copy_anchor_boost, 0)
         if self.ce_weight_start is not None:
@@ -900,6 +910,21 @@ class RunConfig:
                 "train.init_from_target_layers",
                 init,
                 f"expected drafter.num_layers={self.drafter.num_layers} target layer ids >= 0",
+            )
+        _check(
+            self.train.markov_init == "zeros" or self.drafter.markov_rank > 0,
+            "train.markov_init",
+            self.train.markov_init,
+            "expected zeros with drafter.markov_rank=0 (this drafter has no Markov head to initialise)",
+        )
+        if self.drafter.draft_vocab_size is not None:
+            _check(
+                self.train.kl_weight == 0,
+                "train.kl_weight",
+                self.train.kl_weight,
+                f"expected 0 with drafter.draft_vocab_size={self.drafter.draft_vocab_size}: the draft puts no "
+                "mass outside its vocabulary, so KL(target || draft) is infinite wherever the target does; "
+                "use tv_weight (its TV counts that mass) or the full vocabulary",
             )
         ctx = self.drafter.target_layer_ids
         if ctx is not None and self.target.layer_ids is not None:

@@ -64,10 +64,12 @@ def test_the_key_is_checked_and_refused_for_k3():
         DSparkConfig(draft_vocab_size=0)
     with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=16384: .*k3_mla serves the target's full"):
         DSparkConfig(family="k3_mla", draft_vocab_size=16384)
-    from dspark.core.config import DataConfig, RunConfig
+    from dspark.core.config import DataConfig, RunConfig, TrainConfig
 
     with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=10: expected null with data.mode=online"):
         RunConfig(data=DataConfig(mode="online"), drafter=DSparkConfig(draft_vocab_size=10))
+    with pytest.raises(ConfigError, match=r"train.kl_weight=0.5: expected 0 with drafter.draft_vocab_size=10"):
+        RunConfig(train=TrainConfig(kl_weight=0.5), drafter=DSparkConfig(draft_vocab_size=10))
     with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=65: expected an int in \[1, 64\]"):
         tiny_drafter(drafter(draft_vocab_size=65), vocab_size=V, d2t=torch.zeros(65, dtype=torch.int64))
 

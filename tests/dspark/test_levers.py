@@ -6,7 +6,7 @@ import torch
 
 from dspark.batching import collate
 from dspark.core.config import LossSettings, TrainConfig
-from dspark.loss import dspark_loss, topk_tv
+from dspark.loss import dspark_loss, topk_kl, topk_tv
 from dspark.model import copy_continuations, sample_anchors
 from dspark.shards import ShardSequence
 from dspark.target_topk import SequenceTopK, cached_positions
@@ -39,6 +39,33 @@ def test_topk_tv_is_a_lower_bound_exact_on_the_whole_support_and_for_a_target_in
     assert errs[0] > errs[1] > errs[2] > -1e-6
 
 
+def _kl(p_t, p_d):
+    return torch.nn.functional.kl_div(p_d.log(), p_t, reduction="none").sum(-1)  # torch's own KL(p_t || p_d)
+
+
+def test_topk_kl_is_a_lower_bound_exact_on_the_whole_support_and_for_a_target_inside_it():
+    g = torch.Generator().manual_seed(0)
+    p_d = torch.softmax(torch.randn(6, 50, generator=g), -1)
+    p_t = torch.softmax(3 * torch.randn(6, 50, generator=g), -1)
+    exact = _kl(p_t, p_d)
+    errs = []
+    for k in (1, 5, 20, 40):
+        top = p_t.topk(k, -1)
+        approx = topk_kl(p_d.log(), top.indices, top.values)
+        assert (approx >= -1e-6).all() and (approx <= exact + 1e-6).all()
+        errs.append(float((exact - approx).mean()))
+    assert errs[0] > errs[1] > errs[2] > errs[3] > -1e-6  # k grows toward the exact KL
+    full = p_t.topk(50, -1)
+    torch.testing.assert_close(topk_kl(p_d.log(), full.indices, full.values), exact)
+    # a target whose mass lies in 5 tokens: its top 5 give the exact KL
+    sparse = torch.zeros_like(p_t)
+    sparse[:, :5] = torch.softmax(torch.randn(6, 5, generator=g), -1)
+    top = sparse.topk(5, -1)
+    torch.testing.assert_close(topk_kl(p_d.log(), top.indices, top.values), _kl(sparse, p_d))
+    # a draft equal to the target: 0, and its gradient pushes p_d toward p_t
+    torch.testing.assert_close(topk_kl(p_t.log(), *p_t.topk(5, -1)[::-1]), torch.zeros(6), atol=1e-6, rtol=0)
+
+
 def _tiny_drafter(V=40, H=8):
     cfg = tiny_drafter_config(
         hidden_size=H, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, block_size=3
@@ -67,7 +94,7 @@ def test_loss_on_the_cached_full_support_equals_the_loss_on_final_states():
         valid_anchors=valid,
         loss_mask=mask,
         lengths=lengths,
-        cfg=LossSettings(ce_weight=0.3, tv_weight=0.7, confidence_weight=1.0, position_decay=4.0),
+        cfg=LossSettings(ce_weight=0.3, tv_weight=0.5, kl_weight=0.2, confidence_weight=1.0, position_decay=4.0),
     )
     results, grads = [], []
     for extra in ({}, {"topk_ids": top.indices, "topk_probs": top.values}):
@@ -79,6 +106,9 @@ def test_loss_on_the_cached_full_support_equals_the_loss_on_final_states():
     full, cached = results
     torch.testing.assert_close(cached.loss, full.loss)
     torch.testing.assert_close(cached.tv, full.tv)
+    torch.testing.assert_close(cached.kl, full.kl)
+    assert full.kl > 0.1  # a random drafter is far from the target
+    torch.testing.assert_close(full.loss, 0.3 * full.ce + 0.5 * full.tv + 0.2 * full.kl + full.confidence_bce)
     torch.testing.assert_close(cached.accept_per_position, full.accept_per_position)
     torch.testing.assert_close(grads[1], grads[0])
 

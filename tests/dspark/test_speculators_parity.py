@@ -92,11 +92,12 @@ def test_logits_markov_bias_and_confidence_agree_on_the_same_weights(pair):
     torch.testing.assert_close(out.confidence_logits[0], their_conf.view(len(ANCHORS), block), rtol=0, atol=1e-5)
 
 
-def test_tv_ce_and_confidence_bce_agree_at_matched_weights(pair):
-    """Where the definitions coincide: TV and the confidence BCE (against the detached 1 - TV)
-    per prediction, and CE when the data are the target's greedy text (speculators' CE is against
-    the target's argmax, ours against the dataset's token); every prediction supervised and
-    weighted alike, so speculators' masked mean and our weighted mean are the same reduction
+def test_tv_kl_ce_and_confidence_bce_agree_at_matched_weights(pair):
+    """Where the definitions coincide: TV, KL (speculators' default ``kl_div``, our ``kl``) and the
+    confidence BCE (against the detached 1 - TV) per prediction, and CE when the data are the
+    target's greedy text (speculators' CE is against the target's argmax, ours against the
+    dataset's token); every prediction supervised and weighted alike, so speculators' masked mean
+    and our weighted mean are the same reduction
     (their defaults differ: docs/speculators_notes.md, "Losses")."""
     from speculators.losses import compound_loss, resolve_loss_config
     from torch.nn.functional import binary_cross_entropy_with_logits
@@ -130,6 +131,7 @@ def test_tv_ce_and_confidence_bce_agree_at_matched_weights(pair):
         pos = (torch.arange(a * block) % block)[None]
         tv, _ = compound_loss(logits, targets, every, pos, loss_config=resolve_loss_config("tv", "eager"))
         ce, _ = compound_loss(logits, targets, every, pos, loss_config=resolve_loss_config("ce", "eager"))
+        kl, _ = compound_loss(logits, targets, every, pos, loss_config=resolve_loss_config("kl_div", "eager"))
         tv_fn = resolve_loss_config("tv", "eager")["tv"][0]
         bce = binary_cross_entropy_with_logits(conf, 1.0 - tv_fn(logits, targets), reduction="none").mean()
 
@@ -145,6 +147,12 @@ def test_tv_ce_and_confidence_bce_agree_at_matched_weights(pair):
             lengths=torch.tensor([T]),
             cfg=LossSettings(ce_weight=1.0, tv_weight=1.0, confidence_weight=1.0, position_decay=float("inf")),
         )
-    assert 0.05 < float(tv) < 0.95 and float(ce) > 0.1 and float(bce) > 0.1  # terms away from their bounds
-    for name, got, want in (("tv", mine.tv, tv), ("ce", mine.ce, ce), ("confidence_bce", mine.confidence_bce, bce)):
+    assert 0.05 < float(tv) < 0.95 and float(ce) > 0.1 and float(kl) > 0.1 and float(bce) > 0.1  # away from bounds
+    pairs = (
+        ("tv", mine.tv, tv),
+        ("kl", mine.kl, kl),
+        ("ce", mine.ce, ce),
+        ("confidence_bce", mine.confidence_bce, bce),
+    )
+    for name, got, want in pairs:
         assert abs(float(got) - float(want)) < 1e-5, (name, float(got), float(want))

@@ -614,16 +614,29 @@ def test_drafter_layers_start_from_the_targets(compose_config, tiny, tmp_path):
     tr.close()
 
 
-def test_final_norm_starts_at_one_and_train_sequences_reads_only_the_first_n(compose_config, tiny, tmp_path):
+def test_final_norm_and_markov_inits_and_train_sequences_reads_only_the_first_n(compose_config, tiny, tmp_path):
     heads = load_target_heads(tiny[0])
     plain = make_trainer(compose_config, tiny, tmp_path / "a")
     assert torch.equal(plain.model.norm.weight, heads.final_norm) and not torch.equal(
         heads.final_norm, torch.ones_like(heads.final_norm)
     )
+    mk = plain.model.markov_head
+    assert not mk.markov_w2.weight.any() and 0.015 < float(mk.markov_w1.weight.std()) < 0.025  # W2 = 0, W1 ~ N(0, .02)
     n_all = len(plain.batches.ds)
     plain.close()
-    tr = make_trainer(compose_config, tiny, tmp_path / "b", "train.final_norm_init=ones", "data.train_sequences=4")
+    tr = make_trainer(
+        compose_config,
+        tiny,
+        tmp_path / "b",
+        "train.final_norm_init=ones",
+        "data.train_sequences=4",
+        "train.markov_init=speculators",
+    )
     assert torch.equal(tr.model.norm.weight, torch.ones_like(heads.final_norm)) and tr.model.norm.weight.requires_grad
+    mk, rank = tr.model.markov_head, tr.cfg.drafter.markov_rank
+    assert 0.0075 < float(mk.markov_w1.weight.std()) < 0.0125  # speculators': W1 ~ N(0, 0.01)
+    w2 = mk.markov_w2.weight  # and W2 nn.Linear's U(-1/sqrt(rank), 1/sqrt(rank))
+    assert w2.abs().max() <= rank**-0.5 and float(w2.abs().mean()) > 0.4 * rank**-0.5
     first = {tr.batches.ds[i].seq_id for i in range(4)}
     read = Counter(s for _ in range(3) for s in tr.batches.next().seq_ids)  # 3 epochs of one micro batch of 4
     assert len(tr.batches.ds) == 4 < n_all and set(read) == first and set(read.values()) == {3}
