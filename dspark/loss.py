@@ -34,10 +34,12 @@ unattainable:
     CE = -log p_d(x_{a+k}) where x_{a+k} is in D; 0 where it is not (no draft can be right there:
          the prediction keeps its weight in the mean, with nothing to learn from the label)
 
-LK and the confidence target read this TV. KL is infinite there (the target has mass where the
-draft has none): it is logged as inf and the config refuses ``train.kl_weight`` with a reduced
-vocabulary. The greedy match compares the target id of the
-draft's argmax (``d2t``) with the target's argmax, so a target argmax outside D never matches.
+LK and the confidence target read this TV. KL(target || draft) would be infinite (the target has
+mass where the draft has none), so KL takes the target renormalised over D, as speculators does
+(below): q = p_t / (1 - m_out) on D, KL = sum_{v in D} q log(q / p_d); with the cached top k, the
+top-k ids outside D drop out and the tail is taken to lie in D (:func:`topk_kl`). The greedy
+match compares the target id of the draft's argmax (``d2t``) with the target's argmax, so a target
+argmax outside D never matches.
 With the cached top k, the top-k ids outside D count p_d = 0 (:func:`topk_tv`). Speculators
 instead renormalises the target over D (``verifier_lm_head`` holds the kept rows only,
 ``speculators/models/dflash/core.py``): its minimiser p_d = p_t / (1 - m_out) on D is one of this
@@ -50,7 +52,6 @@ recomputed in backward (activation checkpointing), so thousands of positions nev
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -147,7 +148,8 @@ def _chunk_terms(model: DSparkDrafter, hidden, markov, target_final, labels):  #
     else:  # p_d is 0 outside the draft vocabulary: the target's mass there adds to the distance
         p_t_kept = p_t[:, model.draft_to_target]
         tv = 0.5 * ((logp_d.exp() - p_t_kept).abs().sum(-1) + (1.0 - p_t_kept.sum(-1)).clamp_min(0))
-        kl = torch.full_like(tv, math.inf)
+        q = p_t_kept / p_t_kept.sum(-1, keepdim=True)  # the target renormalised over D
+        kl = (torch.xlogy(q, q) - q * logp_d).sum(-1)
     match = (model.to_target_ids(logp_d.argmax(-1)) == logits_t.argmax(-1)).float()
     return ce, tv, kl, match
 
@@ -173,7 +175,9 @@ def topk_tv(
     return 0.5 * ((pd_s - probs).abs().sum(-1) + tail)
 
 
-def topk_kl(logp_d: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+def topk_kl(
+    logp_d: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, in_vocab: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """KL(target || draft) with the target known by its top k: the KL of the two distributions
     coarsened to the k ids and one bin for the rest,
 
@@ -181,12 +185,21 @@ def topk_kl(logp_d: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> tor
         r = 1 - sum_S p (each side's tail mass)
 
     (the log-sum inequality: merging outcomes never increases a KL), exact when the target's tail is
-    0 or the two tails are proportional. logp_d [P, V] log-probabilities; ids, probs [P, K]."""
+    0 or the two tails are proportional. logp_d [P, V] log-probabilities; ids, probs [P, K].
+    ``in_vocab`` [P, K] (a reduced draft vocabulary D; ``ids`` are then draft ids): the top-k ids
+    outside D drop out and the target is renormalised over the rest and its tail (the tail taken to
+    lie in D), as the full-distribution path renormalises it over D."""
     logpd_s = logp_d.gather(-1, ids)
+    pd_s = logpd_s.exp()
     probs = probs.float()
-    head = (torch.xlogy(probs, probs) - probs * logpd_s).sum(-1)
     r_t = (1.0 - probs.sum(-1)).clamp_min(0)
-    r_d = (1.0 - logpd_s.exp().sum(-1)).clamp_min(TAIL_FLOOR)
+    if in_vocab is not None:
+        probs, pd_s = probs * in_vocab, pd_s * in_vocab
+        logpd_s = logpd_s.masked_fill(~in_vocab, 0.0)  # an id outside D: its probs are 0 now
+        z = (probs.sum(-1) + r_t).clamp_min(TAIL_FLOOR)
+        probs, r_t = probs / z[:, None], r_t / z
+    head = (torch.xlogy(probs, probs) - probs * logpd_s).sum(-1)
+    r_d = (1.0 - pd_s.sum(-1)).clamp_min(TAIL_FLOOR)
     return head + torch.xlogy(r_t, r_t) - r_t * r_d.log()
 
 
@@ -196,7 +209,7 @@ def _chunk_terms_topk(model: DSparkDrafter, hidden, markov, topk_ids, topk_probs
     ce = _label_ce(model, logp_d, labels)
     ids, in_vocab = model.to_draft_ids(topk_ids)
     tv = topk_tv(logp_d.exp(), ids, topk_probs, in_vocab)
-    kl = topk_kl(logp_d, ids, topk_probs) if in_vocab is None else torch.full_like(tv, math.inf)
+    kl = topk_kl(logp_d, ids, topk_probs, in_vocab)
     match = (model.to_target_ids(logp_d.argmax(-1)) == topk_ids[:, 0]).float()
     return ce, tv, kl, match
 

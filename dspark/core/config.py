@@ -488,8 +488,9 @@ class LossSettings:
     (it is still logged as ``lk``)."""
     kl_weight: float = 0.0
     """KL(target || draft), speculators' default loss (``kl_div``); on the cached top k the coarsened
-    KL over the top k and one tail bin, a lower bound (:func:`dspark.loss.topk_kl`). 0: off (it is
-    still logged as ``kl``)."""
+    KL over the top k and one tail bin, a lower bound (:func:`dspark.loss.topk_kl`); with a reduced
+    draft vocabulary, against the target renormalised over it, as speculators takes it. 0: off (it
+    is still logged as ``kl``)."""
     confidence_weight: float = 1.0
     """The confidence head's BCE against 1 - TV."""
     position_decay: float = 4.0
@@ -917,15 +918,6 @@ class RunConfig:
             self.train.markov_init,
             "expected zeros with drafter.markov_rank=0 (this drafter has no Markov head to initialise)",
         )
-        if self.drafter.draft_vocab_size is not None:
-            _check(
-                self.train.kl_weight == 0,
-                "train.kl_weight",
-                self.train.kl_weight,
-                f"expected 0 with drafter.draft_vocab_size={self.drafter.draft_vocab_size}: the draft puts no "
-                "mass outside its vocabulary, so KL(target || draft) is infinite wherever the target does; "
-                "use tv_weight (its TV counts that mass) or the full vocabulary",
-            )
         ctx = self.drafter.target_layer_ids
         if ctx is not None and self.target.layer_ids is not None:
             _check(

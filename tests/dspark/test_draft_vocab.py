@@ -64,12 +64,10 @@ def test_the_key_is_checked_and_refused_for_k3():
         DSparkConfig(draft_vocab_size=0)
     with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=16384: .*k3_mla serves the target's full"):
         DSparkConfig(family="k3_mla", draft_vocab_size=16384)
-    from dspark.core.config import DataConfig, RunConfig, TrainConfig
+    from dspark.core.config import DataConfig, RunConfig
 
     with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=10: expected null with data.mode=online"):
         RunConfig(data=DataConfig(mode="online"), drafter=DSparkConfig(draft_vocab_size=10))
-    with pytest.raises(ConfigError, match=r"train.kl_weight=0.5: expected 0 with drafter.draft_vocab_size=10"):
-        RunConfig(train=TrainConfig(kl_weight=0.5), drafter=DSparkConfig(draft_vocab_size=10))
     with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=65: expected an int in \[1, 64\]"):
         tiny_drafter(drafter(draft_vocab_size=65), vocab_size=V, d2t=torch.zeros(65, dtype=torch.int64))
 
@@ -126,7 +124,7 @@ def test_the_whole_vocabulary_as_a_map_gives_the_full_vocabularys_loss():
     for topk in ({}, _topk(full, batch, 8)):
         _, a = _loss(full, batch, **topk)
         _, b = _loss(mapped, batch, **topk)
-        for name in ("loss", "ce", "tv", "confidence_bce"):
+        for name in ("loss", "ce", "tv", "kl", "confidence_bce"):
             torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-6, atol=1e-6)
         # -log(1 - TV) magnifies the tail's float32 rounding (1 - sum p_t, ~1e-7) by 1 / (1 - TV) ~ 60 here
         torch.testing.assert_close(b.lk, a.lk, rtol=1e-4, atol=0)
@@ -135,8 +133,9 @@ def test_the_whole_vocabulary_as_a_map_gives_the_full_vocabularys_loss():
 
 def test_target_mass_outside_the_draft_vocabulary_is_unattainable():
     """TV = 1/2 (sum over D |p_d - p_t| + p_t(outside D)); CE = -log p_d(label) for labels in D and
-    0 for the others; a match needs the target's argmax in D. Checked against those formulas written
-    out per prediction, on both target paths (final states and a top k that holds everything)."""
+    0 for the others; KL against the target renormalised over D (as speculators takes it); a match
+    needs the target's argmax in D. Checked against those formulas written out per prediction, on
+    both target paths (final states and a top k that holds everything)."""
     counts = torch.arange(V) % 5  # keeps 0-mod-5 last: 20 tokens, many labels and argmaxes fall outside
     d2t = build_d2t(counts, 20)
     kept = target_ids(d2t)
@@ -147,7 +146,7 @@ def test_target_mass_outside_the_draft_vocabulary_is_unattainable():
         p_d = torch.softmax(model.draft_logits(out.hidden, out.markov_embed), -1)  # [B, A, K, 20]
         p_t = torch.softmax(model.target_logits(batch["final_states"]), -1)  # [B, S, V]
     w = torch.exp(-torch.arange(4.0) / LossSettings().position_decay)
-    ce = tv = wsum = 0.0
+    ce = tv = kl = wsum = 0.0
     outside = 0
     for i in range(2):
         for j in range(3):
@@ -161,14 +160,18 @@ def test_target_mass_outside_the_draft_vocabulary_is_unattainable():
                 outside += not in_d
                 ce += float(w[k]) * (-float(torch.log(pd[(kept == label).nonzero()[0, 0]])) if in_d else 0.0)
                 tv += float(w[k]) * tv_ijk
+                q = pt[kept] / pt[kept].sum()
+                kl += float(w[k]) * float((q * (q / pd).log()).sum())
                 wsum += float(w[k])
     assert outside > 0  # the case exercises labels outside D
     assert float(res.tv) == pytest.approx(tv / wsum, rel=1e-5)
     assert float(res.ce) == pytest.approx(ce / wsum, rel=1e-5)
+    assert float(res.kl) == pytest.approx(kl / wsum, rel=1e-5) and kl > 0
     # the same through a cached top k holding the whole distribution
     _, cached = _loss(model, batch, **_topk(model, batch, V))
     assert float(cached.tv) == pytest.approx(tv / wsum, rel=1e-5)
     assert float(cached.ce) == pytest.approx(ce / wsum, rel=1e-5)
+    assert float(cached.kl) == pytest.approx(kl / wsum, rel=1e-5)
     assert torch.equal(cached.accept_cond_per_position, res.accept_cond_per_position)
     # gradients reach the draft side only through the kept tokens' logits; nothing is NaN
     res.loss.backward()
