@@ -106,7 +106,8 @@ RECIPES = sorted(p.stem for p in (CONF / "recipe").glob("*.yaml"))
 def test_ablation_recipes_compose_under_their_own_run_name_and_change_something(recipe):
     base = _load("+experiment=smollm2_cpu_ablate")
     cfg = _load("+experiment=smollm2_cpu_ablate", f"+recipe={recipe}")
-    assert cfg.train.run_name == f"ablate-{recipe.replace('_', '-')}"  # checkpoints never shared or resumed across
+    name = f"ablate-{recipe.replace('_', '-')}"  # checkpoints never shared or resumed across (a recipe
+    assert cfg.train.run_name in (name, f"{name}-seed{cfg.seed}")  # swept over seeds names each seed's)
     assert cfg.data == base.data and cfg.logging.group == "ablation-smollm2-135m"  # same data, one W&B group
     assert not _redundant(CONF / "recipe" / f"{recipe}.yaml", base)
     changed = {k for k, v in vars(cfg.train).items() if v != getattr(base.train, k)} - {"run_name", "checkpoint_dir"}

@@ -20,8 +20,8 @@ def one_head_drafter(V: int, H: int, fields: dict, **kw) -> DSparkDrafter:
     return tiny_drafter(cfg, vocab_size=V, **kw)
 
 
-@pytest.mark.parametrize("lk_weight", [0.0, 0.5])
-def test_loss_matches_hand_computation(lk_weight):
+@pytest.mark.parametrize("lk_weight,kl_weight", [(0.0, 0.0), (0.5, 0.0), (0.0, 1.0)])
+def test_loss_matches_hand_computation(lk_weight, kl_weight):
     V, H = 5, 2
     lm_head = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
     fields = dict(block_size=2, confidence_head_with_markov=False)
@@ -32,7 +32,14 @@ def test_loss_matches_hand_computation(lk_weight):
     conf = torch.tensor([[[0.5, -1.0]]])
     final_states = torch.tensor([[[9.0, 9.0], [0.0, 2.0], [-1.0, 1.0]]])  # s_0..s_2; targets use s_1, s_2
     out = DraftOutput(hidden=hidden, markov_embed=None, confidence_logits=conf)
-    lcfg = LossSettings(ce_weight=0.1, tv_weight=0.9, confidence_weight=1.0, position_decay=4.0, lk_weight=lk_weight)
+    lcfg = LossSettings(
+        ce_weight=0.1,
+        tv_weight=0.9,
+        confidence_weight=1.0,
+        position_decay=4.0,
+        lk_weight=lk_weight,
+        kl_weight=kl_weight,
+    )
     res = dspark_loss(
         m,
         out,
@@ -58,7 +65,7 @@ def test_loss_matches_hand_computation(lk_weight):
         (hidden[0, 0, 1].tolist(), final_states[0, 2].tolist(), 3, -1.0),
     ]
     w = [1.0, math.exp(-1 / 4)]
-    ce = tv = bce = lk = 0.0
+    ce = tv = bce = lk = kl = 0.0
     matches = []
     for (h, s, label, c), wk in zip(rows, w):
         pd = softmax([sum(a * b for a, b in zip(r, h)) for r in lm_head.tolist()])
@@ -69,14 +76,17 @@ def test_loss_matches_hand_computation(lk_weight):
         ce += wk * -math.log(pd[label])
         tv += wk * tv_k
         lk += wk * -math.log(sum(min(a, b) for a, b in zip(pd, pt)))  # the overlap, not 1 - TV
+        kl += wk * sum(b * math.log(b / a) for a, b in zip(pd, pt))  # KL(target || draft)
         bce += wk * -(y * math.log(sig) + (1 - y) * math.log(1 - sig))
         matches.append(float(max(range(V), key=lambda i: pd[i]) == max(range(V), key=lambda i: pt[i])))
-    ce, tv, bce, lk = ce / sum(w), tv / sum(w), bce / sum(w), lk / sum(w)
+    ce, tv, bce, lk, kl = ce / sum(w), tv / sum(w), bce / sum(w), lk / sum(w), kl / sum(w)
     assert math.isclose(res.ce.item(), ce, rel_tol=1e-5)
     assert math.isclose(res.tv.item(), tv, rel_tol=1e-5)
     assert math.isclose(res.confidence_bce.item(), bce, rel_tol=1e-5)
     assert math.isclose(res.lk.item(), lk, rel_tol=1e-5) and lk > tv  # -log(1 - x) > x
-    assert math.isclose(res.loss.item(), 0.1 * ce + 0.9 * tv + lk_weight * lk + 1.0 * bce, rel_tol=1e-5)
+    assert math.isclose(res.kl.item(), kl, rel_tol=1e-5) and kl > 0
+    want = 0.1 * ce + 0.9 * tv + lk_weight * lk + kl_weight * kl + 1.0 * bce
+    assert math.isclose(res.loss.item(), want, rel_tol=1e-5)
     assert res.accept_cond_per_position.tolist() == matches
     assert res.accept_per_position.tolist() == [matches[0], matches[0] * matches[1]]
     assert res.num_positions == 2

@@ -680,12 +680,13 @@ def test_each_training_log_line_has_step_elapsed_eta_and_tokens_per_s(caplog):
     tr = Trainer.__new__(Trainer)  # only what _log_train reads
     tr.state, tr.t = SimpleNamespace(step=20, predictions=0), SimpleNamespace(max_steps=200)
     tr.world, tr.logger, tr._start_step, tr.batches, tr.peak_flops = 1, Logger(), 0, None, None
-    m = dict(loss=1.0, ce=1.0, tv=0.5, confidence_bce=0.1, tau=1.5, lr=1e-3, grad_norm=0.2)
+    m = dict(loss=1.0, ce=1.0, tv=0.5, kl=0.7, confidence_bce=0.1, tau=1.5, lr=1e-3, grad_norm=0.2)
     m.update(tokens=1000.0, step_s=2.0, predictions=100.0, data_s=0.1)
     with caplog.at_level("INFO", logger="dspark.trainer"):
         tr._log_train(m, elapsed=40.0)
     assert caplog.messages[-1].startswith("step 20/200 | elapsed 0:00:40 | eta 0:06:00 | loss 1.0000")
     assert "| 500 tok/s 50 pred/s | data" in caplog.messages[-1]  # no drafter: no FLOPs
+    assert "loss 1.0000 (ce 1.000 tv 0.500 kl 0.700 conf 0.100)" in caplog.messages[-1]
     assert tr.logger.data["train/predictions_per_s"] == 50 and "train/tflops_per_s" not in tr.logger.data
     # the step's model FLOPs (dspark.flops): FLOP/s always, MFU only over a known peak (not on a CPU)
     with caplog.at_level("INFO", logger="dspark.trainer"):
