@@ -29,6 +29,9 @@ def add_shape_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     p.add_argument(
         "--no-recompute", action="store_true", help="train.recompute_vocab_chunks=false: keep the chunk's logits"
     )
+    p.add_argument(
+        "--loss", choices=("kl", "tv_ce"), default="kl", help="KL alone (the default since #38) or 0.9 TV + 0.1 CE"
+    )
 
 
 @dataclass
@@ -99,9 +102,11 @@ def build(args: argparse.Namespace, *, seed: int = 0) -> SyntheticStep:
         with torch.no_grad():  # what the dataset's cache holds (computed once, not per step)
             top = torch.softmax(model.target_logits(batch["final_states"]), -1).topk(args.topk, -1)
         batch.update(topk_ids=top.indices, topk_probs=top.values)
+    old_loss = getattr(args, "loss", "kl") == "tv_ce"  # 0.9 TV + 0.1 CE, the default before issue #38
     lcfg = LossSettings(
-        ce_weight=0.1,
-        tv_weight=0.9,
+        ce_weight=0.1 if old_loss else 0.0,
+        tv_weight=0.9 if old_loss else 0.0,
+        kl_weight=0.0 if old_loss else 1.0,
         confidence_weight=1.0,
         position_decay=4.0,
         recompute_vocab_chunks=not getattr(args, "no_recompute", False),

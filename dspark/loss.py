@@ -337,11 +337,10 @@ def dspark_loss(
     lk_v = -torch.log((1.0 - tv_v).clamp_min(LK_FLOOR))
     lk = (w * lk_v).sum() / wsum
     kl = (w * kl_v).sum() / wsum
-    loss = cfg.ce_weight * ce + cfg.tv_weight * tv
-    if cfg.lk_weight:
-        loss = loss + cfg.lk_weight * lk
-    if cfg.kl_weight:
-        loss = loss + cfg.kl_weight * kl
+    # only the weighted terms enter the graph: a term at weight 0 would still cost its backward
+    # (TV's through the vocabulary-wide exp, 0 times its gradient); the others are logged detached
+    weighted = ((cfg.ce_weight, ce), (cfg.tv_weight, tv), (cfg.lk_weight, lk), (cfg.kl_weight, kl))
+    loss = sum(weight * term for weight, term in weighted if weight)
     bce = torch.zeros((), device=ce.device)
     conf_p = conf_t = hidden.new_zeros(0)
     if out.confidence_logits is not None:
