@@ -490,7 +490,7 @@ class LossSettings:
     kl_weight: float = 1.0
     """KL(target || draft), speculators' default loss (``kl_div``), the default since issue #38: at the
     demo's budget it beat 0.9 TV + 0.1 CE by +0.049 ± 0.012 val tau over 3 seeds (docs/benchmarks.md,
-    "Why speculators' defaults learn faster"). On the cached top k the coarsened
+    "Why speculators' defaults learned faster: KL"). On the cached top k the coarsened
     KL over the top k and one tail bin, a lower bound (:func:`dspark.loss.topk_kl`); with a reduced
     draft vocabulary, against the target renormalised over it, as speculators takes it. 0: off (it
     is still logged as ``kl``)."""
