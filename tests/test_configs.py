@@ -249,6 +249,8 @@ def test_wrong_type_fails_at_compose_naming_the_key(override, key):
         ("drafter.target_layer_ids=[2]", r"drafter.target_layer_ids=\[2\]: expected a subset of target.layer_ids"),
         ("train.supervise=prompt", r"train.supervise='prompt': expected one of \['answer', 'all'\]"),
         ("train.target_topk=-1", r"train.target_topk=-1: expected a number >= 0"),
+        ("train.kl_weight=-1", r"train.kl_weight=-1.0: expected a number >= 0"),
+        ("train.markov_init=xavier", r"train.markov_init='xavier': expected one of \['zeros', 'speculators'\]"),
         ("train.ce_anneal_frac=0", r"train.ce_anneal_frac=0.0: expected a fraction in \(0, 1\]"),
         (
             "train.init_from_target_layers=[1,2]",
@@ -259,6 +261,15 @@ def test_wrong_type_fails_at_compose_naming_the_key(override, key):
 def test_bad_values_fail_naming_key_value_and_what_is_allowed(override, message):
     with pytest.raises(ConfigError, match=message):
         _load(override)
+
+
+def test_a_loss_needs_a_weighted_term_and_a_markov_init_a_markov_head():
+    with pytest.raises(ConfigError, match=r"train.ce_weight=0.0: ce_weight, tv_weight, lk_weight and kl_weight cannot"):
+        _load("train.kl_weight=0")
+    assert _load("train.kl_weight=0", "train.tv_weight=1").train.tv_weight == 1.0
+    no_head = r"train.markov_init='speculators': expected zeros with drafter.markov_rank=0"
+    with pytest.raises(ConfigError, match=no_head):
+        _load("train.markov_init=speculators", "drafter.markov_rank=0")
 
 
 @pytest.mark.parametrize("dtype", ["float8_e4m3", "float8_e5m2"])
