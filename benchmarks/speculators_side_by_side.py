@@ -10,8 +10,10 @@ Arms (``--arms``):
   (it takes ``torch.accelerator`` or ``cuda``: docs/speculators_notes.md, "On a CPU"). Its model
   and losses are its own; the loop only feeds it our batches and steps the same AdamW.
 - ``speculators-matched``: the same, started from our arm's initial weights and with our loss
-  weights (0.9 TV + 0.1 CE): what is left is the implementation (CE against the target's argmax,
-  its reduction and mask alignment, its anchors).
+  weights (the run's ``train.kl_weight``/``tv_weight``/``ce_weight`` as speculators' ``kl_div``/
+  ``tv``/``ce``; KL alone by default since issue #38, 0.9 TV + 0.1 CE in the runs recorded before):
+  what is left is the implementation (CE against the target's argmax, its reduction and mask
+  alignment, its anchors).
 
 Each arm gets the sequences in the same order (the run's seed), ``train.anchors_per_seq`` anchors
 per sequence (speculators' ``max_anchors``), the same ``train.lr`` warmup-cosine schedule, AdamW
@@ -140,7 +142,10 @@ def run_speculators(tr: Any, heads: Any, tmp: Path, *, matched: bool, validate_a
     if matched:
         missing, unexpected = model.load_state_dict(ours_init, strict=False)
         assert not unexpected, unexpected
-    spec = json.dumps({"tv": t.tv_weight, "ce": t.ce_weight}) if matched else "kl_div"
+    if matched and t.lk_weight:
+        raise SystemExit("speculators-matched: train.lk_weight has no speculators loss to match; set it to 0")
+    ours = {"kl_div": t.kl_weight, "tv": t.tv_weight, "ce": t.ce_weight}
+    spec = json.dumps({k: w for k, w in ours.items() if w}) if matched else "kl_div"
     loss_config = resolve_loss_config(spec, "eager")
     tv_fn = resolve_loss_config("tv", "eager")["tv"][0]
     params = [p for p in model.parameters() if p.requires_grad]

@@ -323,6 +323,9 @@ RUN_CONTROL = {
 }
 """``train`` fields that say how a run is driven, not what it trains: they may change between a
 run and its rerun. Every other ``train`` field shapes the result."""
+ADDED_LATER = {("train", "kl_weight"): 0.0, ("train", "markov_init"): "zeros"}
+"""What a run recorded before a shaping field existed trained with (a missing key is otherwise
+taken as unchanged): a run of the old loss is not resumed as a KL run."""
 SHAPING_DATA = ("mode", "train_sequences", "val_fraction")
 """``data`` fields that shape training in every mode (the offline dataset itself is its manifest)."""
 SHAPING_ONLINE = ("source", "hf_split", "num_prompts", "temperature", "seed", "max_new_tokens", "max_seq_len")
@@ -353,7 +356,8 @@ def run_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:
     keys += [("target", "name"), ("seed", None)]
     diffs = []
     for group, k in keys:
-        old = saved.get(group) if k is None else (saved.get(group) or {}).get(k, now[group][k])
+        absent = ADDED_LATER.get((group, k), now[group][k] if k is not None else None)
+        old = saved.get(group) if k is None else (saved.get(group) or {}).get(k, absent)
         new = now[group] if k is None else now[group][k]
         if old != new:
             diffs.append(f"{group if k is None else f'{group}.{k}'}: checkpoint {old!r}, now {new!r}")

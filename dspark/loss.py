@@ -108,7 +108,7 @@ LOSS_TERMS = ("loss", "ce", "tv", "lk", "kl", "confidence_bce", "tau")
 LK_FLOOR = 1e-6
 """The smallest 1 - TV the LK term takes the log of (a draft with no overlap at all)."""
 TAIL_FLOOR = 1e-6
-"""The smallest draft tail mass :func:`topk_kl` takes the log of (a draft all on the top k)."""
+"""Added to the draft's tail mass before :func:`topk_kl` takes its log (a draft all on the top k)."""
 #: Per-position rates: metric prefix -> the LossOutput field holding them.
 POSITION_RATES = {
     "accept": "accept_per_position",
@@ -148,8 +148,9 @@ def _chunk_terms(model: DSparkDrafter, hidden, markov, target_final, labels):  #
     else:  # p_d is 0 outside the draft vocabulary: the target's mass there adds to the distance
         p_t_kept = p_t[:, model.draft_to_target]
         tv = 0.5 * ((logp_d.exp() - p_t_kept).abs().sum(-1) + (1.0 - p_t_kept.sum(-1)).clamp_min(0))
-        q = p_t_kept / p_t_kept.sum(-1, keepdim=True)  # the target renormalised over D
-        kl = (torch.xlogy(q, q) - q * logp_d).sum(-1)
+        logq = logp_t[:, model.draft_to_target]  # the target renormalised over D, in log space
+        logq = logq - logq.logsumexp(-1, keepdim=True)  # (its mass on D may underflow in fp32)
+        kl = (logq.exp() * (logq - logp_d)).sum(-1)
     match = (model.to_target_ids(logp_d.argmax(-1)) == logits_t.argmax(-1)).float()
     return ce, tv, kl, match
 
@@ -188,7 +189,9 @@ def topk_kl(
     0 or the two tails are proportional. logp_d [P, V] log-probabilities; ids, probs [P, K].
     ``in_vocab`` [P, K] (a reduced draft vocabulary D; ``ids`` are then draft ids): the top-k ids
     outside D drop out and the target is renormalised over the rest and its tail (the tail taken to
-    lie in D), as the full-distribution path renormalises it over D."""
+    lie in D), as the full-distribution path renormalises it over D. The draft's tail is taken with
+    ``TAIL_FLOOR`` added before its log: its gradient stays a strong pull back until the tail is
+    far below the floor (a draft whose tail is already below 1e-6 is pulled back only weakly)."""
     logpd_s = logp_d.gather(-1, ids)
     pd_s = logpd_s.exp()
     probs = probs.float()
@@ -199,8 +202,8 @@ def topk_kl(
         z = (probs.sum(-1) + r_t).clamp_min(TAIL_FLOOR)
         probs, r_t = probs / z[:, None], r_t / z
     head = (torch.xlogy(probs, probs) - probs * logpd_s).sum(-1)
-    r_d = (1.0 - pd_s.sum(-1)).clamp_min(TAIL_FLOOR)
-    return head + torch.xlogy(r_t, r_t) - r_t * r_d.log()
+    r_d = (1.0 - pd_s.sum(-1)).clamp_min(0) + TAIL_FLOOR  # floored with its gradient kept: a draft
+    return head + torch.xlogy(r_t, r_t) - r_t * r_d.log()  # with no tail left is still pulled back
 
 
 def _chunk_terms_topk(model: DSparkDrafter, hidden, markov, topk_ids, topk_probs, labels):  # noqa: ANN001

@@ -64,6 +64,14 @@ def test_topk_kl_is_a_lower_bound_exact_on_the_whole_support_and_for_a_target_in
     torch.testing.assert_close(topk_kl(p_d.log(), top.indices, top.values), _kl(sparse, p_d))
     # a draft equal to the target: 0, and its gradient pushes p_d toward p_t
     torch.testing.assert_close(topk_kl(p_t.log(), *p_t.topk(5, -1)[::-1]), torch.zeros(6), atol=1e-6, rtol=0)
+    # a draft with almost no tail (5e-5) where the target keeps 0.2 there: a large loss whose
+    # gradient pulls mass back (the tail bin's log is taken of the tail + TAIL_FLOOR)
+    logits = torch.full((1, 50), -12.0)
+    logits[0, :5] = 0.0
+    logits.requires_grad_(True)
+    kl = topk_kl(torch.log_softmax(logits, -1), torch.arange(5)[None], torch.full((1, 5), 0.16))
+    kl.sum().backward()
+    assert float(kl) > 1.0 and float(logits.grad[0, 5:].sum()) < -0.1  # descent raises the tail's logits
 
 
 def _tiny_drafter(V=40, H=8):

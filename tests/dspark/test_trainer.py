@@ -994,3 +994,21 @@ def test_two_ranks_one_disk_full_mid_save_all_end_soon_with_rank_0s_error(tiny, 
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert (ckpt / "latest").read_text() == "step00000006"
     assert "at step 2 (epoch" in out.stdout + out.stderr  # "resumed from ... at step 2 (epoch 0, ..."
+
+
+def test_a_run_recorded_before_a_shaping_key_existed_is_judged_by_what_it_trained_with(tmp_path):
+    """A run.json from before ``train.kl_weight`` and ``train.markov_init`` trained with KL 0 and the
+    zeros init: it differs from today's KL default, and equals a run that sets the old loss."""
+    from dspark.checkpoint import RUN_FILE, run_differences
+    from dspark.core.config import RunConfig, TrainConfig
+
+    def recorded_without_the_new_keys(cfg: RunConfig) -> None:
+        saved = cfg.to_dict()
+        del saved["train"]["kl_weight"], saved["train"]["markov_init"]
+        (tmp_path / RUN_FILE).write_text(json.dumps({"config": saved}))
+
+    old_loss = RunConfig(train=TrainConfig(kl_weight=0.0, tv_weight=0.9, ce_weight=0.1))
+    recorded_without_the_new_keys(old_loss)
+    assert run_differences(tmp_path, old_loss) == []
+    now = RunConfig(train=TrainConfig(tv_weight=0.9, ce_weight=0.1))  # the KL default added to it
+    assert run_differences(tmp_path, now) == ["train.kl_weight: checkpoint 0.0, now 1.0"]
