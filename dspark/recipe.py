@@ -105,7 +105,7 @@ def _build_parts(
     if t.final_norm_init == "ones":
         with torch.no_grad():
             drafter.norm.weight.fill_(1.0)
-    if t.markov_init == "speculators" and drafter.markov_head is not None:
+    if t.markov_init == "speculators":  # RunConfig refuses it for a drafter without a Markov head
         drafter.markov_head.init_as_speculators()
     if t.init_from_target_layers is not None:
         init_from_target(drafter, cfg, heads)
