@@ -235,6 +235,7 @@ def _check_weights_in_vllm(exp: Any, mc: Any, pc: Any, sc: Any, rep: ValidationR
     rep.checks.append(f"vLLM's loader writes all {rep.params_checked} drafter parameters of {cls.__name__}")
     if "d2t" in served_weights:
         _check_draft_vocab_in_vllm(exp, model, served_weights, cls.__name__, rep)
+    _check_window_in_vllm(exp, model, cls.__name__, rep)
     family = get_family(exp.drafter.family)
     ours = {k: v.float() for k, v in served_weights.items()}
     fused = family.vllm_fused(ours, exp.drafter.num_layers)
@@ -247,6 +248,33 @@ def _check_weights_in_vllm(exp: Any, mc: Any, pc: Any, sc: Any, rep: ValidationR
         f"{len(fused)} fused tensors ({', '.join(sorted({n.split('.')[-2] for n in fused}))}) equal the exported "
         f"ones; {ctx.split('.')[-2]} reads {params[ctx].shape[1]} = {len(rep.vllm_aux_layer_ids)} layers x "
         f"{exp.dims.target_hidden_size}"
+    )
+
+
+def _check_window_in_vllm(exp: Any, model: torch.nn.Module, cls_name: str, rep: ValidationReport) -> None:
+    """vLLM's draft layers attend as the drafter was trained: each layer's ``Attention`` built with
+    ``drafter.attention_window`` as its sliding window (None: full attention) and non-causal (the
+    block sees itself both ways; vLLM's backends then widen the window to W - 1 on either side)."""
+    layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
+    attns = [getattr(layer, "self_attn", None) for layer in layers]
+    windows = [getattr(getattr(a, "attn", None), "sliding_window", None) for a in attns]
+    causal = [bool(getattr(a, "causal", False)) for a in attns]
+    want = exp.drafter.attention_window
+    if len(layers) != exp.drafter.num_layers or windows != [want] * len(layers):
+        raise ExportError(
+            f"{exp.path / 'config.json'}: vLLM's {cls_name} builds {len(layers)} layers with sliding windows "
+            f"{windows}, "
+            f"the drafter was trained with drafter.attention_window={want} in {exp.drafter.num_layers} layers"
+        )
+    if any(causal):
+        raise ExportError(
+            f"{exp.path / 'config.json'}: vLLM's {cls_name} would run layers {[i for i, c in enumerate(causal) if c]} "
+            "causally; a DSpark block is non-causal (set is_causal false for sliding layers)"
+        )
+    rep.checks.append(
+        f"vLLM's {len(layers)} draft layers attend "
+        + (f"over a sliding window {want}, non-causal" if want else "over the full context, non-causal")
+        + " = the trained attention"
     )
 
 

@@ -266,13 +266,22 @@ class DSparkDrafter(nn.Module):
     def queries_per_block(self) -> int:
         return self.cfg.block_size if self.cfg.sample_from_anchor else self.cfg.block_size + 1
 
-    def block_mask(self, anchor_positions: torch.Tensor, num_context: int) -> torch.Tensor:
-        """[B, 1, A*Q, S + A*Q] bool: block j sees context < its anchor and its own block."""
+    def block_mask(
+        self, anchor_positions: torch.Tensor, num_context: int, window: Optional[int] = None
+    ) -> torch.Tensor:
+        """[B, 1, A*Q, S + A*Q] bool: block j sees context < its anchor and its own block; with a
+        ``window`` W, its query at position p sees only the context positions p0 with p - p0 < W
+        (:func:`window_mask`, the served edge)."""
         b, a = anchor_positions.shape
         q = self.queries_per_block
         ctx_pos = torch.arange(num_context, device=anchor_positions.device)
-        sees_ctx = ctx_pos[None, None, :] < anchor_positions[:, :, None]  # [B, A, S]
-        sees_ctx = sees_ctx[:, :, None, :].expand(b, a, q, num_context).reshape(b, a * q, num_context)
+        anchors = anchor_positions[:, :, None, None]  # [B, A, 1, 1]
+        sees_ctx = ctx_pos < anchors  # [B, A, 1, S]
+        if window is not None:
+            sees_ctx = sees_ctx & window_mask(
+                anchors + torch.arange(q, device=ctx_pos.device)[:, None], ctx_pos, window
+            )
+        sees_ctx = sees_ctx.expand(b, a, q, num_context).reshape(b, a * q, num_context)
         blk = torch.arange(a, device=anchor_positions.device).repeat_interleave(q)
         sees_blk = (blk[:, None] == blk[None, :]).expand(b, a * q, a * q)
         return torch.cat([sees_ctx, sees_blk], dim=-1)[:, None]
@@ -292,7 +301,7 @@ class DSparkDrafter(nn.Module):
         block_ids = torch.full((b, a, q), self.dims.mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
         block_ids[:, :, 0] = input_ids.gather(1, anchor_positions)
         x = self.embed_tokens(block_ids.reshape(b, a * q)).to(ctx.dtype)
-        mask = self.block_mask(anchor_positions, ctx.shape[1])
+        mask = self.block_mask(anchor_positions, ctx.shape[1], self.cfg.attention_window)
         for layer in self.layers:
             x = layer(x, positions, ctx, ctx_pos, mask)
         hidden = self.norm(x).view(b, a, q, -1)[:, :, q - k_pred :]  # [B, A, K, H]
@@ -330,10 +339,24 @@ class DSparkDrafter(nn.Module):
     ) -> torch.Tensor:
         """One block per row over the cached context: block_ids, positions [B, Q] -> normed hidden
         [B, K, H] at the K predicting queries (the layout of :meth:`forward`; a block may be shorter
-        than ``block_size``, as vLLM runs it when num_speculative_tokens < block_size)."""
+        than ``block_size``, as vLLM runs it when num_speculative_tokens < block_size). The cache
+        holds context positions 0..S-1 (:meth:`context_kv`), all before the block. With
+        ``drafter.attention_window`` W only its last W - 1 entries are read (what the block's first
+        query sees), each query masked at its own edge, so the step's cost does not grow with S."""
+        window = self.cfg.attention_window
+        mask = None
+        if window is not None:
+            dim = self.family.cache_seq_dim
+            length = context[0][0].shape[dim]
+            start = max(0, length - (window - 1))
+            context = [tuple(t.narrow(dim, start, length - start) for t in cache) for cache in context]
+            ctx_pos = torch.arange(start, length, device=positions.device)
+            sees_ctx = window_mask(positions[:, :, None], ctx_pos, window)  # [B, Q, S']
+            sees_blk = sees_ctx.new_ones(*positions.shape, positions.shape[1])
+            mask = torch.cat([sees_ctx, sees_blk], dim=-1)[:, None]
         x = self.embed_tokens(block_ids).to(context[0][0].dtype)
         for layer, cache in zip(self.layers, context):
-            x = layer.forward_cached(x, positions, cache)
+            x = layer.forward_cached(x, positions, cache, mask)
         return self.norm(x)[:, 0 if self.cfg.sample_from_anchor else 1 :]
 
     def draft_logits(self, hidden: torch.Tensor, markov_embed: Optional[torch.Tensor]) -> torch.Tensor:
@@ -358,6 +381,13 @@ class DSparkDrafter(nn.Module):
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """The sliding window's edge as vLLM and llama.cpp serve it: a query at position p sees a key at
+    p0 when ``p - p0 < window`` (W keys counting its own position; ``llama_hparams::is_masked_swa``
+    masks ``p - p0 >= W``, vLLM's non-causal window is W - 1 to either side). Broadcasts."""
+    return query_positions - key_positions < window
 
 
 def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str, tuple[int, ...]]:

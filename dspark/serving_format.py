@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 from dspark.checkpoint import DRAFT_MAP, SHARED_FROM_TARGET, CheckpointError, TrainingCheckpoint, check_weights
 from dspark.core.config import DSparkConfig
 from dspark.core.families import family_of_architecture, get_family, served_architectures
-from dspark.core.families.base import confidence_zero_columns, missing_served_fields
+from dspark.core.families.base import confidence_zero_columns, missing_served_fields, served_window
 from dspark.core.files import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
 from dspark.core.serving import LAYOUTS
@@ -265,6 +265,12 @@ def read_export(path: Path) -> ExportedDrafter:
         raise ExportError(
             f"{path / CONFIG_FILE}: sample_from_anchor={config['sample_from_anchor']} but the drafter was "
             f"trained with sample_from_anchor={drafter.sample_from_anchor}"
+        )
+    if served_window(config) != drafter.attention_window:
+        raise ExportError(
+            f"{path / CONFIG_FILE}: serves attention window {served_window(config)} (dflash_config.use_swa/"
+            f"swa_window_size; None = full attention), but the drafter was trained with drafter.attention_window="
+            f"{drafter.attention_window}; {REEXPORT.format(dir=path)}"
         )
     try:
         weights = {family.from_serving(k): v for k, v in load_file(str(path / WEIGHTS_FILE)).items()}

@@ -14,7 +14,15 @@ verifier's directory). What differs is the config:
   ``target_layer_ids`` in our config.json are those minus one;
 - the block: ``block_size`` drafts after the anchor with ``sample_from_anchor`` (the only layout
   converted here; the fill-in layout counts its block differently on the two sides);
-- ``speculators_config.verifier``: the target's directory and architectures.
+- ``speculators_config.verifier``: the target's directory and architectures;
+- the attention window (``drafter.attention_window``): ours is ``dflash_config.use_swa`` +
+  ``swa_window_size``, speculators' is ``transformer_layer_config.layer_types`` (every layer
+  ``sliding_attention``) + ``sliding_window`` with ``sliding_window_non_causal`` true, plus
+  ``is_causal: false`` in the layer config, without which vLLM serves a speculators DSpark's
+  sliding layers causally. The edge differs in training: speculators masks a block by its anchor
+  a (context ``a - W .. a - 1`` for every query), vLLM and we by each query's position p
+  (``p - W < p0``), so the two agree for the block's first query and speculators' later queries
+  see up to Q - 1 more keys; the served edge is vLLM's either way.
 
 docs/speculators_notes.md has the full mapping, with file:line on both sides.
 
@@ -33,6 +41,7 @@ from safetensors.torch import load_file
 from dspark.checkpoint import check_weights
 from dspark.core.config import DSparkConfig
 from dspark.core.families import DrafterDims
+from dspark.core.families.base import served_window
 from dspark.core.files import atomic_path, read_json, remove_stale_temporaries, replace_problem
 from dspark.core.shard_format import layer_ids_problem
 from dspark.serving_format import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, ExportedDrafter, ExportError
@@ -122,7 +131,14 @@ def speculators_config(
     architectures = read_json(target_config, expected="a model's config.json", error=ExportError).get("architectures")
     layers = {k: ours[k] for k in LAYER_CONFIG_KEYS}
     layers["rope_parameters"] = {"rope_theta": ours["rope_theta"], "rope_type": "default"}
-    layers["layer_types"] = ["full_attention"] * int(ours["num_hidden_layers"])
+    window = served_window(ours)
+    layers["layer_types"] = ["sliding_attention" if window else "full_attention"] * int(ours["num_hidden_layers"])
+    if window:
+        # speculators reads the window per layer (layer_types + sliding_window) and masks its blocks
+        # non-causally with sliding_window_non_causal; vLLM serves a speculators DSpark's
+        # sliding layers causal unless the layer config says is_causal false (_dflash_layer_causal);
+        # transformers' Qwen3Config keeps sliding_window only with use_sliding_window
+        layers.update(use_sliding_window=True, sliding_window=window, is_causal=False)
     return {
         "architectures": ["DSparkDraftModel"],
         "speculators_model_type": "dspark",
@@ -133,7 +149,7 @@ def speculators_config(
         **{k: ours[k] for k in DSPARK_KEYS},
         "target_hidden_size": ours.get("target_hidden_size"),
         "aux_hidden_state_layer_ids": list(layer_ids),
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": bool(window),
         "speculators_config": {
             "algorithm": "dspark",
             "proposal_methods": [
@@ -200,6 +216,7 @@ def read_speculators(path: Path) -> ExportedDrafter:
         )
     if cfg.get("mask_token_id") is None:
         raise ExportError(f"{where}: mask_token_id is null, expected the token id the block's masked slots embed")
+    window = _speculators_window(cfg, layers, where)
     ids = cfg.get("aux_hidden_state_layer_ids")
     problem = (
         layer_ids_problem("", ids, "aux_hidden_state_layer_ids")
@@ -232,6 +249,7 @@ def read_speculators(path: Path) -> ExportedDrafter:
             mask_token_id=int(cfg["mask_token_id"]),
             enable_confidence_head=bool(cfg.get("enable_confidence_head", True)),
             confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", rank > 0)),
+            attention_window=window,
         )
         fc_in = int(weights["fc.weight"].shape[1])
         dims = DrafterDims(
@@ -251,6 +269,30 @@ def read_speculators(path: Path) -> ExportedDrafter:
         weights.pop(name, None)
     check_weights(weights, drafter, dims, where=str(path / WEIGHTS_FILE))
     return ExportedDrafter(path, cfg, {"format": "speculators"}, "dspark", drafter, dims, list(ids), weights)
+
+
+def _speculators_window(cfg: dict[str, Any], layers: dict[str, Any], where: Path) -> Optional[int]:
+    """The attention window of a speculators DSpark config (``transformer_layer_config.layer_types``
+    and ``sliding_window``): None when every layer is full attention. Our drafter has one window for
+    every layer and non-causal blocks, so mixed layers or causal sliding blocks are refused."""
+    types = layers.get("layer_types") or []
+    sliding = [t == "sliding_attention" for t in types]
+    if not any(sliding):
+        return None
+    if not all(sliding):
+        raise ExportError(
+            f"{where}: transformer_layer_config.layer_types is {types}, expected every layer 'sliding_attention' or "
+            "every layer 'full_attention' (drafter.attention_window is one window for all layers)"
+        )
+    window = layers.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ExportError(f"{where}: transformer_layer_config.sliding_window is {window!r}, expected an int >= 1")
+    if not cfg.get("sliding_window_non_causal", False):
+        raise ExportError(
+            f"{where}: sliding_window_non_causal is {cfg.get('sliding_window_non_causal')!r} with sliding layers, "
+            "expected true (a DSpark block is non-causal)"
+        )
+    return window
 
 
 def is_speculators(path: Path) -> bool:

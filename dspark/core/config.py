@@ -59,7 +59,7 @@ STAGES = ("extract", "train", "eval", "serve_bench")
 DEFAULT_STAGES = ("extract", "train", "eval")
 """What ``python train.py`` runs unless told: the serving benchmark (minutes per configuration
 and concurrency level) is asked for by name."""
-EVAL_SOURCES = ("offline", "aa_lcr")
+EVAL_SOURCES = ("offline", "aa_lcr", "fixed_passage")
 SERVE_EXPORT = ("auto", "never")
 LLAMA_CPP_USE = ("auto", "always", "never")
 LLAMA_CPP_TARGETS = ("auto", "embedded", "f32", "f16", "bf16", "q8_0")
@@ -212,6 +212,23 @@ class DSparkConfig(*FIELD_CLASSES, SharedDrafterFields):
                 f"vLLM's class for drafter.family={self.family} serves the target's full vocabulary only (no d2t); "
                 "expected null",
             )
+        if self.attention_window is not None and not _unresolved(self.attention_window):
+            queries = self.block_size if self.sample_from_anchor else self.block_size + 1
+            _check(
+                isinstance(self.attention_window, int) and self.attention_window > queries,
+                "drafter.attention_window",
+                self.attention_window,
+                f"expected null (full attention) or an int >= {queries + 1}: the block's {queries} queries + 1, so "
+                "that its last query still sees the anchor's context",
+            )
+            _check(
+                FAMILIES[self.family].serves_window,
+                "drafter.attention_window",
+                self.attention_window,
+                f"vLLM's class for drafter.family={self.family} has full-attention layers only (no sliding window "
+                "in its config); expected null. K3 keeps acceptance over long context by training on windows as "
+                'long as the served context (docs/guide.md, "Long context")',
+            )
         for key, fam in FIELD_FAMILY.items():
             value = getattr(self, key)
             if value is not None and not _unresolved(value):
@@ -259,6 +276,7 @@ _TAG_NAMES = {
     "mask_token_id": "mask",
     "confidence_head_with_markov": "confmarkov",
     "draft_vocab_size": "dv",
+    "attention_window": "win",
     **{k: v for fam in FAMILIES.values() for k, v in fam.tag_names.items()},  # each family's own
 }
 _TAG_SPELLED = ("family", "markov_rank", "markov_head_type", "sample_from_anchor", "enable_confidence_head")
@@ -656,7 +674,9 @@ class EvalConfig:
     """Export + acceptance on AA-LCR-style long-context prompts, binned by context length (tokens)."""
 
     source: str = "offline"
-    """offline (built from documents on the machine) | aa_lcr (the release: aa_lcr_csv + aa_lcr_texts)."""
+    """offline (built from documents on the machine) | aa_lcr (the release: aa_lcr_csv + aa_lcr_texts) |
+    fixed_passage (the long-context set: one question and answer-bearing passage per prompt, the same in
+    every bin, among more distractors in larger bins, so a fade measures length, not content)."""
     aa_lcr_csv: Optional[str] = None
     aa_lcr_texts: Optional[str] = None
     """The release's extracted-text directory (lcr/<category>/<set_id>/*.txt)."""

@@ -59,6 +59,44 @@ def test_tokens_of_a_block_see_each_other_and_no_other_block():
     assert mask[q:, 12 + q :].all() and not mask[q:, 12 : 12 + q].any()
 
 
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_a_window_shows_each_query_exactly_w_positions_counting_its_own(sample_from_anchor):
+    """drafter.attention_window=W: the block query at position p sees context p0 < anchor with
+    p - p0 < W (vLLM's and llama.cpp's edge), and its whole block."""
+    m = make_model(sample_from_anchor=sample_from_anchor, attention_window=7)
+    q, w, s = m.queries_per_block, 7, 30
+    anchors = torch.tensor([[4, 20]])
+    mask = m.block_mask(anchors, num_context=s, window=w)[0, 0]
+    for j, a in enumerate(anchors[0].tolist()):
+        for i in range(q):
+            row = mask[j * q + i]
+            want = [max(0, a + i - w + 1) <= p0 < a for p0 in range(s)]
+            assert row[:s].tolist() == want, (a, i)
+            assert row[s + j * q : s + (j + 1) * q].all()  # its own block, both directions
+    # query 0 of the anchor at 20 sees 14..19 (6 context positions + its own = W); the last sees 20-W+q..19
+    assert mask[q, :s].nonzero().flatten().tolist() == list(range(14, 20))
+    assert mask[2 * q - 1, :s].nonzero().flatten().tolist() == list(range(20 - w + q, 20))
+    assert torch.equal(m.block_mask(anchors, s, None), m.block_mask(anchors, s, 10**6))  # a wide window is full
+
+
+def test_a_windowed_block_reads_nothing_past_its_edge():
+    """Through the whole forward: a context state just outside the first query's window changes
+    nothing (bit-identical), one just inside it changes the block."""
+    w = 8
+    m = make_model(attention_window=w)
+    ids, ctx = inputs(b=1, t=30)
+    a = 20
+    anchors = torch.tensor([[a]])
+    ref = m(ids, ctx, anchors).hidden
+    outside, inside = ctx.clone(), ctx.clone()
+    outside[0, : a - w + 1] += 5.0  # positions <= a - W: no query sees them
+    inside[0, a - w + 1] += 5.0  # the first query's farthest key
+    assert torch.equal(m(ids, outside, anchors).hidden, ref)
+    assert not torch.allclose(m(ids, inside, anchors).hidden, ref)
+    full = make_model()  # the same weights without a window do read the far context
+    assert not torch.allclose(full(ids, outside, anchors).hidden, full(ids, ctx, anchors).hidden)
+
+
 def test_anchor_batched_forward_equals_one_forward_per_anchor():
     m = make_model()
     ids, ctx = inputs(b=1, t=30)

@@ -24,12 +24,18 @@ MLA = dict(family="k3_mla", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
 
 
 def tiny_pair(
-    vocab: int, *, sample_from_anchor: bool = True, markov_rank: int = 4, seed: int = 0, family: str = "qwen3"
+    vocab: int,
+    *,
+    sample_from_anchor: bool = True,
+    markov_rank: int = 4,
+    seed: int = 0,
+    family: str = "qwen3",
+    window: int | None = None,
 ):
     target = tiny_llama_target(seed=seed, vocab_size=vocab, num_hidden_layers=2, tie_word_embeddings=False)
     mla = MLA if family == "k3_mla" else {}
     cfg = tiny_drafter_config(
-        markov_rank=markov_rank, sample_from_anchor=sample_from_anchor, **mla
+        markov_rank=markov_rank, sample_from_anchor=sample_from_anchor, attention_window=window, **mla
     )  # + confidence head
     drafter = tiny_drafter(cfg, target=target, num_context_layers=len(LAYERS), seed=None)
     with torch.no_grad():  # a drafter that is neither useless nor perfect
@@ -57,6 +63,52 @@ def test_cached_block_equals_training_forward(sample_from_anchor, family):
     block[0, 0] = ids[0, a]
     got = drafter.forward_block(block, torch.arange(a, a + q)[None], dr.kv)[0]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_a_windowed_cached_block_equals_the_windowed_training_forward(sample_from_anchor):
+    """The reference loop keeps the whole cache and reads the window: at an anchor far past the
+    window it equals the training forward under the window's block mask, and a cached state just
+    outside the first query's window changes nothing while one just inside it does."""
+    w, a, t = 8, 17, 24
+    target, drafter = tiny_pair(50, sample_from_anchor=sample_from_anchor, window=w)
+    ids = torch.randint(1, 50, (1, t), generator=torch.Generator().manual_seed(3))
+    runner = TargetRunner(target, LAYERS)
+    runner.reset()
+    _, states = runner.forward(ids[0].tolist())
+    with torch.no_grad():
+        ref = drafter(ids, states[None, : t - 1], torch.tensor([[a]])).hidden[0, 0]
+    q = drafter.queries_per_block
+    block = torch.full((1, q), 0)
+    block[0, 0] = ids[0, a]
+
+    def cached(st: torch.Tensor) -> torch.Tensor:
+        dr = DraftRunner(drafter)
+        dr.extend(st[:5])
+        dr.extend(st[5:a])
+        assert dr.length == a  # the cache holds everything; the block reads its last W - 1 entries
+        return drafter.forward_block(block, torch.arange(a, a + q)[None], dr.kv)[0]
+
+    got = cached(states)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    outside, inside = states.clone(), states.clone()
+    outside[: a - w + 1] += 5.0
+    # the farthest key of the first query that predicts (the fill-in layout's anchor query predicts
+    # nothing, and the 1-layer tiny drafter mixes no query into another)
+    inside[a - w + 1 + (0 if sample_from_anchor else 1)] += 5.0
+    assert torch.equal(cached(outside), got)
+    assert not torch.allclose(cached(inside), got)
+
+
+def test_a_windowed_drafter_stays_lossless_past_its_window():
+    target, drafter = tiny_pair(8, window=6)
+    cfg = DecodeConfig(gamma=4, max_new_tokens=32)
+    t, d = TargetRunner(target, LAYERS), DraftRunner(drafter)
+    for i in range(3):
+        prompt = torch.randint(0, 8, (9 + i,), generator=torch.Generator().manual_seed(i)).tolist()
+        spec = speculative_generate(t, d, prompt, cfg, eos=set(), gen=torch.Generator().manual_seed(0))
+        plain = plain_generate(t, prompt, cfg, eos=set(), gen=torch.Generator().manual_seed(0))
+        assert spec.tokens == plain.tokens and len(spec.tokens) == 32
 
 
 @pytest.mark.parametrize(

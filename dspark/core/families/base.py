@@ -10,15 +10,16 @@ online and colocated data) and the reference loop. A family supplies:
   ``forward(x, positions, context, context_positions, mask)`` (the training pass: block tokens
   over the normed context projection and the block mask), ``context_cache(context, positions)``
   (one layer's per-token context cache, what vLLM precomputes and stores: a tuple of tensors that
-  grows along :attr:`cache_seq_dim`) and ``forward_cached(x, positions, cache)`` (one block
-  over that cache, as vLLM serves it);
+  grows along :attr:`cache_seq_dim`) and ``forward_cached(x, positions, cache, mask)`` (one
+  block over that cache, as vLLM serves it; ``mask`` [B, 1, Q, S + Q] or None for all of it);
 * **its own settings** (:attr:`fields`): a dataclass of the ``drafter.*`` fields only it reads,
   each ``Optional`` with default ``None`` and a docstring. The config schema
   (:class:`dspark.core.config.DSparkConfig`) and the resolved sizes (:class:`DrafterDims`) are
   composed from the shared fields and every registered family's, flat (``drafter.q_lora_rank``);
   another family refuses them when set. With them: their short names in a run name
   (:attr:`tag_names`), what its ``conf/drafter/NAME.yaml`` sets (:attr:`tag_defaults`), and
-  whether its vLLM class serves a draft vocabulary map (:attr:`serves_draft_vocab`);
+  whether its vLLM class serves a draft vocabulary map (:attr:`serves_draft_vocab`) and a sliding
+  attention window (:attr:`serves_window`);
   A family's methods get the composed ``DSparkConfig`` and ``DrafterDims``; they are annotated
   with the shared parts (:mod:`dspark.core.families.shared`), which the composed types extend;
 * **its sizes** (:meth:`resolve_dims`): its own fields filled into :class:`DrafterDims` from
@@ -35,7 +36,7 @@ online and colocated data) and the reference loop. A family supplies:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -70,6 +71,9 @@ class DrafterFamily:
     serves_draft_vocab: bool = True
     """Whether the family's vLLM class serves a reduced draft vocabulary (``draft_vocab_size``
     below the target's, with ``d2t``); False refuses ``drafter.draft_vocab_size``."""
+    serves_window: bool = True
+    """Whether the family's vLLM class serves a sliding attention window (``dflash_config.use_swa``);
+    False refuses ``drafter.attention_window``."""
     cache_seq_dim: int = 2
     """The dimension of each ``context_cache`` tensor that runs along the context positions."""
     context_proj_param: str = "model.fc.weight"
@@ -182,6 +186,26 @@ def dspark_head_fields(cfg: SharedDrafterFields) -> dict[str, Any]:
         "enable_confidence_head": cfg.enable_confidence_head,
         "confidence_head_with_markov": cfg.enable_confidence_head,  # see confidence_zero_columns
     }
+
+
+def window_fields(cfg: SharedDrafterFields) -> dict[str, Any]:
+    """``drafter.attention_window`` as vLLM's DFlash/DSpark classes (``_resolve_layer_attention``:
+    every layer sliding and non-causal) and llama.cpp's converter (``add_sliding_window`` with an
+    all-sliding pattern) read it, inside ``dflash_config``; nothing for full attention."""
+    if cfg.attention_window is None:
+        return {}
+    return {"use_swa": True, "swa_window_size": int(cfg.attention_window)}
+
+
+def served_window(config: dict[str, Any]) -> Optional[int]:
+    """The attention window a config.json serves (:func:`window_fields` read back, as vLLM reads
+    it: ``dflash_config.swa_window_size``, else the top-level ``sliding_window``, when
+    ``dflash_config.use_swa`` is true), or None for full attention."""
+    dflash = config.get("dflash_config") or {}
+    if not dflash.get("use_swa", False):
+        return None
+    window = dflash.get("swa_window_size", config.get("sliding_window"))
+    return None if window is None else int(window)
 
 
 def linear_flops(rows: int, n_in: int, n_out: int) -> int:

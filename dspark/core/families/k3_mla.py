@@ -320,9 +320,11 @@ class MLADecoderLayer(nn.Module):
         ``input_layernorm`` and no query."""
         return self.self_attn.latent(context, positions)
 
-    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: Latent) -> torch.Tensor:
-        """One block over this layer's cached context latents (mask None)."""
-        x = x + self.self_attn.attend(self.input_layernorm(x), positions, cache, None)
+    def forward_cached(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: Latent, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """One block over this layer's cached context latents (mask None: all of them)."""
+        x = x + self.self_attn.attend(self.input_layernorm(x), positions, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -376,6 +378,7 @@ class K3MLAFamily(DrafterFamily):
     }
     tag_defaults = {"rope_theta": DEFAULT_ROPE_THETA}  # conf/drafter/k3_mla.yaml sets it
     serves_draft_vocab = False  # K3DSparkForCausalLM takes the full vocabulary, with no d2t
+    serves_window = False  # K3DSparkModel's layers are full attention: no window key in its config
     cache_seq_dim = 1  # c [B, S, R], k_pe [B, S, Dr]
     context_proj_param = "model.context_proj.weight"
 

@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.core.families.base import DrafterFamily, dspark_head_fields, linear_flops, mlp_flops, mlp_fused
+from dspark.core.families.base import (
+    DrafterFamily,
+    dspark_head_fields,
+    linear_flops,
+    mlp_flops,
+    mlp_fused,
+    window_fields,
+)
 from dspark.core.families.layers import MLP, RMSNorm
 
 if TYPE_CHECKING:
@@ -99,8 +106,10 @@ class DecoderLayer(nn.Module):
         """(k, v) [B, Nkv, S, D] of the context at ``positions`` (what vLLM's KV cache holds)."""
         return self.self_attn._kv(context, positions)
 
-    def forward_cached(self, x, positions, cache: tuple[torch.Tensor, torch.Tensor]):  # one block, cached K/V
-        x = x + self.self_attn.attend(self.input_layernorm(x), positions, *cache, None)
+    def forward_cached(
+        self, x, positions, cache: tuple[torch.Tensor, torch.Tensor], mask=None
+    ):  # one block, cached K/V
+        x = x + self.self_attn.attend(self.input_layernorm(x), positions, *cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -154,6 +163,7 @@ class Qwen3Family(DrafterFamily):
                     "target_layer_ids": target_layer_ids,
                     "mask_token_id": dims.mask_token_id,
                     "sample_from_anchor": False,
+                    **window_fields(cfg),
                 },
             }
         return {
@@ -161,6 +171,7 @@ class Qwen3Family(DrafterFamily):
             **base,
             "target_layer_ids": target_layer_ids,
             **dspark_head_fields(cfg),
+            **({"dflash_config": window_fields(cfg)} if cfg.attention_window is not None else {}),
         }
 
     def vllm_fused(self, ours: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

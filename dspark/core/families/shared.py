@@ -54,6 +54,15 @@ class SharedDrafterFields:
     ``Qwen3DSparkModel`` serves it through ``d2t``. A token outside it is never drafted. None: the
     target's full vocabulary. An int in [1, the target's vocab_size]; ``qwen3`` family only (vLLM's
     K3 class serves the full vocabulary)."""
+    attention_window: Optional[int] = None
+    """W: sliding-window attention over the context. A block query at position p sees the context
+    positions p0 with ``p - p0 < W`` (W keys counting its own position: vLLM's sliding window and
+    llama.cpp's ``llama_hparams::is_masked_swa``) and its whole block; None: every context position
+    before the anchor (full attention). Applied in training (the block mask), the reference loop,
+    the export (``dflash_config.use_swa`` + ``swa_window_size``), the GGUF and speculators' format,
+    so a draft step reads at most W context entries at any context length. At least the block's
+    query count + 1 (its last query still sees the anchor's context); a family whose vLLM class
+    has no window (``k3_mla``) refuses it."""
 
 
 @dataclass
