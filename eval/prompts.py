@@ -11,7 +11,16 @@ Two sources share one prompt layout (AA-LCR's: the documents, then the question;
   left out). The same interpreter gives the same set; another Python version gives another,
   which :func:`eval_set_sha256` tells apart.
 
-Sizing rule, for both sources: a prompt in bin b has at most b tokens with the chat template
+* ``fixed_passage``: the long-context set that tells length from content (issue #47). Prompt i of
+  every bin asks the same question about the same answer-bearing passage (a language-reference
+  topic cut to :data:`PASSAGE_TOKENS`), among distractor documents taken in one seeded order from
+  the rest of the offline pool (each cut to :data:`DISTRACTOR_TOKENS`, the last one to fill the
+  bin): a larger bin only adds more of the same distractors, so tokens/step over the bins measures
+  the context length, not what the documents are. The passage stands first, in the middle or last
+  (prompt i % 3), as AA-LCR's documents come in several orders. Prompts pair across bins by their
+  index (``fixed-s{seed}-b{bin}-{i}``).
+
+Sizing rule, for the ``offline`` and ``aa_lcr`` sources: a prompt in bin b has at most b tokens with the chat template
 applied, and at least max(previous bin + 1, 0.75 b), so bins really differ in length. Its
 documents are cut to one token cap c, the largest for which the prompt fits: documents shorter
 than c stay whole, longer ones keep their first c tokens (a cut at a token boundary). Every
@@ -58,7 +67,7 @@ LCR_COLUMNS = (
 )
 """AA-LCR CSV columns the loader needs; the release's data_source_urls and input_tokens
 (counted with another tokenizer) are not used."""
-SOURCES = ("offline", "aa_lcr")
+SOURCES = ("offline", "aa_lcr", "fixed_passage")
 
 EXCLUDED_TOPICS = ("debugger",)
 """Reference topics that repeat a training prompt: "debugger" is pdb's module docstring."""
@@ -107,6 +116,18 @@ OFFLINE_QUESTIONS = (
         "Which built-in names, keywords or modules are discussed in more than one document? For "
         "each of them, list the documents that discuss it."
     ),
+)
+
+
+PASSAGE_TOKENS = 384
+"""The answer-bearing passage of a ``fixed_passage`` prompt: the same tokens in every bin."""
+DISTRACTOR_TOKENS = 1024
+"""A ``fixed_passage`` distractor's cap, so a bin holds several documents and a larger bin more."""
+PASSAGE_ORDERS = ("first", "middle", "last")
+"""Where the passage stands among the distractors, by prompt index."""
+FIXED_PASSAGE_QUESTION = (
+    "One of the documents is the Python language reference's entry on '{topic}'. Say which document it "
+    "is and quote its first sentence. Then explain in one short paragraph what the entry specifies."
 )
 
 
@@ -427,6 +448,77 @@ def _aa_lcr_bin(
     return prompts
 
 
+def _passage_prompt(
+    tokens: _DocumentTokens, passage: Document, distractors: Sequence[Document], order: str, question: str, size: int
+) -> tuple[list[int], list[str]] | None:
+    """Token ids and document names of a prompt of at most ``size`` tokens: the passage whole, and
+    the distractors in their order, each cut to DISTRACTOR_TOKENS, the last one to what is left;
+    None if the passage and the question alone do not fit. As :func:`_fit`, each retry lowers the
+    budget by the overflow (documents are counted apart from where they join)."""
+    wrapper = len(tokens.ids(f"BEGIN DOCUMENT {len(distractors) + 1}:\n\nEND DOCUMENT {len(distractors) + 1}\n\n"))
+    frame = len(chat_token_ids(tokens.tokenizer, format_lcr_prompt([passage.text], question)))
+    budget = size - frame
+    while budget >= 0:
+        chosen: list[tuple[str, str]] = []
+        left = budget
+        for d in distractors:
+            take = min(len(tokens.ids(d.text)), DISTRACTOR_TOKENS, left - wrapper)
+            if take <= 0:
+                break
+            chosen.append((d.name, tokens.head(d.text, take)))
+            left -= take + wrapper
+        at = {"first": 0, "middle": len(chosen) // 2, "last": len(chosen)}[order]
+        chosen.insert(at, (passage.name, passage.text))
+        ids = chat_token_ids(tokens.tokenizer, format_lcr_prompt([t for _, t in chosen], question))
+        if len(ids) <= size:
+            return ids, [n for n, _ in chosen]
+        budget -= len(ids) - size
+    return None
+
+
+def _fixed_passage_set(
+    tokens: _DocumentTokens, bins: Sequence[int], lowers: Sequence[int], per_bin: int, seed: int
+) -> list[EvalPrompt]:
+    """The ``fixed_passage`` source (module docstring): prompt i is the same passage, question,
+    distractor order and passage position in every bin."""
+    topics, sources = _reference_topics(), _subpackage_sources()
+    rng = random.Random(f"fixed_passage:{seed}")
+    candidates = [t for t in rng.sample(topics, len(topics)) if len(tokens.ids(t.text)) >= PASSAGE_TOKENS]
+    if len(candidates) < per_bin:
+        raise EvalPromptError(
+            f"fixed_passage: {len(candidates)} reference topics hold {PASSAGE_TOKENS} tokens, "
+            f"prompts_per_bin={per_bin} needs as many"
+        )
+    prompts: list[EvalPrompt] = []
+    for i, topic in enumerate(candidates[:per_bin]):
+        passage = Document(topic.name, tokens.head(topic.text, PASSAGE_TOKENS))
+        question = FIXED_PASSAGE_QUESTION.format(topic=topic.name.split(":", 1)[1])
+        others = [d for d in topics + sources if d.name != topic.name]
+        distractors = random.Random(f"fixed_passage:{seed}:{i}").sample(others, len(others))
+        order = PASSAGE_ORDERS[i % len(PASSAGE_ORDERS)]
+        for b, lower in zip(bins, lowers):
+            fit = _passage_prompt(tokens, passage, distractors, order, question, b)
+            if fit is None or len(fit[0]) < lower:
+                raise EvalPromptError(
+                    f"fixed_passage bin {b}: cannot fill a prompt to between {lower} and {b} tokens (got "
+                    f"{None if fit is None else len(fit[0])}); the bin is too small for the passage and question"
+                )
+            ids, names = fit
+            prompts.append(
+                EvalPrompt(
+                    prompt_id=f"fixed-s{seed}-b{b}-{i}",
+                    bin=b,
+                    prompt_token_ids=ids,
+                    num_tokens=len(ids),
+                    source="fixed_passage",
+                    question=question,
+                    reference_answer=None,
+                    document_names=names,
+                )
+            )
+    return sorted(prompts, key=lambda p: bins.index(p.bin))
+
+
 # --- the eval set -------------------------------------------------------------------------------
 
 
@@ -466,6 +558,9 @@ def build_eval_set(
     if prompts_per_bin < 1:
         raise EvalPromptError(f"prompts_per_bin must be at least 1, got {prompts_per_bin}")
     tokens = _DocumentTokens(tokenizer)
+    lowers = [max(previous + 1, math.ceil(MIN_FILL * b)) for previous, b in zip([0, *context_bins], context_bins)]
+    if source == "fixed_passage":
+        return _fixed_passage_set(tokens, list(context_bins), lowers, prompts_per_bin, seed)
     pool: _OfflinePool = ([], [])
     questions: list[LcrQuestion] = []
     if source == "offline":
@@ -476,14 +571,11 @@ def build_eval_set(
         questions = load_aa_lcr(aa_lcr_csv, aa_lcr_texts)
         random.Random(f"aa_lcr:{seed}").shuffle(questions)
     prompts: list[EvalPrompt] = []
-    previous = 0
-    for b in context_bins:
-        lower = max(previous + 1, math.ceil(MIN_FILL * b))
+    for b, lower in zip(context_bins, lowers):
         if source == "offline":
             prompts += _offline_bin(tokens, pool, b, lower, prompts_per_bin, seed)
         else:
             prompts += _aa_lcr_bin(tokens, questions, b, lower, prompts_per_bin)
-        previous = b
     return prompts
 
 
@@ -625,6 +717,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--window", type=int, help="the target's max positions; default: config.json's")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--source",
+        choices=SOURCES,
+        help="offline (default), aa_lcr (implied by --aa-lcr-csv) or fixed_passage (the long-context set)",
+    )
     parser.add_argument("--aa-lcr-csv", type=Path)
     parser.add_argument("--aa-lcr-texts", type=Path)
     parser.add_argument("--out", type=Path, help="write the set here as JSONL")
@@ -641,7 +738,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             prompts_per_bin=args.per_bin,
             max_new_tokens=args.max_new_tokens,
             window=args.window or _window_from_config(args.tokenizer),
-            source="offline" if args.aa_lcr_csv is None else "aa_lcr",
+            source=args.source or ("offline" if args.aa_lcr_csv is None else "aa_lcr"),
             aa_lcr_csv=args.aa_lcr_csv,
             aa_lcr_texts=args.aa_lcr_texts,
             seed=args.seed,

@@ -214,6 +214,51 @@ def test_offline_set_is_deterministic_and_disjoint_from_training(tokenizer):
     assert not copied
 
 
+def _contains(ids, part):
+    n = len(part)
+    return any(ids[i : i + n] == part for i in range(len(ids) - n + 1))
+
+
+def test_the_fixed_passage_set_holds_question_and_passage_fixed_and_adds_distractors(tokenizer):
+    """Length without content (issue #47): prompt i of every bin asks the same question about the
+    same passage, in the same place (first, middle, last by i), and a larger bin only adds more of
+    the same distractors in the same order."""
+    bins = [768, 1536, 3072]
+    prompts = build_eval_set(
+        tokenizer, context_bins=bins, prompts_per_bin=3, max_new_tokens=64, window=4096, source="fixed_passage"
+    )
+    assert [p.bin for p in prompts] == [768] * 3 + [1536] * 3 + [3072] * 3
+    lowers = {768: 576, 1536: 1152, 3072: 2304}
+    assert all(lowers[p.bin] <= p.num_tokens <= p.bin for p in prompts)
+    assert not set(LCR_TRAIN_QUESTIONS) & {p.question for p in prompts}
+    by_index = {i: [p for p in prompts if p.prompt_id.endswith(f"-{i}")] for i in range(3)}
+    for i, group in by_index.items():
+        assert [p.prompt_id for p in group] == [f"fixed-s0-b{b}-{i}" for b in bins]
+        assert len({p.question for p in group}) == 1
+        topic = next(
+            n
+            for n in group[0].document_names
+            if n.startswith("pydoc_data.topics:") and n.split(":")[1] in group[0].question
+        )
+        from eval.prompts import PASSAGE_TOKENS, offline_documents
+
+        text = next(d.text for d in offline_documents() if d.name == topic)
+        passage = tokenizer.encode(tokenizer.decode(tokenizer.encode(text)[:PASSAGE_TOKENS]), add_special_tokens=False)
+        core = passage[5:-5]  # away from the joins, where the tokenizer may merge across the boundary
+        assert all(_contains(p.prompt_token_ids, core) for p in group)
+        places = [p.document_names.index(topic) for p in group]
+        counts = [len(p.document_names) for p in group]
+        want = {0: [0, 0, 0], 1: [(c - 1) // 2 for c in counts], 2: [c - 1 for c in counts]}[i]
+        assert places == want, (i, places, counts)
+        distractors = [[n for n in p.document_names if n != topic] for p in group]
+        assert all(small == big[: len(small)] for small, big in zip(distractors, distractors[1:]))
+        assert counts == sorted(counts) and counts[-1] > counts[0]
+    again = build_eval_set(
+        tokenizer, context_bins=bins, prompts_per_bin=3, max_new_tokens=64, window=4096, source="fixed_passage"
+    )
+    assert eval_set_sha256(again) == eval_set_sha256(prompts)
+
+
 def _shingles(text, n=8):
     words = text.split()
     return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
