@@ -220,7 +220,12 @@ def _tau_section(results: EvalResults) -> list[str]:
     """Per method, then per method and context bin: the all-steps figure with its interval,
     vLLM's tau over the drafted steps, the drafted share, pos-1 with its interval."""
     head = [m.label for m in ACCEPTANCE_METRICS] + ["steps"]
-    overall = [[d.name, d.runner] + _figures_row(d, d.overall, None) for d in results.drafters]
+    bins = sorted({b for d in results.drafters for b in d.per_bin}, key=int)
+    fade_head = f"fade @{bins[-1]}/@{bins[0]}" if len(bins) > 1 else "fade"
+    overall = [
+        [d.name, d.runner] + _figures_row(d, d.overall, None) + [fmt(d.fade()[0]) + interval_text(d.fade()[1])]
+        for d in results.drafters
+    ]
     per_bin = [
         [d.name, b, str(d.per_bin[b].get("num_prompts", ""))] + _figures_row(d, d.per_bin[b], b)
         for d in results.drafters
@@ -231,11 +236,13 @@ def _tau_section(results: EvalResults) -> list[str]:
         "tokens/step = 1 + accepted / every target verification step (drafted or not): what a user pays "
         "for, target forwards. tau = 1 + accepted / drafts counts only the steps that had a draft "
         "(vLLM's counter); drafted = their share. pos-1 = P(first drafted token accepted), per draft. "
+        "fade = tokens/step at the longest context bin over the shortest (paired over the prompts where the "
+        "bins hold the same prompts at other lengths: eval.source=fixed_passage). "
         f"Brackets: {CONFIDENCE:.0%} bootstrap interval over prompts (seeded); none for a single prompt."
     )
     return (
         ["## Tokens per target step", "", text, ""]
-        + _table(["drafter", "runner"] + head, overall)
+        + _table(["drafter", "runner"] + head + [fade_head], overall)
         + ["", "Per context bin:", ""]
         + _table(["drafter", "ctx bin", "prompts"] + head, per_bin)
     )
@@ -342,6 +349,15 @@ def render_markdown(results: EvalResults, plots: dict[str, Path], *, checks: lis
     return "\n\n".join("\n".join(s) for s in sections if s) + "\n"
 
 
+def _fade_text(d: DrafterResult) -> str:
+    """``  fade @7168/@1024 0.93 [0.85, 1.01]``: tokens/step at the longest bin over the shortest."""
+    bins = sorted(d.per_bin, key=int)
+    if len(bins) < 2:
+        return ""
+    value, interval = d.fade()
+    return f"  fade @{bins[-1]}/@{bins[0]} {fmt(value)}{interval_text(interval)}"
+
+
 def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
     """The main job's eval lines: each method's tokens per target step over all steps (the headline,
     with its interval), vLLM's tau over the drafted steps and the drafted share beside it; then
@@ -359,7 +375,7 @@ def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
             )
         lines.append(
             f"eval     {d.name:<18} tokens/step {fmt(d.tokens_per_step)}{interval_text(d.interval('tokens_per_step'))}"
-            f"  (tau {fmt(d.tau)} over drafted steps, {share} drafted; {d.runner}{clock})"
+            f"  (tau {fmt(d.tau)} over drafted steps, {share} drafted; {d.runner}{clock}){_fade_text(d)}"
         )
     return lines + [f"check    {c.name}: {c.verdict} ({c.detail})" for c in checks]
 
@@ -386,6 +402,8 @@ def _wandb_scalars(results: EvalResults, speedups: list[dict[str, Any]]) -> dict
                 )
         lo, hi = d.interval(TOKENS_PER_STEP.stat)
         out[f"{key}/{TOKENS_PER_STEP.name}_lo"], out[f"{key}/{TOKENS_PER_STEP.name}_hi"] = lo, hi
+        fade, (lo, hi) = d.fade()
+        out[f"{key}/fade"], out[f"{key}/fade_lo"], out[f"{key}/fade_hi"] = fade, lo, hi
         if d.calibration is not None:
             out[f"{key}/ece"] = d.calibration.ece
     for row in speedups:

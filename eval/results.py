@@ -323,6 +323,14 @@ class Calibration:
     bin_count: list[int]
 
 
+def pair_key(prompt: dict[str, Any]) -> Optional[str]:
+    """The prompt a per-prompt record is at another length, for sets whose bins hold the same
+    prompts (:mod:`eval.prompts`' ``fixed_passage`` ids, ``fixed-s{seed}-b{bin}-{i}``); None for
+    sets whose bins hold other documents."""
+    pid, b = str(prompt["prompt_id"]), f"-b{prompt['bin']}-"
+    return pid.replace(b, "-", 1) if pid.startswith("fixed-") and b in pid else None
+
+
 @dataclass
 class DrafterResult:
     """One drafter (or baseline) on the whole prompt set."""
@@ -370,6 +378,29 @@ class DrafterResult:
             "overall": {s: list(self.interval(s)) for s in STATS},
             "per_bin": {b: {s: list(self.interval(s, b)) for s in STATS} for b in self.per_bin},
         }
+
+    def fade(self) -> tuple[float, tuple[float, float]]:
+        """Tokens/step at the longest context bin over the shortest's, with its 95 % interval: paired
+        where the bins hold the same prompts at other lengths (``fixed_passage``: :func:`pair_key`),
+        resampled apart otherwise. NaN with fewer than two bins."""
+        bins = sorted(self.per_bin, key=int)
+        nan = float("nan")
+        if len(bins) < 2:
+            return nan, (nan, nan)
+        hi, lo = bins[-1], bins[0]
+        den = AcceptanceCounts.from_dict(self.per_bin[lo]).tokens_per_step
+        value = AcceptanceCounts.from_dict(self.per_bin[hi]).tokens_per_step / den if den else nan
+        by = {
+            b: {pair_key(p): AcceptanceCounts.from_dict(p) for p in self.per_prompt if str(p["bin"]) == b}
+            for b in (hi, lo)
+        }
+        common = [k for k in by[hi] if k is not None and k in by[lo]]
+        if common and len(common) == len(by[hi]) == len(by[lo]):
+            counts = [by[hi][k] for k in common], [by[lo][k] for k in common]
+            return value, ratio_interval(*counts, STATS[TOKENS_PER_STEP.stat], paired=True)
+        return value, ratio_interval(
+            self.prompt_counts(hi), self.prompt_counts(lo), STATS[TOKENS_PER_STEP.stat], paired=False
+        )
 
     @property
     def measured_speedup(self) -> Optional[float]:

@@ -186,7 +186,7 @@ def test_markdown_tables_carry_the_measured_numbers(results, tmp_path):
 
     head = ["tokens/step (all steps)", "tau (drafted steps)", "drafted", "pos-1", "steps"]
     figures = table_rows(md, "Tokens per target step", 0)
-    assert figures["__header__"] == ["drafter", "runner", *head]
+    assert figures["__header__"] == ["drafter", "runner", *head, "fade @4096/@1024"]
     for name in STEPS:
         d = next(d for d in results.drafters if d.name == name)
         lo, hi = bootstrap_interval(
@@ -198,6 +198,8 @@ def test_markdown_tables_carry_the_measured_numbers(results, tmp_path):
     # ngram: 8 steps, 4 of them drafted, 1 token accepted: 1 + 1/8 per step, 1 + 1/4 per draft
     assert figures["ngram"][2].startswith("1.125 [") and figures["ngram"][3:5] == ["1.250", "50%"]
     assert figures["ngram"][6] == "8"
+    fade = overall_of("dspark", "4096").tokens_per_step / overall_of("dspark", "1024").tokens_per_step
+    assert figures["dspark"][7].startswith(f"{fade:.3f} [")
     # dspark drafts every step: 9 steps, 16 accepted, so both figures are 1 + 16/9
     assert figures["dspark"][2].startswith("2.778 [") and figures["dspark"][3:5] == ["2.778", "100%"]
     per_bin = {(r[0], r[1]): r for r in table(md, "Tokens per target step", 1)[1:]}
@@ -374,6 +376,46 @@ def test_the_ngram_check_compares_tokens_per_step_over_every_step(results):
     assert "tokens/step dspark 2.778 / tokens/step ngram 1.125" in check.detail
     lo, hi = check.interval
     assert lo <= check.measured <= hi and lo < hi  # paired over the four prompts both ran
+
+
+def overall_of(name: str, b: str) -> AcceptanceCounts:
+    return counts(STEPS[name][b])
+
+
+def test_the_fade_pairs_prompts_where_the_bins_hold_the_same_ones():
+    """fade = tokens/step at the longest bin over the shortest's. On a fixed_passage set each prompt
+    is measured at every length, so the interval resamples the pairs (each prompt's own difficulty
+    cancels); on a set whose bins hold other documents, each bin is resampled apart."""
+    easy, hard = [3, 3, 3, 2], [0, 1, 0, 0]  # two prompts of very different difficulty ...
+    easy_long, hard_long = [3, 2, 2, 2], [0, 0, 0, 0]  # ... each a little worse at the longer length
+    steps = {"1024": [easy, hard, easy, hard], "4096": [easy_long, hard_long, easy_long, hard_long]}
+
+    def result(ids: str) -> DrafterResult:
+        recs = [
+            {"prompt_id": ids.format(b=b, i=i), "bin": int(b), **asdict(counts(part))}
+            for b, parts in steps.items()
+            for i, part in enumerate(parts)
+        ]
+        per_bin = {}
+        for b, parts in steps.items():
+            total = AcceptanceCounts(GAMMA)
+            for part in parts:
+                total.merge(counts(part))
+            per_bin[b] = {**total.summary(), "num_prompts": len(parts)}
+        return DrafterResult("dspark", "reference", "dspark", per_bin["1024"], per_bin, per_prompt=recs)
+
+    paired, apart = result("fixed-s0-b{b}-{i}"), result("offline-s0-b{b}-{i}")
+    want = (
+        AcceptanceCounts.from_dict(paired.per_bin["4096"]).tokens_per_step
+        / AcceptanceCounts.from_dict(paired.per_bin["1024"]).tokens_per_step
+    )
+    (v1, (lo1, hi1)), (v2, (lo2, hi2)) = paired.fade(), apart.fade()
+    assert v1 == v2 == pytest.approx(want) and want < 1
+    assert lo1 <= want <= hi1 and lo2 <= want <= hi2
+    assert hi1 - lo1 < 0.5 * (hi2 - lo2)  # the pairs cancel the prompts' own difficulty
+    cond = EvalConditions("t", "/t", GAMMA, 0.0, 64, "fixed_passage", [1024, 4096], {"1024": 4, "4096": 4})
+    line = next(x for x in summary_lines(EvalResults(cond, [paired]), []) if x.startswith("eval"))
+    assert line.endswith(f"fade @4096/@1024 {want:.3f} [{lo1:.3f}, {hi1:.3f}]")
 
 
 def test_summary_lines_put_tokens_per_step_first(results):
