@@ -71,6 +71,7 @@ def export_all(cfg: RunConfig, ckpt_path: Path, target_dir: Path, prefix: str) -
     """Every layout the drafter can be served in (the dspark one always, the dflash one where the
     drafter has it), each validated with vLLM's own classes at ``eval.gamma`` draft tokens."""
     ckpt = read_checkpoint(cfg, ckpt_path)
+    _warn_past_training_window(cfg, ckpt)
     out = {}
     for layout in drafter_layouts(ckpt.drafter):
         d = export_path(cfg, prefix, layout)
@@ -87,6 +88,24 @@ def export_all(cfg: RunConfig, ckpt_path: Path, target_dir: Path, prefix: str) -
             )
         out[layout] = s
     return out
+
+
+def _warn_past_training_window(cfg: RunConfig, ckpt: Any) -> None:
+    """A full-attention drafter evaluated on prompts longer than it was trained on reads context
+    farther back than any distance it has seen: say so, with the two ways out (issue #47)."""
+    trained = ((getattr(ckpt, "run_config", None) or {}).get("train") or {}).get("max_seq_len")
+    longest = max(cfg.eval.context_bins)
+    if ckpt.drafter.attention_window is None and isinstance(trained, int) and longest > trained:
+        log.warning(
+            "eval: the drafter attends over the whole context (drafter.attention_window=null) and was trained on "
+            "windows of train.max_seq_len=%d tokens; the eval's prompts reach %d tokens, where it reads context %.0fx "
+            "farther back than it was trained on and acceptance may fade. Train with drafter.attention_window "
+            "(served as a sliding window by vLLM and llama.cpp) or on windows as long as the served context "
+            '(docs/guide.md, "Long context")',
+            trained,
+            longest,
+            longest / trained,
+        )
 
 
 def wait_for_export(path: Path, *, poll_s: float = 10.0) -> None:

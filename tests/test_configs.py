@@ -136,6 +136,9 @@ def test_kimi_k3_preset():
     assert cfg.deepspeed.zero_optimization.stage == 2
     assert cfg.deepspeed.to_dict()["zero_optimization"]["reduce_bucket_size"] == 5e8
     assert cfg.eval.context_bins == [16384, 65536, 131072]
+    # no window in K3's vLLM class: it trains on the served context's length (issue #47, item 5)
+    assert cfg.drafter.attention_window is None and cfg.train.max_seq_len == cfg.data.max_seq_len == 65536
+    assert cfg.train.micro_batch_size * cfg.train.grad_accum_steps == 32
 
 
 def test_family_presets_set_what_their_run_names_take_as_given():
