@@ -212,3 +212,26 @@ def test_calibration_ece():
     assert cal.ece == pytest.approx(0.0)
     skewed = calibration([(0.95, False)] * 4)
     assert skewed.ece == pytest.approx(0.95)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_window_sweep_counts_what_the_reference_loop_counts(window):
+    """benchmarks/window_sweep.py runs the target once per prompt and every drafter against its
+    fixed greedy continuation: the same steps, drafts and accepted tokens as the reference loop."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from window_sweep import simulate, target_pass
+
+    target, drafter = tiny_pair(8, window=window)
+    cfg = DecodeConfig(gamma=4, max_new_tokens=24)
+    for i in range(3):
+        prompt = torch.randint(0, 8, (9 + i,), generator=torch.Generator().manual_seed(10 + i)).tolist()
+        want = speculative_generate(
+            TargetRunner(target, LAYERS), DraftRunner(drafter), prompt, cfg, eos={5}, gen=torch.Generator()
+        )
+        greedy, states = target_pass(target, LAYERS, prompt, cfg.max_new_tokens + cfg.gamma + 1)
+        got, tokens = simulate(drafter, len(prompt), greedy, states, cfg.gamma, cfg.max_new_tokens, {5})
+        assert tokens == want.tokens
+        assert got == want.counts and got.num_accepted > 0
