@@ -62,21 +62,24 @@ def simulate(
     eos: set[int],
 ):  # noqa: ANN201
     """The reference loop's greedy steps for one prompt against the target's fixed continuation:
-    its :class:`~eval.results.AcceptanceCounts` and the tokens it outputs."""
+    its :class:`~eval.results.AcceptanceCounts`, the tokens it outputs and the seconds its draft
+    passes took (the block's forward and heads, as ``DraftRunner.propose`` runs them)."""
     from eval.reference import DraftRunner, _finish
     from eval.results import AcceptanceCounts
 
     dr = DraftRunner(drafter)
     dr.reset()
     dr.extend(states[:prompt_len])
-    counts, out = AcceptanceCounts(gamma), [greedy[0]]
+    counts, out, draft_s = AcceptanceCounts(gamma), [greedy[0]], 0.0
     gen = torch.Generator().manual_seed(0)
     while True:
         out, done = _finish(out, max_new, eos)
         if done:
             break
         i = len(out)  # the next token's index in the continuation; the anchor is out[-1]
+        t0 = time.perf_counter()
         drafts, _, _ = dr.propose(out[-1], gamma, 0.0, gen)
+        draft_s += time.perf_counter() - t0
         n = 0
         while n < len(drafts) and i + n < len(greedy) and drafts[n] == greedy[i + n]:
             n += 1
@@ -86,7 +89,7 @@ def simulate(
         a = prompt_len + i - 1  # the anchor's position
         dr.extend(states[a : a + n + 1])
         out += greedy[i : i + n + 1]
-    return counts, out
+    return counts, out, draft_s
 
 
 def _load(spec: str, heads: Any, device: str) -> tuple[str, torch.nn.Module, list[int], Optional[int]]:
@@ -192,9 +195,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         counts, per_prompt = [], []
         for p in tqdm(prompts, desc=name, unit="prompt"):
             tp = passes[p.prompt_id]
-            c, _ = simulate(drafter, p.num_tokens, tp["greedy"], tp["states"], args.gamma, args.max_new_tokens, eos)
+            c, _, draft_s = simulate(
+                drafter, p.num_tokens, tp["greedy"], tp["states"], args.gamma, args.max_new_tokens, eos
+            )
             counts.append(c)
-            per_prompt.append({"prompt_id": p.prompt_id, "bin": p.bin, **asdict(c)})
+            per_prompt.append({"prompt_id": p.prompt_id, "bin": p.bin, **asdict(c), "draft_s": draft_s})
         overall, per_bin = per_bin_summary([p.bin for p in prompts], counts, args.gamma)
         rows.append(
             DrafterResult(name, "reference", "dspark", overall, per_bin, per_prompt=per_prompt, notes=f"window {w}")
@@ -244,6 +249,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         pos1 = AcceptanceCounts.from_dict(r.overall).accept_per_pos[0]
         every = fmt(r.tokens_per_step) + interval_text(r.interval("tokens_per_step"))
         print(f"| {r.name} | " + " | ".join(cells) + f" | {every} | {fmt(pos1)} | {fmt(fade)}{interval_text(fi)} |")
+    print("\nDraft pass per step (ms, the block's forward and heads in PyTorch on this machine), per bin:\n")
+    print("| drafter | " + " | ".join(f"@{b}" for b in bins) + f" | @{bins[-1]} / @{bins[0]} |")
+    print("|---|" + "---|" * (len(bins) + 1))
+    for r in rows:
+        ms = []
+        for b in bins:
+            recs = [p for p in r.per_prompt if p["bin"] == b]
+            ms.append(1000 * sum(p["draft_s"] for p in recs) / max(1, sum(p["num_steps"] for p in recs)))
+        print(f"| {r.name} | " + " | ".join(f"{m:.1f}" for m in ms) + f" | {ms[-1] / ms[0]:.2f} |")
     return 0
 
 

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from data_tools.storage import StorageEstimate, sequence_tokens, storage_estimate
-from dspark.core.config import DataConfig, RunConfig, TargetConfig, load_config
+from dspark.core.config import ConfigError, DataConfig, RunConfig, TargetConfig, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import file_sha256, text_sha256
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
@@ -310,6 +310,13 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
     if target_dir is None:
         target_dir = resolve_target(target, cache_dir=Path(cfg.paths.cache_dir).expanduser()).path
     arch, _, _, text_cfg = read_config(target_dir)
+    window = text_cfg.get("max_position_embeddings")
+    if window and data.max_seq_len + 1 > int(window):  # before vLLM starts and refuses it in a traceback
+        raise ConfigError(
+            f"data.max_seq_len={data.max_seq_len}: expected at most {int(window) - 1}, the target's window of "
+            f"{window} positions ({target_dir / 'config.json'}: max_position_embeddings) less the one token "
+            "vLLM's capture generates"
+        )
     tokens_only = data.engine == "transformers"  # token-id shards: no layer is captured
     capture_ids = [] if tokens_only else target.capture_layer_ids(int(text_cfg["num_hidden_layers"]))
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=target.trust_remote_code)

@@ -106,3 +106,15 @@ def test_same_settings_other_prompts_and_old_manifests_are_explained(tmp_path):
     del raw["prompt_settings"]  # a manifest from before the field existed still loads
     (tmp_path / "old" / "manifest.json").write_text(json.dumps(raw))
     assert Manifest.load(tmp_path / "old").prompt_settings == {}
+
+
+def test_a_window_past_the_targets_is_refused_before_vllm_starts(compose_config, smollm2_dir, tmp_path):
+    """data.max_seq_len up to the target's window (issue #47): vLLM's capture generates one token, so
+    8191 is SmolLM2's longest; 8192 gets one line naming the field, the file and the bound."""
+    from data_tools.extract import extract
+    from dspark.core.config import ConfigError
+
+    cfg = compose_config("+experiment=smollm2_cpu_demo", f"paths.output_dir={tmp_path}", "data.max_seq_len=8192")
+    with pytest.raises(ConfigError, match=r"data.max_seq_len=8192: expected at most 8191, the target's window of 8192"):
+        extract(cfg, target_dir=smollm2_dir)
+    assert not list((tmp_path / "data").rglob("*.parquet"))

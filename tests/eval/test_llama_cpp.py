@@ -242,6 +242,28 @@ def _export_with_gguf(pair, out: Path, gguf_target: Path) -> subprocess.Complete
 
 
 @pytest.mark.slow
+def test_llama_cpps_converter_carries_the_window_into_the_gguf(tmp_path, llama_cpp, tiny_trained_drafter):
+    """drafter.attention_window through llama.cpp's own converter: the export's dflash_config
+    (use_swa, swa_window_size) becomes the GGUF's sliding window with every layer sliding, the keys
+    src/models/dflash.cpp loads into its iSWA cache (issue #47)."""
+    from dataclasses import replace
+
+    from dspark.checkpoint import load_training_checkpoint
+    from dspark.export import export
+    from dspark.gguf import convert_export, gguf_fields
+
+    target_dir, _, ckpt_dir = tiny_trained_drafter
+    ckpt = load_training_checkpoint(ckpt_dir)
+    windowed = replace(ckpt, drafter=replace(ckpt.drafter, attention_window=16))
+    export(windowed, tmp_path / "exp", layout="dspark", target_dir=target_dir)
+    fields = gguf_fields(convert_export(llama_cpp, tmp_path / "exp", target_dir, "f32"))
+    arch = fields["general.architecture"]
+    assert fields[f"{arch}.attention.sliding_window"] == 16
+    pattern = fields[f"{arch}.attention.sliding_window_pattern"]
+    assert list(pattern) == [True] * ckpt.drafter.num_layers, pattern
+
+
+@pytest.mark.slow
 def test_the_export_cli_writes_the_gguf_beside_and_llama_cpp_drafts_with_it(tmp_path, llama_cpp, tiny_pair):
     out = tmp_path / "exp"
     run = _export_with_gguf(tiny_pair, out, tiny_pair[0])

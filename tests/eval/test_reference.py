@@ -232,6 +232,6 @@ def test_the_window_sweep_counts_what_the_reference_loop_counts(window):
             TargetRunner(target, LAYERS), DraftRunner(drafter), prompt, cfg, eos={5}, gen=torch.Generator()
         )
         greedy, states = target_pass(target, LAYERS, prompt, cfg.max_new_tokens + cfg.gamma + 1)
-        got, tokens = simulate(drafter, len(prompt), greedy, states, cfg.gamma, cfg.max_new_tokens, {5})
+        got, tokens, _ = simulate(drafter, len(prompt), greedy, states, cfg.gamma, cfg.max_new_tokens, {5})
         assert tokens == want.tokens
         assert got == want.counts and got.num_accepted > 0
