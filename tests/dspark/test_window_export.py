@@ -33,8 +33,15 @@ def windowed(tmp_path):
 def test_the_export_serves_the_window_and_reads_it_back(windowed, tmp_path):
     export_dir, _ = windowed
     cfg = json.loads((export_dir / "config.json").read_text())
-    assert cfg["dflash_config"] == {"use_swa": True, "swa_window_size": W}
-    assert cfg["target_layer_ids"] == [0, 2, 4]  # still top level: dflash_config holds the window only
+    # the window, and beside it the block's ids as DFlash's nested schema has them: llama.cpp's
+    # converter reads mask_token_id from dflash_config alone once there is one
+    assert cfg["dflash_config"] == {
+        "target_layer_ids": [0, 2, 4],
+        "mask_token_id": cfg["mask_token_id"],
+        "use_swa": True,
+        "swa_window_size": W,
+    }
+    assert cfg["target_layer_ids"] == [0, 2, 4]  # and at the top level, as before
     assert read_export(export_dir).drafter.attention_window == W
     # full attention writes no window key at all (the pinned bytes of tests/dspark/test_export_bytes.py)
     export(checkpoint(tmp_path / "full", {**FIELDS, "attention_window": None}), tmp_path / "full_out")

@@ -8,6 +8,7 @@ names its log, and nothing is left running."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -242,28 +243,6 @@ def _export_with_gguf(pair, out: Path, gguf_target: Path) -> subprocess.Complete
 
 
 @pytest.mark.slow
-def test_llama_cpps_converter_carries_the_window_into_the_gguf(tmp_path, llama_cpp, tiny_trained_drafter):
-    """drafter.attention_window through llama.cpp's own converter: the export's dflash_config
-    (use_swa, swa_window_size) becomes the GGUF's sliding window with every layer sliding, the keys
-    src/models/dflash.cpp loads into its iSWA cache (issue #47)."""
-    from dataclasses import replace
-
-    from dspark.checkpoint import load_training_checkpoint
-    from dspark.export import export
-    from dspark.gguf import convert_export, gguf_fields
-
-    target_dir, _, ckpt_dir = tiny_trained_drafter
-    ckpt = load_training_checkpoint(ckpt_dir)
-    windowed = replace(ckpt, drafter=replace(ckpt.drafter, attention_window=16))
-    export(windowed, tmp_path / "exp", layout="dspark", target_dir=target_dir)
-    fields = gguf_fields(convert_export(llama_cpp, tmp_path / "exp", target_dir, "f32"))
-    arch = fields["general.architecture"]
-    assert fields[f"{arch}.attention.sliding_window"] == 16
-    pattern = fields[f"{arch}.attention.sliding_window_pattern"]
-    assert list(pattern) == [True] * ckpt.drafter.num_layers, pattern
-
-
-@pytest.mark.slow
 def test_the_export_cli_writes_the_gguf_beside_and_llama_cpp_drafts_with_it(tmp_path, llama_cpp, tiny_pair):
     out = tmp_path / "exp"
     run = _export_with_gguf(tiny_pair, out, tiny_pair[0])
@@ -411,6 +390,42 @@ def test_a_markov_off_drafter_with_a_confidence_head_is_served_and_accepts_what_
     exp = read_export(tmp_path / "off")
     assert exp.drafter.markov_rank == 0 and exp.weights["confidence_head.proj.weight"].shape == (1, h)
     _assert_served_as_reference(served, prompts, tmp_path / "off", target_dir, gamma, n)
+
+
+@pytest.mark.slow
+def test_a_windowed_drafter_is_converted_served_and_accepts_what_the_reference_does(tmp_path, llama_cpp, tiny_pair):
+    """drafter.attention_window through llama.cpp (issue #47): its own converter turns the export's
+    dflash_config (use_swa, swa_window_size) into the GGUF's sliding window with every layer sliding
+    (src/models/dflash.cpp loads them into an iSWA cache), and llama-server's draft-dspark, on
+    prompts of 60-64 tokens with a window of 16, drafts and accepts exactly what the reference loop
+    does with the same window: the edge (a key at p0 hidden from a query at p when p - p0 >= W) is
+    the same on both sides. Before the export wrote mask_token_id into dflash_config too, llama.cpp
+    read mask id -1 and aborted on the first draft (get_sub_batch, error -2)."""
+    import dataclasses
+
+    from dspark.checkpoint import load_training_checkpoint
+    from dspark.export import export
+    from dspark.gguf import convert_export, gguf_fields
+    from eval.llama_serve import LlamaCppServing, serve_prompts
+
+    target, _, _, target_dir = tiny_pair
+    ckpt = load_training_checkpoint(_ckpt_of(tiny_pair))
+    windowed = dataclasses.replace(ckpt, drafter=dataclasses.replace(ckpt.drafter, attention_window=16))
+    export(windowed, tmp_path / "win", layout="dspark", target_dir=target_dir)
+    draft = convert_export(llama_cpp, tmp_path / "win", target_dir, "f32")
+    fields = gguf_fields(draft)
+    arch = fields["general.architecture"]
+    assert fields[f"{arch}.attention.sliding_window"] == 16
+    assert list(fields[f"{arch}.attention.sliding_window_pattern"]) == [True] * ckpt.drafter.num_layers
+    assert (
+        fields["tokenizer.ggml.mask_token_id"]
+        == json.loads((tmp_path / "win" / "config.json").read_text())["mask_token_id"]
+    )
+    gamma, n, prompts = 4, 24, _prompts()
+    s = LlamaCppServing(llama_cpp, target, ctx=512, gamma=gamma, max_new_tokens=n, temperature=0.0, seed=0)
+    served = serve_prompts(s, LLAMA_CPP_BY_NAME["dspark"], draft, prompts, tmp_path / "win.log")
+    assert not _servers_left()
+    _assert_served_as_reference(served, prompts, tmp_path / "win", target_dir, gamma, n)
 
 
 @pytest.mark.slow

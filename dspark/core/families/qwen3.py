@@ -171,7 +171,20 @@ class Qwen3Family(DrafterFamily):
             **base,
             "target_layer_ids": target_layer_ids,
             **dspark_head_fields(cfg),
-            **({"dflash_config": window_fields(cfg)} if cfg.attention_window is not None else {}),
+            # a window goes in dflash_config, with the block's ids beside it: llama.cpp's converter
+            # reads mask_token_id from dflash_config alone once there is one (conversion/qwen.py,
+            # DSparkModel), and without it serves mask id -1 and aborts on the first draft
+            **(
+                {
+                    "dflash_config": {
+                        "target_layer_ids": target_layer_ids,
+                        "mask_token_id": dims.mask_token_id,
+                        **window_fields(cfg),
+                    }
+                }
+                if cfg.attention_window is not None
+                else {}
+            ),
         }
 
     def vllm_fused(self, ours: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
