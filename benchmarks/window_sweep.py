@@ -155,8 +155,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from dspark.core.target import load_target_heads
+    from eval.checks import interval_text
     from eval.prompts import load_eval_set
-    from eval.report import fmt, interval_text
+    from eval.report import fmt
     from eval.results import DrafterResult, per_bin_summary
 
     torch.manual_seed(0)
@@ -235,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         + "\n"
     )
     plot(rows, bins, args.out / "tokens_per_step_per_bin.png")
-    from eval.results import AcceptanceCounts
+    from eval.results import STATS, AcceptanceCounts, ratio_interval
 
     print("| drafter | " + " | ".join(f"@{b}" for b in bins) + f" | all | pos-1 | fade @{bins[-1]}/@{bins[0]} |")
     print("|---|" + "---|" * (len(bins) + 3))
@@ -249,6 +250,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         pos1 = AcceptanceCounts.from_dict(r.overall).accept_per_pos[0]
         every = fmt(r.tokens_per_step) + interval_text(r.interval("tokens_per_step"))
         print(f"| {r.name} | " + " | ".join(cells) + f" | {every} | {fmt(pos1)} | {fmt(fade)}{interval_text(fi)} |")
+    first = rows[0]
+    print(f"\nEach row over {first.name}, tokens/step per bin, paired over the same prompts (95 %):\n")
+    print("| drafter | " + " | ".join(f"@{b}" for b in bins) + " | all |")
+    print("|---|" + "---|" * (len(bins) + 1))
+    for r in rows[1:]:
+        cells = []
+        for b in [*map(str, bins), None]:
+            mine = {
+                p["prompt_id"]: AcceptanceCounts.from_dict(p) for p in r.per_prompt if b is None or str(p["bin"]) == b
+            }
+            theirs = {p["prompt_id"]: AcceptanceCounts.from_dict(p) for p in first.per_prompt if p["prompt_id"] in mine}
+            ids = sorted(mine)
+            num, den = AcceptanceCounts(args.gamma), AcceptanceCounts(args.gamma)
+            for k in ids:
+                num.merge(mine[k])
+                den.merge(theirs[k])
+            ci = ratio_interval([mine[k] for k in ids], [theirs[k] for k in ids], STATS["tokens_per_step"], paired=True)
+            cells.append(fmt(num.tokens_per_step / den.tokens_per_step) + interval_text(ci))
+        print(f"| {r.name} | " + " | ".join(cells) + " |")
     print("\nDraft pass per step (ms, the block's forward and heads in PyTorch on this machine), per bin:\n")
     print("| drafter | " + " | ".join(f"@{b}" for b in bins) + f" | @{bins[-1]} / @{bins[0]} |")
     print("|---|" + "---|" * (len(bins) + 1))
