@@ -21,8 +21,8 @@ verifier's directory). What differs is the config:
   ``is_causal: false`` in the layer config, without which vLLM serves a speculators DSpark's
   sliding layers causally. The edge differs in training: speculators masks a block by its anchor
   a (context ``a - W .. a - 1`` for every query), vLLM and we by each query's position p
-  (``p - W < p0``), so the two agree for the block's first query and speculators' later queries
-  see up to Q - 1 more keys; the served edge is vLLM's either way.
+  (``p - W < p0``), so speculators' query i sees i + 1 more keys than ours (one more at the
+  block's first query); the served edge is vLLM's either way.
 
 docs/speculators_notes.md has the full mapping, with file:line on both sides.
 
