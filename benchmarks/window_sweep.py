@@ -126,6 +126,7 @@ def plot(rows: list, bins: list[int], path: Path) -> None:
         title="Tokens/step per context length (fixed passage, greedy)",
     )
     ax.set_xticks(bins, [f"{b // 1024}k" if b % 1024 == 0 else str(b) for b in bins])
+    ax.minorticks_off()  # the log axis's own minor labels collide with the bins'
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
