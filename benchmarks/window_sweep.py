@@ -20,6 +20,7 @@ fade (longest bin over shortest, paired over prompts on a fixed_passage set).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -176,15 +177,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     passes = {}
     want = args.max_new_tokens + args.gamma + 1  # the answer and one block past its end
+    target = str(args.target_dir.resolve())
+
+    def key(p: Any) -> str:  # a cached pass is this target's on these very tokens, whatever the id says
+        return hashlib.sha256(json.dumps([target, p.prompt_token_ids]).encode()).hexdigest()
+
     t0 = time.perf_counter()
     for p in tqdm(prompts, desc="target pass", unit="prompt"):
         f = cache / f"{p.prompt_id}.pt"
         if f.is_file():
             passes[p.prompt_id] = torch.load(f)
-            if passes[p.prompt_id]["layer_ids"] == layer_ids and len(passes[p.prompt_id]["greedy"]) == want:
+            kept = passes[p.prompt_id]
+            if (kept.get("layer_ids"), kept.get("key"), len(kept["greedy"])) == (layer_ids, key(p), want):
                 continue
         greedy, states = target_pass(model, layer_ids, p.prompt_token_ids, want)
-        passes[p.prompt_id] = {"greedy": greedy, "states": states, "layer_ids": layer_ids}
+        passes[p.prompt_id] = {"greedy": greedy, "states": states, "layer_ids": layer_ids, "key": key(p)}
         torch.save(passes[p.prompt_id], f.with_suffix(".tmp"))
         f.with_suffix(".tmp").rename(f)
     target_s = time.perf_counter() - t0
