@@ -101,14 +101,20 @@ def test_a_windowed_cached_block_equals_the_windowed_training_forward(sample_fro
 
 
 def test_a_windowed_drafter_stays_lossless_past_its_window():
+    """A smoke test of the windowed cache path over a whole answer (a crash or a cache that stops
+    growing would show here; the window's edge itself: the tests above): the output is the
+    target's greedy one and the drafter's blocks are accepted past its window too."""
     target, drafter = tiny_pair(8, window=6)
     cfg = DecodeConfig(gamma=4, max_new_tokens=32)
     t, d = TargetRunner(target, LAYERS), DraftRunner(drafter)
+    accepted = 0
     for i in range(3):
         prompt = torch.randint(0, 8, (9 + i,), generator=torch.Generator().manual_seed(i)).tolist()
         spec = speculative_generate(t, d, prompt, cfg, eos=set(), gen=torch.Generator().manual_seed(0))
         plain = plain_generate(t, prompt, cfg, eos=set(), gen=torch.Generator().manual_seed(0))
         assert spec.tokens == plain.tokens and len(spec.tokens) == 32
+        accepted += spec.counts.num_accepted
+    assert accepted > 0
 
 
 @pytest.mark.parametrize(
