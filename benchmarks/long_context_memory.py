@@ -85,17 +85,10 @@ def sequence_bytes(cfg, dims, tokens: int, anchors: int, dtype: torch.dtype, dev
     """Bytes saved for backward by one sequence of ``tokens`` (its states held as the batch too);
     ``device`` meta counts without computing (tests/dspark/test_long_context_memory.py checks it
     against the same count on real CPU tensors)."""
-    from dspark.model import DSparkDrafter
+    from dspark.model import unloaded_drafter
 
+    model = unloaded_drafter(cfg, dims, device).to(dtype)
     with torch.device(device):
-        model = DSparkDrafter(
-            cfg,
-            dims,
-            embed_tokens=torch.empty(dims.vocab_size, dims.hidden_size),
-            lm_head=torch.empty(dims.vocab_size, dims.hidden_size),
-            target_norm=torch.empty(dims.target_hidden_size),
-            target_norm_eps=cfg.rms_norm_eps,
-        ).to(dtype)
         ids = torch.zeros(1, tokens, dtype=torch.long)
         states = torch.randn(1, tokens - 1, dims.num_context_layers * dims.target_hidden_size, dtype=dtype)
         step = max(1, (tokens - 2 - cfg.block_size) // anchors)

@@ -390,21 +390,28 @@ def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, wind
     return query_positions - key_positions < window
 
 
-def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str, tuple[int, ...]]:
-    """Every trainable tensor of the drafter and its shape, read off the model itself (built on
-    the meta device, so nothing is allocated): the checkpoint's names (the served names through
-    the family's :meth:`~dspark.core.families.base.DrafterFamily.to_serving`), plus the draft
-    vocabulary's ``d2t`` map when the drafter has one (a buffer, kept with the weights)."""
-    with torch.device("meta"):
-        model = DSparkDrafter(
+def unloaded_drafter(cfg: DSparkConfig, dims: DrafterDims, device: str = "meta") -> DSparkDrafter:
+    """A drafter of ``cfg``'s shape with no weights loaded: on the meta device nothing is allocated
+    (its shapes, its FLOPs or its saved tensors counted without computing); elsewhere the target's
+    tensors are uninitialised and a draft vocabulary maps to its first tokens."""
+    with torch.device(device):
+        return DSparkDrafter(
             cfg,
             dims,
             embed_tokens=torch.empty(dims.vocab_size, dims.hidden_size),
             lm_head=torch.empty(dims.vocab_size, dims.hidden_size),
             target_norm=torch.empty(dims.target_hidden_size),
             target_norm_eps=cfg.rms_norm_eps,
-            d2t=torch.empty(cfg.draft_vocab_size, dtype=torch.int64) if cfg.draft_vocab_size else None,
+            d2t=torch.zeros(cfg.draft_vocab_size, dtype=torch.int64) if cfg.draft_vocab_size else None,
         )
+
+
+def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str, tuple[int, ...]]:
+    """Every trainable tensor of the drafter and its shape, read off the model itself (built on
+    the meta device, so nothing is allocated): the checkpoint's names (the served names through
+    the family's :meth:`~dspark.core.families.base.DrafterFamily.to_serving`), plus the draft
+    vocabulary's ``d2t`` map when the drafter has one (a buffer, kept with the weights)."""
+    model = unloaded_drafter(cfg, dims)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
     if model.d2t is not None:
         shapes["d2t"] = tuple(model.d2t.shape)

@@ -222,9 +222,10 @@ def _tau_section(results: EvalResults) -> list[str]:
     head = [m.label for m in ACCEPTANCE_METRICS] + ["steps"]
     bins = sorted({b for d in results.drafters for b in d.per_bin}, key=int)
     fade_head = f"fade @{bins[-1]}/@{bins[0]}" if len(bins) > 1 else "fade"
+    fades = [d.fade() for d in results.drafters]
     overall = [
-        [d.name, d.runner] + _figures_row(d, d.overall, None) + [fmt(d.fade()[0]) + interval_text(d.fade()[1])]
-        for d in results.drafters
+        [d.name, d.runner] + _figures_row(d, d.overall, None) + [fmt(fade) + interval_text(interval)]
+        for d, (fade, interval) in zip(results.drafters, fades)
     ]
     per_bin = [
         [d.name, b, str(d.per_bin[b].get("num_prompts", ""))] + _figures_row(d, d.per_bin[b], b)
