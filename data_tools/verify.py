@@ -2,8 +2,10 @@
 
     python -m data_tools.verify outputs/data/smollm2-135m [--recompute 4] [--max-rel-err 1e-4]
 
-Integrity: each planned shard is present, matches its sidecar's size and sha256, has the
-declared schema, every row has consistent lengths and byte counts, and no value is NaN/inf.
+Integrity: each planned shard is present inside the dataset (not a link out of it), matches the
+size, sha256, rows and tokens its manifest entry (or sidecar) records, has the declared schema,
+every row has consistent lengths and byte counts, and no value is NaN/inf; the same check
+training makes (:func:`dspark.core.shard_format.read_shard`).
 Numerics: on ``--recompute`` sampled sequences, the target is rerun in transformers and the
 max relative error per captured layer (||stored - ref|| / ||ref|| per sequence) is printed;
 above ``--max-rel-err`` the command fails. fp8 shards are dequantized first, and their scales
@@ -20,22 +22,20 @@ import random
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
-from dspark.core import fp8
+from dspark.core import derived, fp8
 from dspark.core.errors import exit_on_user_error
-from dspark.core.files import file_sha256
 from dspark.core.layer_ids import reference_hidden_states
 from dspark.core.shard_format import (
     MANIFEST,
-    SCHEMA,
     SPLITS,
     DatasetError,
     Manifest,
     ShardInfo,
-    check_row,
+    cache_path,
     decode_hidden_states,
+    read_shard,
     stale_caches,
 )
 
@@ -79,35 +79,14 @@ def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[d
         if info is None:
             problems.append(f"{file}: shard without a sidecar (unfinished write?); resume rebuilds it")
             continue
-        if not file.is_file():
-            problems.append(f"{file}: missing shard ({info.rows} rows recorded); resume rebuilds it")
+        source = MANIFEST if path in recorded else "its sidecar"
+        table, problem, bad_rows = read_shard(directory, info, manifest, recorded_in=source)
+        if table is None:  # the file itself, the same decision training makes
+            problems.append(f"{problem}; resume rebuilds it")
             continue
-        size = file.stat().st_size
-        if size != info.bytes or file_sha256(file) != info.sha256:
-            problems.append(
-                f"{file}: size/sha256 differ from its sidecar ({size} vs {info.bytes} bytes); truncated or altered, "
-                f"resume rebuilds it"
-            )
-            continue
-        try:
-            table = pq.read_table(file)
-        except Exception as e:  # noqa: BLE001 - any decode failure is a corrupt shard
-            problems.append(f"{file}: unreadable Parquet ({e})")
-            continue
-        if not table.schema.remove_metadata().equals(SCHEMA.remove_metadata()):
-            problems.append(f"{file}: schema {table.schema} differs from dspark.core.shard_format.SCHEMA")
-            continue
-        if table.num_rows != info.rows:
-            problems.append(f"{file}: {table.num_rows} rows, sidecar says {info.rows}")
+        problems.extend(bad_rows.values())
         for i, row in enumerate(table.to_pylist()):
-            bad = check_row(
-                row,
-                n_layers=len(manifest.layer_ids),
-                hidden_size=manifest.hidden_size,
-                dtype=manifest.dtype,
-            )
-            if bad:
-                problems.append(f"{file}: row {i} ({row['seq_id']}): {bad}")
+            if i in bad_rows:
                 continue
             hs = decode_hidden_states(
                 row["hidden_states"],
@@ -122,6 +101,20 @@ def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[d
     if not manifest.complete:
         problems.append(f"{directory / 'manifest.json'}: field 'complete' is false; some planned shards are missing")
     return problems, pool
+
+
+def damaged_caches(directory: Path, manifest: Manifest) -> list[tuple[Path, str]]:
+    """Every derived file the dataset holds for this manifest (the shards' Arrow caches, the
+    target's top-k caches, the token counts), hashed in full against the record of its build
+    (:mod:`dspark.core.derived`): (path, why) for each that training would not reuse."""
+    wanted = [cache_path(directory, info) for info in manifest.shards]
+    others = [p for d in (derived.TOPK_DIR, derived.COUNTS_DIR) for p in sorted((directory / d).rglob("*.safetensors"))]
+    out = []
+    for path in [p for p in wanted if p.is_file()] + others:
+        why = derived.problem(path, full=True)
+        if why:
+            out.append((path, why))
+    return out
 
 
 def recompute_errors(manifest: Manifest, pool: list[dict], n: int, seed: int = 0) -> dict[int, float]:
@@ -169,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     problems, pool = check_shards(args.directory, manifest)
     stale = stale_caches(args.directory, manifest)
     for cache in stale:  # built from other bytes than the manifest's shards, or before shards were verified
-        cache.unlink()
+        derived.remove(cache)
     if stale:
         print(f"dropped {len(stale)} Arrow cache(s) no verified shard of this manifest produced: " + ", ".join(
             str(c.relative_to(args.directory)) for c in stale[:5]) + (" ..." if len(stale) > 5 else ""))  # fmt: skip
     rows = len(pool)
+    for cache, why in damaged_caches(args.directory, manifest):
+        derived.remove(cache)
+        print(f"dropped {cache}: {why}; the next run rebuilds it from its verified source")
     print(f"{args.directory}: {len(manifest.shards)} shards in manifest, {rows} rows decoded, {len(problems)} problems")
     for p in problems:
         print(f"  PROBLEM {p}")

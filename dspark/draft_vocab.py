@@ -29,12 +29,12 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.core.files import atomic_path
+from dspark.core import derived
 from dspark.target_topk import supervised_tokens
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR = ".draft_vocab"
+CACHE_DIR = derived.COUNTS_DIR
 
 
 def token_counts(ds: Any, *, vocab_size: int, rule: str) -> torch.Tensor:
@@ -62,13 +62,12 @@ def cached_token_counts(ds: Any, *, vocab_size: int, rule: str) -> torch.Tensor:
         :12
     ]
     path = Path(ds.directory) / CACHE_DIR / f"{ds.split}-{rule}-{len(ds)}-{key}.safetensors"
-    if path.is_file():
-        return load_file(str(path))["counts"]
-    counts = token_counts(ds, vocab_size=vocab_size, rule=rule)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
+
+    def build(tmp: Path) -> None:
+        counts = token_counts(ds, vocab_size=vocab_size, rule=rule)
         save_file({"counts": counts}, str(tmp), metadata={"rule": rule, "sequences": str(len(ds))})
-    return counts
+
+    return load_file(str(derived.reuse_or_build(path, build, what="token-count cache")))["counts"]
 
 
 def build_d2t(counts: torch.Tensor, size: int) -> torch.Tensor:

@@ -11,7 +11,6 @@ trainer (``keep_fp8``), kept as fp8 values and scales until the batch reaches th
 from __future__ import annotations
 
 import bisect
-import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +18,9 @@ from typing import Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401 - pa.compute
-import pyarrow.parquet as pq
 import torch
 
-from dspark.core import fp8
-from dspark.core.files import atomic_path
+from dspark.core import derived, fp8
 from dspark.core.shard_format import (
     MANIFEST,
     SCHEMA,
@@ -32,8 +28,8 @@ from dspark.core.shard_format import (
     Manifest,
     ShardInfo,
     cache_path,
-    check_row,
     decode_hidden_states,
+    read_shard,
     split_scaled,
 )
 from dspark.target_topk import SequenceTopK
@@ -128,15 +124,17 @@ class ShardDataset:
 
     def _open(self, info: ShardInfo) -> list[pa.RecordBatch]:
         """The shard's memory-mapped Arrow cache, built once from the Parquet file after that file's
-        size and SHA-256 matched the manifest and every row passed :func:`check_row`: the cache's
-        name carries the verified hash, so only a verified shard ever produces one (a cache under
-        that name was verified when it was built; a rerun does not hash the shard again)."""
-        cache = cache_path(self.directory, info)
-        if not cache.is_file():
+        size and SHA-256 matched the manifest and every row passed :func:`check_row` (the cache's
+        name carries the verified hash, so only a verified shard produces one), and checked before
+        each reuse as :mod:`dspark.core.derived` says: its size and SHA-256 recorded at build, a
+        damaged cache rebuilt from the shard with a warning."""
+
+        def build(tmp: Path) -> None:
             table = self._read_shard(info)
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_path(cache) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
                 writer.write_table(table, max_chunksize=16)
+
+        cache = derived.reuse_or_build(cache_path(self.directory, info), build, what="Arrow cache")
         try:
             reader = pa.ipc.open_file(pa.memory_map(str(cache), "r"))
             return [reader.get_batch(i) for i in range(reader.num_record_batches)]
@@ -147,40 +145,19 @@ class ShardDataset:
             ) from e
 
     def _read_shard(self, info: ShardInfo) -> pa.Table:
-        """One Parquet shard; a missing, truncated or damaged one is a :class:`DatasetError` that
-        says how to check the dataset and rebuild the shard."""
-        shard = self.directory / info.path
-        rebuild = (
-            f"Check the dataset: python -m data_tools.verify {self.directory} --recompute 0; re-extract the shard: "
-            f"delete {shard} and run stages=[extract] again with the same settings (complete shards are kept)"
-        )
-        if not shard.is_file():
-            raise DatasetError(f"{shard}: missing file, listed in manifest.json. {rebuild}")
-        if self.directory.resolve() not in shard.resolve().parents:
-            raise DatasetError(f"{shard}: a link to {shard.resolve()}, outside the dataset {self.directory}")
-        data = shard.read_bytes()  # hashed and parsed from the same bytes
-        sha = hashlib.sha256(data).hexdigest()
-        if len(data) != info.bytes or sha != info.sha256:
+        """One Parquet shard, checked by :func:`~dspark.core.shard_format.read_shard` (the check
+        ``data_tools.verify`` makes); any problem is a :class:`DatasetError` that says how to check
+        the dataset and rebuild the shard."""
+        table, problem, bad_rows = read_shard(self.directory, info, self.manifest)
+        problem = problem or next(iter(bad_rows.values()), None)
+        if problem:
+            shard = self.directory / info.path
             raise DatasetError(
-                f"{shard}: {len(data)} bytes with sha256 {sha[:16]}, but manifest.json "
-                f"records {info.bytes} bytes with sha256 {info.sha256[:16]}: truncated or altered on disk. {rebuild}"
+                f"{problem}. Check the dataset: python -m data_tools.verify {self.directory} --recompute 0; "
+                f"re-extract the shard: delete {shard} and run stages=[extract] again with the same settings "
+                "(complete shards are kept)"
             )
-        try:
-            table = pq.read_table(pa.BufferReader(data), schema=SCHEMA)
-        except (pa.ArrowException, OSError) as e:
-            raise DatasetError(
-                f"{shard}: cannot be read as a Parquet shard ({type(e).__name__}: {e}); truncated or damaged. {rebuild}"
-            ) from e
-        if table.num_rows != info.rows:
-            raise DatasetError(f"{shard}: {table.num_rows} rows, but manifest.json records {info.rows}. {rebuild}")
-        tokens = int(pa.compute.sum(table.column("num_tokens")).as_py() or 0)
-        if tokens != info.tokens:
-            raise DatasetError(f"{shard}: {tokens} tokens, but manifest.json records {info.tokens}. {rebuild}")
-        m = self.manifest
-        for i, row in enumerate(table.to_pylist()):
-            bad = check_row(row, n_layers=len(m.layer_ids), hidden_size=m.hidden_size, dtype=m.dtype)
-            if bad:
-                raise DatasetError(f"{shard}: row {i} (sequence {row['seq_id']}): {bad}. {rebuild}")
+        assert table is not None
         return table
 
     def __len__(self) -> int:

@@ -26,9 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from dspark.core import fp8
+from dspark.core import derived, fp8
 from dspark.core.config import SUPERVISE
-from dspark.core.files import atomic_path
 from dspark.core.shard_format import ShardInfo
 
 log = logging.getLogger(__name__)
@@ -123,9 +122,9 @@ class TargetTopK:
         self.ds, self.k, self.rule = ds, k, rule
         self.target_logits, self.head_id, self.final_index = target_logits, head_id, final_index
         self.rows_per_call = rows_per_call
-        self.root = Path(ds.directory) / ".target_topk" / ds.split
+        self.root = Path(ds.directory) / derived.TOPK_DIR / ds.split
         # each rank computes every world_size-th missing shard; the caller synchronises, then loads
-        missing = [s for s in ds.shards if not self.path(s).is_file()]
+        missing = [s for s in ds.shards if derived.problem(self.path(s)) is not None]  # checked as a derived file
         for info in tqdm(
             missing[rank::world_size], desc=f"target top-{k} ({ds.split})", unit="shard", disable=rank != 0
         ):
@@ -141,26 +140,27 @@ class TargetTopK:
 
     @torch.no_grad()
     def _compute(self, info: ShardInfo) -> None:
-        tensors: dict[str, torch.Tensor] = {}
-        for j, index in enumerate(self._shard_rows(info)):
-            seq = self.ds.read(index)
-            top = sequence_topk(
-                seq.loss_mask,
-                seq.hidden_states,
-                scales=seq.scales,
-                k=self.k,
-                rule=self.rule,
-                target_logits=self.target_logits,
-                final_index=self.final_index,
-                rows_per_call=self.rows_per_call,
-            )
-            tensors[f"{j}.positions"] = top.positions.to(torch.int32)
-            tensors[f"{j}.ids"] = top.ids.to(torch.int32)
-            tensors[f"{j}.probs"] = top.probs
-        path = self.path(info)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"k": str(self.k), "rule": self.rule, "shard_sha256": info.sha256})
+        def build(tmp: Path) -> None:
+            tensors: dict[str, torch.Tensor] = {}
+            for j, index in enumerate(self._shard_rows(info)):
+                seq = self.ds.read(index)
+                top = sequence_topk(
+                    seq.loss_mask,
+                    seq.hidden_states,
+                    scales=seq.scales,
+                    k=self.k,
+                    rule=self.rule,
+                    target_logits=self.target_logits,
+                    final_index=self.final_index,
+                    rows_per_call=self.rows_per_call,
+                )
+                tensors[f"{j}.positions"] = top.positions.to(torch.int32)
+                tensors[f"{j}.ids"] = top.ids.to(torch.int32)
+                tensors[f"{j}.probs"] = top.probs
+            meta = {"k": str(self.k), "rule": self.rule, "shard_sha256": info.sha256}
+            save_file(tensors, str(tmp), metadata=meta)
+
+        derived.reuse_or_build(self.path(info), build, what="target top-k cache")
 
     def load(self) -> list[SequenceTopK]:
         """Every sequence's cache, in dataset order (raises if a shard's file is missing)."""

@@ -30,6 +30,7 @@ Imports pyarrow, torch and the stdlib only, so it runs in a vLLM-only environmen
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import warnings
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
+import pyarrow.parquet as pq
 import torch
 
 from dspark.core import config, fp8
@@ -297,6 +300,7 @@ def manifest_problem(data: dict[str, Any]) -> Optional[str]:
     problem = layer_ids_problem("field ", data.get("layer_ids", []))
     if problem:
         return problem
+    seen: dict[tuple[str, str], int] = {}
     for n, shard in enumerate(data.get("shards", [])):
         where = f"shards[{n}]."
         if not isinstance(shard, dict):
@@ -317,7 +321,56 @@ def manifest_problem(data: dict[str, Any]) -> Optional[str]:
             )
         if not _SHA256.fullmatch(shard["sha256"]):
             return f"{where}'sha256' is {shard['sha256']!r:.80}, expected 64 lowercase hex digits"
+        key = (shard["split"], shard["name"])
+        if key in seen:  # one file read twice would train on its sequences twice
+            return (
+                f"{where}'name' is {shard['name']!r} in split {shard['split']!r}, already listed as "
+                f"shards[{seen[key]}]; expected each shard listed once"
+            )
+        seen[key] = n
     return None
+
+
+def read_shard(
+    directory: Path, info: ShardInfo, manifest: "Manifest", *, recorded_in: str = MANIFEST
+) -> tuple[Optional[pa.Table], Optional[str], dict[int, str]]:
+    """One shard read and checked against what ``info`` records, the one decision training and
+    ``data_tools.verify`` both use: (table, file problem, {row: problem}). The file's problem
+    (missing, a link out of the dataset, size or SHA-256 differing, not Parquet of this schema,
+    row or token counts differing) comes with no table; otherwise each row failing
+    :func:`check_row` has its problem.
+    The bytes are hashed and parsed once, so what was checked is what is read. ``recorded_in``
+    names where ``info`` came from (the manifest, or verify's sidecar of a shard it lacks)."""
+    directory = Path(directory)
+    shard = directory / info.path
+    if not shard.is_file():
+        return None, f"{shard}: missing file, listed in {recorded_in}", {}
+    if directory.resolve() not in shard.resolve().parents:
+        return None, f"{shard}: a link to {shard.resolve()}, outside the dataset {directory}", {}
+    data = shard.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    if len(data) != info.bytes or sha != info.sha256:
+        return (
+            None,
+            f"{shard}: {len(data)} bytes with sha256 {sha[:16]}, but {recorded_in} records {info.bytes} bytes with "
+            f"sha256 {info.sha256[:16]}: truncated or altered on disk",
+            {},
+        )
+    try:
+        table = pq.read_table(pa.BufferReader(data), schema=SCHEMA)
+    except (pa.ArrowException, OSError) as e:
+        return None, f"{shard}: cannot be read as a Parquet shard ({type(e).__name__}: {e}); truncated or damaged", {}
+    if table.num_rows != info.rows:
+        return None, f"{shard}: {table.num_rows} rows, but {recorded_in} records {info.rows}", {}
+    tokens = int(pa.compute.sum(table.column("num_tokens")).as_py() or 0)
+    if tokens != info.tokens:
+        return None, f"{shard}: {tokens} tokens, but {recorded_in} records {info.tokens}", {}
+    rows = {}
+    for i, row in enumerate(table.to_pylist()):
+        bad = check_row(row, n_layers=len(manifest.layer_ids), hidden_size=manifest.hidden_size, dtype=manifest.dtype)
+        if bad:
+            rows[i] = f"{shard}: row {i} (sequence {row['seq_id']}): {bad}"
+    return table, None, rows
 
 
 CACHE_DIR = ".arrow_cache"

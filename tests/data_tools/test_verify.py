@@ -129,15 +129,15 @@ def test_a_corrupt_fp8_row_is_named_with_its_file_and_field(tmp_path, capsys):
     out = capsys.readouterr().out
     shard = data / "train" / "shard-00000.parquet"
     assert (
-        f"PROBLEM {shard}: row 0 (s0): hidden_states has {6 * 2 * 36 - 4} bytes, expected {6 * 2 * 36} = "
+        f"PROBLEM {shard}: row 0 (sequence s0): hidden_states has {6 * 2 * 36 - 4} bytes, expected {6 * 2 * 36} = "
         "(7-1)x(2x32x1 + 2x4 scale bytes)"
     ) in out
     assert (
-        f"PROBLEM {shard}: row 1 (s1): hidden_states scales: 1 of 14 are NaN, inf or negative "
+        f"PROBLEM {shard}: row 1 (sequence s1): hidden_states scales: 1 of 14 are NaN, inf or negative "
         "(first at token 6, captured layer 1: nan)"
     ) in out
     assert (
-        f"PROBLEM {shard}: row 2 (s2): hidden_states scales: 1 of 16 are NaN, inf or negative "
+        f"PROBLEM {shard}: row 2 (sequence s2): hidden_states scales: 1 of 16 are NaN, inf or negative "
         "(first at token 7, captured layer 0: -1.0)"
     ) in out
     assert out.rstrip().endswith("FAILED")

@@ -1,6 +1,7 @@
 """The shard reader on shards written in the declared schema."""
 
 import json
+import os
 import shutil
 from collections import Counter
 
@@ -273,12 +274,105 @@ def test_verify_drops_caches_no_verified_shard_produced(tmp_path, capsys):
     assert not old.exists() and sorted((tmp_path / ".arrow_cache").rglob("*.arrow")) == kept and len(kept) == 2
 
 
-def test_a_damaged_arrow_cache_is_named(tmp_path):
+def _zero_middle(path):
+    """What issue #48 did to a cache: zeros over its middle, the size kept (zeros are finite)."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid - 64 : mid + 64] = bytes(128)
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_arrow_cache_is_rebuilt_from_its_shard_with_a_warning(tmp_path, caplog):
+    """Issue #48: 20 MiB zeroed inside a built cache changed the val loss, rc 0, verify OK."""
+    written = make_dataset(tmp_path)
+    ShardDataset(tmp_path)
+    (cache,) = (tmp_path / ".arrow_cache" / "train").glob("shard-00000-*.arrow")
+    good = cache.read_bytes()
+    assert json.loads((cache.parent / (cache.name + ".record.json")).read_text())["bytes"] == len(good)
+    for damage in (_zero_middle, lambda p: p.write_bytes(b"not arrow")):
+        damage(cache)
+        assert cache.read_bytes() != good
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            ds = ShardDataset(tmp_path)
+        assert cache.read_bytes() == good  # rebuilt from the verified shard
+        (warning,) = [r.getMessage() for r in caplog.records if "rebuilding" in r.getMessage()]
+        assert warning.startswith(f"{cache}: ") and warning.endswith("rebuilding this Arrow cache from its source")
+        for i in range(len(ds)):
+            assert torch.equal(ds[i].hidden_states, written[ds[i].seq_id][1])
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        ShardDataset(tmp_path)  # intact: reused, nothing said
+    assert not [r for r in caplog.records if "rebuilding" in r.getMessage()]
+
+
+def test_a_cache_without_a_record_is_rebuilt_and_one_confirmed_is_not_hashed_again(tmp_path, monkeypatch):
+    from dspark.core import derived
+
     make_dataset(tmp_path)
     ShardDataset(tmp_path)
     (cache,) = (tmp_path / ".arrow_cache" / "train").glob("shard-00000-*.arrow")
-    cache.write_bytes(b"not arrow")
-    with pytest.raises(DatasetError, match=rf"{cache}: damaged Arrow cache \(ArrowInvalid: .*\); delete "):
+    derived.record_path(cache).unlink()  # a cache built before records existed, or a kill before its record
+    assert derived.problem(cache).startswith("no intact record of its build")
+    ShardDataset(tmp_path)
+    assert derived.problem(cache) is None
+    hashed = []
+    monkeypatch.setattr(derived, "file_sha256", lambda p: hashed.append(p) or "0" * 64)
+    ShardDataset(tmp_path)  # the rerun: a stat per cache, no hash
+    assert hashed == []
+    os.utime(cache)  # touched: hashed once (here against a wrong hash, so refused)
+    assert derived.problem(cache).startswith("sha256 0000000000000000, its build recorded")
+
+
+def test_verify_hashes_every_cache_and_drops_a_damaged_one(tmp_path, capsys):
+    from data_tools.verify import main as verify
+
+    make_dataset(tmp_path)
+    ShardDataset(tmp_path)
+    (cache,) = (tmp_path / ".arrow_cache" / "train").glob("shard-00000-*.arrow")
+    stat = cache.stat()
+    _zero_middle(cache)
+    os.utime(cache, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the mtime restored: only a full hash sees it
+    assert verify([str(tmp_path), "--recompute", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"dropped {cache}: sha256 " in out and "(altered on disk); the next run rebuilds it" in out
+    assert not cache.exists()
+
+
+def test_a_shard_listed_twice_is_refused_by_training_and_verify(tmp_path, capsys):
+    """Issue #48: a manifest listing one shard twice trained on 269 sequences instead of 237."""
+    from data_tools.verify import main as verify
+
+    make_dataset(tmp_path)
+    path = tmp_path / "manifest.json"
+    m = json.loads(path.read_text())
+    m["shards"].append(dict(m["shards"][0]))
+    path.write_text(json.dumps(m))
+    says = (
+        f"{path}: shards[3].'name' is 'shard-00000' in split 'train', already listed as shards[0]; expected each "
+        "shard listed once"
+    )
+    with pytest.raises(DatasetError) as err:
+        ShardDataset(tmp_path)
+    assert str(err.value) == says
+    with pytest.raises(SystemExit) as exit_:
+        verify([str(tmp_path), "--recompute", "0"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip() == f"error: {says}"
+
+
+def test_verify_refuses_a_shard_that_links_out_of_the_dataset_as_training_does(tmp_path, capsys):
+    """Issue #48: verify said OK for a link training refuses."""
+    from data_tools.verify import main as verify
+
+    make_dataset(tmp_path)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.parquet"
+    shard = tmp_path / "train" / "shard-00000.parquet"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    assert verify([str(tmp_path), "--recompute", "0"]) == 1
+    out = capsys.readouterr().out
+    assert f"PROBLEM {shard}: a link to {outside}, outside the dataset {tmp_path}; resume rebuilds it" in out
+    with pytest.raises(DatasetError, match="outside the dataset"):
         ShardDataset(tmp_path)
 
 

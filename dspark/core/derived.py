@@ -1,0 +1,92 @@
+"""Files derived from a verified source and reused across runs (a shard's Arrow cache, the target's
+top-k cache, the draft vocabulary's token counts), each checked before reuse as its source is.
+
+When a derived file is built, its size and SHA-256 are recorded beside it (``NAME.record.json``),
+together with the (size, mtime) at which its hash was last confirmed. Before reuse:
+
+- no record (a file from before records existed, or a build killed before its record), or a size
+  other than the recorded one: rebuilt;
+- the same size and mtime as when last confirmed: reused with no read (a stat, the rerun's cost);
+- otherwise the file is hashed; a hash other than the recorded one is rebuilt, an equal one is
+  reused and its (size, mtime) recorded again.
+
+A rebuild is logged as a warning naming the file and why. Zeros written over part of a cache
+keep its size and are finite, so only the hash can tell; whoever restores the mtime after
+writing defeats the cheap path, and ``data_tools.verify`` hashes every cache regardless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+from dspark.core.files import atomic_path, atomic_write_json, file_sha256, read_json
+
+log = logging.getLogger(__name__)
+
+RECORD_SUFFIX = ".record.json"
+TOPK_DIR = ".target_topk"
+"""Under a dataset: the target's top-k caches (:mod:`dspark.target_topk`)."""
+COUNTS_DIR = ".draft_vocab"
+"""Under a dataset: the draft vocabulary's token counts (:mod:`dspark.draft_vocab`)."""
+
+
+def record_path(path: Path) -> Path:
+    return path.with_name(path.name + RECORD_SUFFIX)
+
+
+def _write_record(path: Path, built: Path, sha256: str) -> None:
+    st = built.stat()
+    record = {"bytes": st.st_size, "sha256": sha256, "confirmed": [st.st_size, st.st_mtime_ns]}
+    atomic_write_json(record_path(path), record, indent=1)
+
+
+def problem(path: Path, *, full: bool = False) -> Optional[str]:
+    """Why ``path`` cannot be reused (None: it can): see the module's rules. ``full``: hash it
+    even when its (size, mtime) were confirmed (``data_tools.verify``)."""
+    path = Path(path)
+    if not path.is_file():
+        return "missing"
+    try:
+        record = read_json(record_path(path), expected="a derived file's record")
+        size, sha = int(record["bytes"]), str(record["sha256"])
+        confirmed = list(record.get("confirmed") or [])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no intact record of its build ({record_path(path).name})"
+    st = path.stat()
+    if st.st_size != size:
+        return f"{st.st_size} bytes, its build recorded {size}"
+    if not full and confirmed == [st.st_size, st.st_mtime_ns]:
+        return None
+    found = file_sha256(path)
+    if found != sha:
+        return f"sha256 {found[:16]}, its build recorded {sha[:16]} (altered on disk)"
+    _write_record(path, path, sha)
+    return None
+
+
+def reuse_or_build(path: Path, build: Callable[[Path], None], *, what: str) -> Path:
+    """``path`` reused if intact, else built by ``build(tmp)`` into a temporary sibling, recorded
+    and renamed into place (a kill leaves the earlier file or nothing, never half a file under its
+    name). A rebuild of a file that existed is a warning naming it and why."""
+    path = Path(path)
+    why = problem(path)
+    if why is None:
+        return path
+    if path.exists():
+        log.warning("%s: %s; rebuilding this %s from its source", path, why, what)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        build(tmp)
+        _write_record(path, tmp, file_sha256(tmp))  # the record first: a kill before the rename rebuilds
+    return path
+
+
+def remove(path: Path) -> None:
+    """Remove a derived file and its record."""
+    for p in (Path(path), record_path(Path(path))):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
