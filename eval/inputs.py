@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from dspark.checkpoint import TrainingCheckpoint, checkpoint_model_file, latest_tag, load_training_checkpoint
 from dspark.core.config import RunConfig
+from dspark.core.errors import UserError
 from dspark.core.waits import WaitTimedOut
 from dspark.export import ExportSummary, export
 from dspark.export_validate import validate
@@ -117,9 +118,45 @@ def wait_for_export(path: Path, *, poll_s: float = 10.0) -> None:
         time.sleep(poll_s)
 
 
+class OutDirInUseError(UserError):
+    """An output directory that holds what no earlier run of this stage wrote."""
+
+
+OUT_DIR_MARKER = ".dspark-output"
+"""The file a stage writes first into an output directory it created or found empty: that
+directory is then its own (an earlier run's) and may be written into again."""
+
+
+def claim_out_dir(out_dir: Path, *, key: str, stage: str, earlier: tuple[str, ...]) -> None:
+    """Refuse ``out_dir`` unless it is missing, empty, or an earlier output of ``stage`` (its
+    marker, or written before markers existed: one of ``earlier`` and nothing it does not write
+    is checked by the marker alone). Creates nothing: :func:`make_out_dir` does, after the run's
+    inputs are checked, so a refused run leaves no directory behind."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not out_dir.is_dir():
+        raise OutDirInUseError(f"{key}={out_dir}: a file, expected a directory for the {stage}'s output or nothing")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if not entries or OUT_DIR_MARKER in entries or any(e in entries for e in earlier):
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise OutDirInUseError(
+        f"{key}={out_dir}: holds {shown}, which no earlier {stage} wrote (no {OUT_DIR_MARKER}); refusing to write "
+        f"into it: set {key} to a new or empty directory"
+    )
+
+
+def make_out_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` (already claimed) and mark it as this stage's output."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / OUT_DIR_MARKER).touch()
+
+
 def eval_set(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[list[EvalPrompt], Path]:
     """The prompts (a prepared set, e.g. your own traffic, or one built per context bin), saved
-    as ``out_dir/eval_set.jsonl`` for the vLLM engines."""
+    as ``out_dir/eval_set.jsonl`` for the vLLM engines (``out_dir`` is created once they are
+    known good). A prompts file is only read: when it is that very file (a rerun on an earlier
+    eval's set), the set is saved as ``eval_set.used.jsonl`` beside it instead."""
     e = cfg.eval
     if e.prompts_file:  # checked line by line against the target before anything is exported or served
         prompts = load_eval_set(
@@ -141,6 +178,10 @@ def eval_set(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[list[EvalPrompt
             seed=e.seed,
         )
     prompts_file = out_dir / "eval_set.jsonl"
+    given = Path(e.prompts_file).expanduser() if e.prompts_file else None
+    if given is not None and prompts_file.exists() and prompts_file.resolve() == given.resolve():
+        prompts_file = out_dir / "eval_set.used.jsonl"  # the input stays as the user gave it
+    make_out_dir(out_dir)
     save_eval_set(prompts, prompts_file)
     log.info(
         "eval set: %d prompts in bins %s -> %s (sha256 %s)",

@@ -26,7 +26,7 @@ from dspark.core.serving import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_met
 from dspark.export import ExportSummary
 from dspark.serving_format import load_drafter, read_export
 from eval.checks import quality_checks
-from eval.inputs import checkpoint_file, engine_kwargs, eval_set, export_all, vllm_max_model_len
+from eval.inputs import checkpoint_file, claim_out_dir, engine_kwargs, eval_set, export_all, vllm_max_model_len
 from eval.llama_serve import llama_cpp_results, llama_cpp_wanted
 from eval.prompts import eval_set_sha256
 from eval.results import (
@@ -247,7 +247,7 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     cfg = load_config(cfg)
     e = cfg.eval
     out_dir = Path(e.out_dir).expanduser()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim_out_dir(out_dir, key="eval.out_dir", stage="eval", earlier=("results.json", "parts"))
     ckpt = Path(e.checkpoint or Path(cfg.train.checkpoint_dir)).expanduser()
     ablation = ablation_checkpoint(cfg)
     fp = fingerprint(cfg, [ckpt] + ([ablation] if ablation else []))  # the whole report's

@@ -58,7 +58,16 @@ from dspark.core.target import prepare_target, resolve_target
 from dspark.core.vllm_engine import run_headless_workers
 from eval.bench_client import NEW_CONNECTION_PER_REQUEST, Level, client_argv, level_record, run_client
 from eval.bench_report import BenchOutcome, assemble, merged_configs, write_outputs
-from eval.inputs import engine_kwargs, engine_window, eval_set, export_all, export_path, wait_for_export
+from eval.inputs import (
+    claim_out_dir,
+    engine_kwargs,
+    engine_window,
+    eval_set,
+    export_all,
+    export_path,
+    make_out_dir,
+    wait_for_export,
+)
 from eval.results import nan_to_none
 from eval.server import Configuration, MemorySampler, choose_port, running_server, server_command
 
@@ -447,7 +456,8 @@ def run_serve_bench(cfg: RunConfig, heads: Any, target_dir: Path) -> BenchOutcom
     cfg = load_config(cfg)
     sb, e = cfg.serve_bench, cfg.eval
     out_dir = Path(sb.out_dir).expanduser()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    earlier = ("serve_bench.json", "configs")
+    claim_out_dir(out_dir, key="serve_bench.out_dir", stage="serving benchmark", earlier=earlier)
     gpu = torch.cuda.is_available()
     if sb.traffic_file:
         traffic = Path(sb.traffic_file).expanduser()
@@ -462,6 +472,7 @@ def run_serve_bench(cfg: RunConfig, heads: Any, target_dir: Path) -> BenchOutcom
             f"serve_bench.configs={sb.configs}: nothing vLLM can serve here (on CPU 'ours' needs the dflash layout); "
             "add none or ngram"
         )
+    make_out_dir(out_dir)
     llama = None
     if any(c.engine == "llama.cpp" for c in configs):
         from dspark.core.llama_cpp import ensure_built
