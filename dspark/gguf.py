@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from dspark.core import derived
 from dspark.core.config import DSparkConfig
-from dspark.core.files import atomic_path
+from dspark.core.files import file_sha256
 from dspark.core.llama_cpp import LlamaCpp, LlamaCppError
 from dspark.core.waits import log_tail, run_child
-from dspark.serving_format import ExportError, read_export
+from dspark.serving_format import CONFIG_FILE, WEIGHTS_FILE, ExportError, read_export
 
 log = logging.getLogger(__name__)
 
@@ -70,25 +71,24 @@ def export_problem(export_dir: Path) -> Optional[str]:
     return llama_cpp_problem(exp.drafter, exp.layout, export_dir)
 
 
-def _convert(tree: LlamaCpp, args: list[str], out: Path, what: str) -> None:
-    """Run the converter into a temporary name, renamed to ``out`` when complete."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:
-        log_file = out.with_name(f"{out.name}.convert.log")
-        rc = run_child(
-            [sys.executable, str(tree.converter), *args, "--outfile", str(tmp)],
-            log_file=log_file,
-            timeout_s=CONVERT_TIMEOUT_S,
-            what=f"llama.cpp's converter ({what})",
-            todo="convert again",
-            env=tree.converter_env(),
+def _convert(tree: LlamaCpp, args: list[str], out: Path, what: str, tmp: Path) -> None:
+    """Run the converter for ``out`` into ``tmp`` (the temporary name :mod:`dspark.core.derived`
+    renames when it is complete and recorded); its log beside ``out`` while it runs."""
+    log_file = out.with_name(f"{out.name}.convert.log")
+    rc = run_child(
+        [sys.executable, str(tree.converter), *args, "--outfile", str(tmp)],
+        log_file=log_file,
+        timeout_s=CONVERT_TIMEOUT_S,
+        what=f"llama.cpp's converter ({what})",
+        todo="convert again",
+        env=tree.converter_env(),
+    )
+    if rc != 0 or not tmp.is_file():
+        raise GgufError(
+            f"llama.cpp's converter failed on {what} (exit {rc}); its log: {log_file}\n"
+            f"last lines:\n{log_tail(log_file, 1500)}"
         )
-        if rc != 0 or not tmp.is_file():
-            raise GgufError(
-                f"llama.cpp's converter failed on {what} (exit {rc}); its log: {log_file}\n"
-                f"last lines:\n{log_tail(log_file, 1500)}"
-            )
-        log_file.unlink(missing_ok=True)
+    log_file.unlink(missing_ok=True)
 
 
 def convert_export(tree: LlamaCpp, export_dir: Path, target_dir: Path, gguf_type: str = "f32") -> Path:
@@ -99,14 +99,20 @@ def convert_export(tree: LlamaCpp, export_dir: Path, target_dir: Path, gguf_type
     if problem:
         raise GgufError(problem)
     out = gguf_path(export_dir, gguf_type)
-    weights = Path(export_dir) / "model.safetensors"
-    if out.is_file() and out.stat().st_mtime_ns >= weights.stat().st_mtime_ns:
-        return out
-    t0 = time.perf_counter()
-    args = [str(export_dir), "--target-model-dir", str(target_dir), "--outtype", gguf_type]
-    _convert(tree, args, out, f"the export {export_dir}")
-    log.info("llama.cpp: %s -> %s (%.0f s)", export_dir, out, time.perf_counter() - t0)
-    return out
+    # what it is converted from, by content: an export rewritten with other weights converts again
+    source = hashlib.sha256()
+    for f in [*(Path(export_dir) / n for n in (CONFIG_FILE, WEIGHTS_FILE)), *sorted(Path(target_dir).glob("*.json"))]:
+        source.update(f"{f.name}:{file_sha256(f) if f.is_file() else '-'};".encode())
+    source.update(f"{gguf_type};{tree.root.name}".encode())
+
+    def build(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        args = [str(export_dir), "--target-model-dir", str(target_dir), "--outtype", gguf_type]
+        _convert(tree, args, out, f"the export {export_dir}", tmp)
+        log.info("llama.cpp: %s -> %s (%.0f s)", export_dir, out, time.perf_counter() - t0)
+
+    way_out = "move it, or export to another --out"
+    return derived.reuse_or_build(out, build, what="drafter GGUF", source=source.hexdigest(), only_over_ours=way_out)
 
 
 def target_gguf(
@@ -126,17 +132,18 @@ def target_gguf(
         st = f.stat()
         key.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     out = Path(cache) / "llama.cpp" / "targets" / f"{target_dir.name}-{key.hexdigest()[:12]}.{gguf_type}.gguf"
-    if out.is_file():
+    if derived.problem(out) is None:
         return out
     from filelock import FileLock
 
+    def build(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        _convert(tree, [str(target_dir), "--outtype", gguf_type], out, f"the target {target_dir}", tmp)
+        log.info("llama.cpp: target %s -> %s (%.0f s)", target_dir, out, time.perf_counter() - t0)
+
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{out}.lock"):
-        if not out.is_file():
-            t0 = time.perf_counter()
-            _convert(tree, [str(target_dir), "--outtype", gguf_type], out, f"the target {target_dir}")
-            log.info("llama.cpp: target %s -> %s (%.0f s)", target_dir, out, time.perf_counter() - t0)
-    return out
+        return derived.reuse_or_build(out, build, what="target GGUF")
 
 
 # --- the pair ------------------------------------------------------------------------------------

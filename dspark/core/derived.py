@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
+from dspark.core.errors import UserError
 from dspark.core.files import atomic_path, atomic_write_json, file_sha256, read_json
 
 log = logging.getLogger(__name__)
@@ -38,15 +39,22 @@ def record_path(path: Path) -> Path:
     return path.with_name(path.name + RECORD_SUFFIX)
 
 
-def _write_record(path: Path, built: Path, sha256: str) -> None:
+class NotDerivedError(UserError):
+    """A file where a derived file would be written that has no record of being built there."""
+
+
+def _write_record(path: Path, built: Path, sha256: str, source: Optional[str] = None) -> None:
     st = built.stat()
     record = {"bytes": st.st_size, "sha256": sha256, "confirmed": [st.st_size, st.st_mtime_ns]}
+    if source is not None:
+        record["source"] = source
     atomic_write_json(record_path(path), record, indent=1)
 
 
-def problem(path: Path, *, full: bool = False) -> Optional[str]:
+def problem(path: Path, *, full: bool = False, source: Optional[str] = None) -> Optional[str]:
     """Why ``path`` cannot be reused (None: it can): see the module's rules. ``full``: hash it
-    even when its (size, mtime) were confirmed (``data_tools.verify``)."""
+    even when its (size, mtime) were confirmed (``data_tools.verify``). ``source``: a key of
+    the inputs it must have been built from, when its name does not already say so."""
     path = Path(path)
     if not path.is_file():
         return "missing"
@@ -56,6 +64,8 @@ def problem(path: Path, *, full: bool = False) -> Optional[str]:
         confirmed = list(record.get("confirmed") or [])
     except (OSError, ValueError, KeyError, TypeError):
         return f"no intact record of its build ({record_path(path).name})"
+    if source is not None and record.get("source") != source:
+        return "built from other inputs than these"
     st = path.stat()
     if st.st_size != size:
         return f"{st.st_size} bytes, its build recorded {size}"
@@ -64,24 +74,38 @@ def problem(path: Path, *, full: bool = False) -> Optional[str]:
     found = file_sha256(path)
     if found != sha:
         return f"sha256 {found[:16]}, its build recorded {sha[:16]} (altered on disk)"
-    _write_record(path, path, sha)
+    _write_record(path, path, sha, record.get("source"))
     return None
 
 
-def reuse_or_build(path: Path, build: Callable[[Path], None], *, what: str) -> Path:
+def reuse_or_build(
+    path: Path,
+    build: Callable[[Path], None],
+    *,
+    what: str,
+    source: Optional[str] = None,
+    only_over_ours: Optional[str] = None,
+) -> Path:
     """``path`` reused if intact, else built by ``build(tmp)`` into a temporary sibling, recorded
     and renamed into place (a kill leaves the earlier file or nothing, never half a file under its
-    name). A rebuild of a file that existed is a warning naming it and why."""
+    name). A rebuild of a file that existed is a warning naming it and why. ``only_over_ours``
+    (for a path beside a user's files, the way out to name): a file there with no record of
+    being built there is the user's, refused with :class:`NotDerivedError`, never overwritten."""
     path = Path(path)
-    why = problem(path)
+    why = problem(path, source=source)
     if why is None:
         return path
+    if only_over_ours and (path.exists() or path.is_symlink()) and not record_path(path).is_file():
+        raise NotDerivedError(
+            f"{path}: a file this project did not write (no {record_path(path).name}), where the {what} goes; "
+            f"refusing to overwrite it: {only_over_ours}"
+        )
     if path.exists():
         log.warning("%s: %s; rebuilding this %s from its source", path, why, what)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         build(tmp)
-        _write_record(path, tmp, file_sha256(tmp))  # the record first: a kill before the rename rebuilds
+        _write_record(path, tmp, file_sha256(tmp), source)  # the record first: a kill before the rename rebuilds
     return path
 
 
