@@ -185,4 +185,6 @@ def test_bf16_model_runs_with_its_confidence_head_in_either_dtype(confidence_hea
     m.confidence_head.to(confidence_head_dtype)
     out = m(ids, ctx.bfloat16(), torch.tensor([[2, 5]]))
     assert out.hidden.dtype == torch.bfloat16 and out.confidence_logits.dtype == torch.float32
-    assert torch.allclose(out.confidence_logits, ref.confidence_logits, atol=0.1)
+    # measured: 8.4e-4 off the fp32 logits (|logit| <= 0.18); 4e-3 is bf16's rounding step at 1.0, so a
+    # head run in the wrong dtype or on other inputs fails while bf16's own rounding passes (issue #49)
+    torch.testing.assert_close(out.confidence_logits, ref.confidence_logits, rtol=0, atol=4e-3)
