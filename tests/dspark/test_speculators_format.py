@@ -19,6 +19,7 @@ from dspark.checkpoint import CheckpointError, load_training_checkpoint
 from dspark.export import export
 from dspark.serving_format import ExportError, read_export
 from dspark.speculators_format import read_speculators, speculators_config, write_speculators
+from tests.conftest import need_speculators
 from tests.dspark.test_export_bytes import DIMS, TARGET_CONFIG, checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,7 +128,7 @@ def test_speculators_own_loader_reads_the_same_weights(ours, tmp_path):
     """speculators 0.9.0's SpeculatorModel.from_pretrained on the conversion: its DSparkDraftModel,
     every tensor of ours equal, nothing of ours left unread, the rest (embedding, verifier head and
     norm) taken from the verifier's directory."""
-    speculators = pytest.importorskip("speculators", reason="scripts/setup.sh installs speculators==0.9.0")
+    speculators = need_speculators()
     export_dir, target = ours
     verifier = tiny_verifier(target)
     out = write_speculators(export_dir, tmp_path / "theirs")

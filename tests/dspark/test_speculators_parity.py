@@ -14,10 +14,11 @@ import torch
 from dspark.export import export
 from dspark.serving_format import load_drafter
 from dspark.speculators_format import read_speculators, write_speculators
+from tests.conftest import need_speculators
 from tests.dspark.test_export_bytes import TARGET_CONFIG, checkpoint
 from tests.dspark.test_speculators_format import tiny_verifier
 
-speculators = pytest.importorskip("speculators", reason="scripts/setup.sh installs speculators==0.9.0")
+speculators = need_speculators()
 
 FIELDS = dict(num_layers=2, block_size=4, markov_rank=4)
 T, ANCHORS = 24, [3, 9, 14]

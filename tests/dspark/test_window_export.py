@@ -14,6 +14,7 @@ from dspark.core.config import ConfigError, DSparkConfig
 from dspark.export import export
 from dspark.serving_format import ExportError, read_export
 from dspark.speculators_format import read_speculators, write_speculators
+from tests.conftest import need_speculators
 from tests.dspark.test_export_bytes import checkpoint
 from tests.dspark.test_speculators_format import tiny_verifier
 
@@ -101,7 +102,7 @@ def test_speculators_own_model_builds_the_window_and_masks_by_the_anchor(windowe
     """speculators 0.9.0 reads the converted window into every layer, non-causal; its training mask
     keeps context a - W .. a - 1 for every query of the block at anchor a (by the anchor, where vLLM,
     llama.cpp and we edge each query by its own position: docs/speculators_notes.md)."""
-    speculators = pytest.importorskip("speculators", reason="scripts/setup.sh installs speculators==0.9.0")
+    speculators = need_speculators()
     from speculators.models.dflash.attention import create_anchor_block_mask_mod
 
     export_dir, _ = windowed
