@@ -41,7 +41,7 @@ from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from data_tools.storage import StorageEstimate, sequence_tokens, storage_estimate
 from dspark.core.config import ConfigError, DataConfig, RunConfig, TargetConfig, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
-from dspark.core.files import file_sha256, text_sha256
+from dspark.core.files import file_sha256, text_sha256, unwritable_cause
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
 from dspark.core.shard_format import (
     SPLITS,
@@ -306,7 +306,13 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
     rank, world = (data.rank, data.world_size) if data.rank is not None else default_rank_world()
     conversations = load_source(data.source, split=data.hf_split)  # a wrong source fails here, before any work
     out = Path(data.shards_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        cause = unwritable_cause(e, out)  # a file there, no permission, a read-only filesystem
+        if cause is None:
+            raise
+        raise ConfigError(f"data.shards_dir={data.shards_dir}: {cause}") from e
     if target_dir is None:
         target_dir = resolve_target(target, cache_dir=Path(cfg.paths.cache_dir).expanduser()).path
     arch, _, _, text_cfg = read_config(target_dir)

@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -480,6 +481,32 @@ def provenance(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+_SIZE_MISMATCH = re.compile(
+    r"size mismatch for ([^:\s]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from checkpoint, "
+    r"the shape in current model is torch\.Size\((\[[^\]]*\])\)"
+)
+
+
+def state_dict_mismatch(err: BaseException) -> Optional[str]:
+    """torch's ``Error(s) in loading state_dict`` (what DeepSpeed's load of a tag into another
+    drafter raises) summarized in one line: how many tensors differ in shape, are missing or are
+    unexpected, each with its first example; None for any other error."""
+    text = str(err)
+    if "Error(s) in loading state_dict" not in text:
+        return None
+    parts = []
+    sizes = _SIZE_MISMATCH.findall(text)
+    if sizes:
+        name, saved, built = sizes[0]
+        parts.append(f"{len(sizes)} tensor(s) of another shape, e.g. {name}: {saved} saved, {built} built")
+    for label, what in (("Missing", "missing from the tag"), ("Unexpected", "in the tag, not in the drafter")):
+        keys = re.search(rf"{label} key\(s\) in state_dict: ([^\n]*)", text)
+        names = re.findall(r'"([^"]+)"', keys[1]) if keys else []
+        if names:
+            parts.append(f"{len(names)} tensor(s) {what}, e.g. {names[0]}")
+    return "; ".join(parts) or text.splitlines()[0]
+
+
 def check_resume_tag(tag_dir: Path, named_by: str) -> None:
     """A tag fit to resume, before DeepSpeed reads it: a directory, with DeepSpeed's model states
     and the trainer's ``run.json`` (written last: without it the save did not finish, and its
@@ -633,7 +660,17 @@ class Checkpointer:
             path, tag = self.directory, None  # DeepSpeed reads latest itself
         else:
             path, tag = tag_dir.parent, tag_dir.name
-        loaded, client = engine.load_checkpoint(str(path), tag=tag)
+        try:
+            loaded, client = engine.load_checkpoint(str(path), tag=tag)
+        except RuntimeError as e:
+            differs = state_dict_mismatch(e)
+            if differs is None:
+                raise
+            raise CheckpointError(
+                f"{tag_dir}: its weights are not those of the drafter its {RUN_FILE} describes ({differs}); was "
+                f"{RUN_FILE} copied from another tag? Resume a tag whose {RUN_FILE} is its own "
+                "(train.resume=<tag directory>), or start over with train.resume=never"
+            ) from e
         if loaded is None:
             raise CheckpointError(
                 f"{path}: no DeepSpeed checkpoint {'(latest)' if tag is None else tag} to resume from, expected a "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +25,13 @@ from dspark.checkpoint import TrainingCheckpoint, latest_tag, load_training_chec
 from dspark.core.config import TORCH_DTYPES, TargetConfig
 from dspark.core.errors import exit_on_user_error
 from dspark.core.families import get_family
-from dspark.core.files import atomic_path, remove_stale_temporaries, replace_problem, reporting_disk_full
+from dspark.core.files import (
+    atomic_path,
+    default_file_mode,
+    remove_stale_temporaries,
+    replace_problem,
+    reporting_disk_full,
+)
 from dspark.core.layer_ids import CONVENTION
 from dspark.core.serving import BY_LAYOUT, LAYOUTS
 from dspark.core.target_dir import read_text_config
@@ -151,11 +158,12 @@ def export(
         # a unique temporary directory, renamed when complete: a killed export leaves no half
         # out_dir, and concurrent exports never collide
         remove_stale_temporaries(out_dir)  # a killed export's half directory
-        if (out_dir / PROVENANCE_FILE).is_file():
-            log.warning("export: replacing the earlier export at %s", out_dir)
+        earlier = (out_dir / PROVENANCE_FILE).is_file()
         with atomic_path(out_dir, owner_marker=PROVENANCE_FILE, owned_files=EXPORT_FILES) as tmp:
             tmp.mkdir()
             _write_export(tmp, weights, config, ckpt, layout, dtype, tdir)
+    if earlier:  # said once it happened: a refused or failed export replaces nothing
+        log.warning("export: replacing the earlier export at %s: done, the new one is in its place", out_dir)
     return _summary(out_dir, ckpt, layout, dtype, weights, config)
 
 
@@ -188,6 +196,7 @@ def _write_export(
     tmp: Path, weights: dict, config: dict, ckpt: TrainingCheckpoint, layout: str, dtype: str, tdir: Path
 ) -> None:
     save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    os.chmod(tmp / WEIGHTS_FILE, default_file_mode())  # safetensors goes through a 0600 tempfile
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     provenance = {
         "format_version": EXPORT_FORMAT_VERSION,
@@ -297,7 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sp.add_argument("--verifier", type=Path, default=None, help="the target's directory (default: export.json's)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    with exit_on_user_error():  # CheckpointError (ExportError), TargetError, DiskFullError: rc 2
+    with exit_on_user_error():  # CheckpointError (ExportError), TargetError, DiskFullError, NotWritableError: rc 2
         if args.cmd == "export":
             summary = export(
                 args.checkpoint, args.out, layout=args.layout, dtype=args.dtype, target_dir=args.target_dir

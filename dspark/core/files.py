@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 NEARLY_FULL_BYTES = 1 << 20
-"""Free space below which a failed write counts as a full disk even when the writer's error
-says nothing of it (torch's zip writer reports only ``unexpected pos ...``)."""
+"""Free space below which a failed write counts as a full disk when the writer's error carries no
+errno at all (torch's zip writer reports only ``unexpected pos ...``); an errno decides by itself."""
 
 
 def _tmp_name(path: Path) -> Path:
@@ -60,13 +60,73 @@ def remove_stale_temporaries(path: Path | str) -> list[Path]:
         owner = fields[0] if len(fields) == 3 else host  # .NAME.tmp-PID-RANDOM: written before hosts were named
         if owner != host or not fields[-2].isdigit() or _pid_alive(int(fields[-2])):
             continue
-        if tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
-        log.warning("removed %s: a temporary %s left by process %s, which was killed", tmp, path.name, fields[-2])
-        removed.append(tmp)
+        if _remove_quietly(tmp, f"a temporary {path.name} left by process {fields[-2]}, which was killed"):
+            log.warning("removed %s: a temporary %s left by process %s, which was killed", tmp, path.name, fields[-2])
+            removed.append(tmp)
     return removed
+
+
+def _remove_quietly(tmp: Path, what: str) -> bool:
+    """Remove ``tmp`` (a file, link or directory), if there is one; a cleanup, so it never raises
+    over the error that called for it (a read-only filesystem refuses even the ``unlink`` of a file
+    that is not there): what cannot be removed is named in a warning. Whether it is gone."""
+    if not os.path.lexists(tmp):
+        return True
+    try:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp)
+        else:
+            tmp.unlink()
+        return True
+    except OSError as e:
+        log.warning("could not remove %s, %s: %s", tmp, what, e.strerror or e)
+        return False
+
+
+class NotWritableError(UserError):
+    """The OS refused a write for a reason the user can fix (:func:`unwritable_cause`); the message
+    names the path and the cause. What was being written is removed, not left half."""
+
+
+def unwritable_cause(err: BaseException, path: Path | str, tmp: Optional[Path] = None) -> Optional[str]:
+    """Why the OS refused to write ``path``, in words the user can act on: a directory above it is
+    a file, no permission (EACCES, EPERM), a read-only filesystem (EROFS), or a directory that takes
+    no new files (ENOENT although it exists: /proc, /sys). None for any other error: a full disk is
+    :func:`is_disk_full`'s, the rest are not the user's. ``err`` counts only when it names ``path``,
+    a directory above it, or ``tmp`` (the temporary sibling written in its place) or a file in it."""
+    if not isinstance(err, OSError) or err.errno is None or err.filename is None:
+        return None
+    path, where = Path(path), Path(os.fsdecode(err.filename))
+    named = where  # what the OS was asked to write
+    if tmp is not None and (where == tmp or tmp in where.parents):
+        where = path / where.relative_to(tmp)  # the name the user gave, not the temporary one
+    elif where != path and where not in path.parents:
+        return None
+    existing = next((p for p in (where, *where.parents) if os.path.lexists(p)), Path("/"))
+    if err.errno in (errno.EEXIST, errno.ENOTDIR):
+        blocker = next((p for p in (where, *where.parents) if p.exists() and not p.is_dir()), None)
+        return None if blocker is None else f"{blocker} is a file, expected a directory"
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return f"no permission to write {'in ' if existing != where else ''}{existing} ({err.strerror})"
+    if err.errno == errno.EROFS:
+        return f"{existing} is on a read-only filesystem"
+    if err.errno == errno.ENOENT and named.parent.is_dir() and not os.path.lexists(named):
+        return f"nothing can be created in {named.parent}, although it exists (a filesystem such as /proc or /sys)"
+    return None
+
+
+def not_writable(err: BaseException, path: Path | str, tmp: Optional[Path] = None) -> Optional[NotWritableError]:
+    """:class:`NotWritableError` ``cannot write PATH: CAUSE`` when :func:`unwritable_cause` has a cause, else None."""
+    cause = unwritable_cause(err, path, tmp)
+    return None if cause is None else NotWritableError(f"cannot write {path}: {cause}")
+
+
+def default_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less this process's umask (a writer that goes
+    through a ``tempfile``, such as safetensors', leaves 0600 instead)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 class DirectoryInUseError(UserError):
@@ -108,15 +168,16 @@ def atomic_path(
     """Yield a temporary sibling of ``path`` (file or directory) to write; on success it replaces
     ``path``, on error it is removed. A directory already at ``path`` is replaced only if it is
     empty or holds ``owner_marker`` (:func:`replace_problem`), checked before anything is written
-    and again before the swap; otherwise :class:`DirectoryInUseError`, and nothing is touched."""
+    and again before the swap; otherwise :class:`DirectoryInUseError`, and nothing is touched.
+    An OS refusal the user can fix (:func:`unwritable_cause`) is raised as :class:`NotWritableError`."""
     path = Path(path)
     if path.is_dir() or path.is_symlink():
         problem = replace_problem(path, owner_marker, owned_files)
         if problem:
             raise DirectoryInUseError(problem)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
         for f in [tmp] if tmp.is_file() else sorted(tmp.iterdir()) if tmp.is_dir() else []:
             _fsync(f)
@@ -126,15 +187,22 @@ def atomic_path(
                 raise DirectoryInUseError(problem)
             old = _tmp_name(path)
             os.replace(path, old)  # the earlier output moves aside, the new one takes its name, then it goes
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.replace(old, path)  # the earlier output back under its name
+                except OSError as e:
+                    log.warning("the earlier %s is at %s, it could not be moved back: %s", path.name, old, e)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-    except BaseException:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        _remove_quietly(tmp, f"the unfinished {path.name}")
+        refused = not_writable(e, path, tmp)
+        if refused is not None:
+            raise refused from e
         raise
 
 
@@ -229,16 +297,21 @@ def free_bytes(path: Path | str) -> int:
 
 def is_disk_full(err: BaseException, directory: Path | str) -> bool:
     """Whether ``err`` (or an error it came from) means the filesystem of ``directory`` is full:
-    ENOSPC/EDQUOT, the OS's words for them in a library's message, or, for a writer that reports
-    neither (torch), an OSError/RuntimeError while less than :data:`NEARLY_FULL_BYTES` is free.
-    Call it before removing what was half written: that is what filled the disk."""
+    ENOSPC/EDQUOT, or the OS's words for them in a library's message. An OS error with any other
+    errno is not. Only for a writer whose error carries no errno (torch's zip writer reports
+    ``unexpected pos ...``) does a RuntimeError/OSError count while less than
+    :data:`NEARLY_FULL_BYTES` is free. Call it before removing what was half written: that is
+    what filled the disk."""
     seen: Optional[BaseException] = err
+    errnos = []
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in DISK_FULL_ERRNOS:
-            return True
+        if isinstance(seen, OSError) and seen.errno is not None:
+            errnos.append(seen.errno)
         if any(os.strerror(code) in str(seen) for code in DISK_FULL_ERRNOS):
             return True
         seen = seen.__cause__ or seen.__context__
+    if errnos:
+        return any(code in DISK_FULL_ERRNOS for code in errnos)
     return isinstance(err, (OSError, RuntimeError)) and free_bytes(directory) < NEARLY_FULL_BYTES
 
 
@@ -263,8 +336,8 @@ def reporting_disk_full(
     instead of the writer's own ``[Errno 28]`` from deep inside pyarrow, torch or safetensors."""
     try:
         yield
-    except DiskFullError:
-        raise
+    except UserError:
+        raise  # a refusal (DiskFullError among them) already says what is wrong
     except Exception as e:
         if not is_disk_full(e, directory):
             raise
