@@ -32,7 +32,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import II, DictConfig, OmegaConf
 
 from dspark.core import fp8
-from dspark.core.errors import UserError, exit_on_user_error
+from dspark.core.errors import UserError, closest_key, exit_on_user_error
 from dspark.core.families import FAMILIES, FIELD_CLASSES, FIELD_FAMILY
 from dspark.core.families.shared import SharedDrafterFields
 from dspark.core.layer_ids import spread_layer_ids
@@ -88,6 +88,19 @@ def _unresolved(value: Any) -> bool:
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r}: {allowed}")
+
+
+def _dir_name(key: str, value: Any, becomes: str) -> None:
+    """A name the run joins into paths (``becomes``: the directories it names) is checked as a
+    path component: ``.``, ``..``, empty, a leading dot or a ``/`` would put the run into another
+    run's directory, its parent's, or a hidden one."""
+    if not _unresolved(value):
+        _check(
+            isinstance(value, str) and value != "" and "/" not in value and not value.startswith("."),
+            key,
+            value,
+            f"expected a directory name (not empty, no '/', not '.' or '..', no leading '.'): it names {becomes}",
+        )
 
 
 def _choice(key: str, value: Any, choices: tuple) -> None:
@@ -159,6 +172,7 @@ class TargetConfig:
     """Recorded in manifests; the directory itself is what is loaded."""
 
     def __post_init__(self) -> None:
+        _dir_name("target.name", self.name, "the target's directories under data/, checkpoints/, exports/, eval/")
         if self.source not in TARGET_SOURCES:
             raise ConfigError(f"target.source must be one of {TARGET_SOURCES}, got {self.source!r}")
         if self.source == "hf_dir" and not self.path:
@@ -629,12 +643,7 @@ class TrainConfig(LossSettings):
         for key in ("lr", "weight_decay", "warmup_steps", "grad_clip"):
             _at_least(f"train.{key}", getattr(self, key), 0)
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "expected a fraction in [0, 1]")
-        _check(
-            bool(self.run_name) and "/" not in self.run_name,
-            "train.run_name",
-            self.run_name,
-            "expected a non-empty name without '/'",
-        )
+        _dir_name("train.run_name", self.run_name, "the run's directories under checkpoints/, exports/ and eval/")
 
 
 @dataclass
@@ -1031,19 +1040,13 @@ def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_key_error(cfg: Any) -> Optional[ConfigError]:
-    import difflib
-
     bad = unknown_keys(cfg, RunConfig)
     if not bad:
         return None
     parts = []
     for key in bad:
-        group, _, name = key.rpartition(".")
-        node = OmegaConf.select(cfg, group) if group else cfg
-        known = [k for k in (node.keys() if OmegaConf.is_dict(node) else []) if f"{group}.{k}".lstrip(".") not in bad]
-        close = difflib.get_close_matches(name, [str(k) for k in known], n=1)
-        hint = f" (did you mean {(group + '.') if group else ''}{close[0]}?)" if close else ""
-        parts.append(f"{key}{hint}")
+        close = closest_key(cfg, key, exclude=bad)
+        parts.append(f"{key} (did you mean {close}?)" if close else key)
     return ConfigError(
         f"unknown config key(s): {', '.join(parts)}; '+KEY=VALUE' adds a key Hydra does not check, and nothing "
         "reads it. Every key: python train.py --help"

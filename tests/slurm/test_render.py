@@ -306,9 +306,9 @@ def test_tp16_on_two_nodes_is_refused_with_the_expected_shape(render):
 def test_a_misspelt_override_fails_on_the_batch_host(render):
     r = render("train.sbatch", "train.lrr=3e-4")
     assert r.rc == 2 and not r.srun
-    assert "cannot compose +experiment=kimi_k3_gb300 train.lrr=3e-4: Could not override 'train.lrr'." in r.log
+    assert "error: unknown config key train.lrr (did you mean train.lr?)" in r.log
     r = render("eval.sbatch", env={"EXPERIMENT": "kimi_k3"})
-    assert r.rc == 2 and "In 'config': Could not find 'experiment/kimi_k3'" in r.log and "kimi_k3_gb300" in r.log
+    assert r.rc == 2 and "+experiment=kimi_k3: no such experiment" in r.log and "kimi_k3_gb300" in r.log
 
 
 def test_missing_python_names_the_interpreter(render):
