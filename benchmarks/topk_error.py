@@ -6,7 +6,7 @@ prediction the exact TV against the full target distribution with the top-k TV t
 loss uses, for several k; also the target's probability mass outside its top k and how often
 the greedy match differs (never: the top 1 is exact).
 
-    .venv/bin/python benchmarks/topk_error.py +experiment=smollm2_cpu_ablate +recipe=today \\
+    .venv/bin/python benchmarks/topk_error.py +experiment=smollm2_cpu_ablate +recipe=baseline \\
         [--k 8 16 64 256] [--json outputs/benchmarks/topk_error.json]
 """
 

@@ -111,7 +111,7 @@ def test_ablation_recipes_compose_under_their_own_run_name_and_change_something(
     assert cfg.data == base.data and cfg.logging.group == "ablation-smollm2-135m"  # same data, one W&B group
     assert not _redundant(CONF / "recipe" / f"{recipe}.yaml", base)
     changed = {k for k, v in vars(cfg.train).items() if v != getattr(base.train, k)} - {"run_name", "checkpoint_dir"}
-    assert recipe == "today" or changed or cfg.drafter != base.drafter
+    assert recipe == "baseline" or changed or cfg.drafter != base.drafter
 
 
 def test_redundancy_check_finds_a_repeated_default(tmp_path):
@@ -159,6 +159,9 @@ def test_smollm2_demo_preset():
     assert cfg.target.capture_layer_ids(30) == [1, 8, 15, 22, 29, 30]
     assert cfg.train.dtype == "float32" and cfg.deepspeed.zero_optimization.stage == 0
     assert cfg.deepspeed.to_dict() == {"zero_optimization": {"stage": 0}}  # unset knobs stay DeepSpeed's
+    assert cfg.drafter.attention_window == 256 and cfg.train.run_name == "markov256-win256"  # issue #47's default
+    for preset in ("smollm2_cpu_ablate", "smollm2_cpu_data_scale", "smollm2_cpu_smoke"):  # recorded / plumbing runs
+        assert _load(f"+experiment={preset}").drafter.attention_window is None, preset
 
 
 def test_smollm2_quality_preset_keeps_its_own_data_and_checkpoints():
@@ -168,7 +171,8 @@ def test_smollm2_quality_preset_keeps_its_own_data_and_checkpoints():
     assert quality.train.checkpoint_dir != demo.train.checkpoint_dir
     ablation = _load("+experiment=smollm2_cpu_quality", "drafter.markov_rank=0")
     assert (
-        ablation.train.checkpoint_dir.endswith("/lcr-markov0") and ablation.data.shards_dir == quality.data.shards_dir
+        ablation.train.checkpoint_dir.endswith("/lcr-markov0-win256")
+        and ablation.data.shards_dir == quality.data.shards_dir
     )
     assert quality.ablation_dir == ablation.train.checkpoint_dir
     assert quality.train.max_seq_len >= quality.data.max_seq_len  # train on whole conversations
@@ -180,7 +184,7 @@ def test_a_fixed_run_name_has_no_markov_off_ablation_of_itself():
     run's own checkpoint for its ablation (it reported 'markov-off' equal to dspark, ratio 1.000)."""
     named = _load("+experiment=smollm2_cpu_demo", "train.run_name=mine")
     assert named.ablation_dir is None
-    assert _load("+experiment=smollm2_cpu_demo").ablation_dir.endswith("/markov0")
+    assert _load("+experiment=smollm2_cpu_demo").ablation_dir.endswith("/markov0-win256")
 
 
 def test_run_names_tell_drafters_apart():
@@ -328,7 +332,8 @@ def test_keys_the_schema_lacks_are_refused_naming_them(compose_config):
 
 def test_every_config_error_exits_2_hydras_own_too(tmp_path):
     """Hydra's composition errors (a key without +, a missing option) exited 1, ours 2: one status."""
-    for extra, says in (("train.lrr=1", "Key 'lrr' not in 'TrainConfig'"), ("+train.lrr=1", "train.lrr")):
+    unknown = "error: unknown config key train.lrr (did you mean train.lr?)"
+    for extra, says in (("train.lrr=1", unknown), ("+train.lrr=1", "train.lrr")):
         out = subprocess.run(
             [sys.executable, "train.py", extra, "stages=[]", f"hydra.run.dir={tmp_path / 'run'}"],
             cwd=REPO,
@@ -463,7 +468,7 @@ def test_train_py_help_lists_the_stages_experiments_and_examples():
 def test_auto_ablation_is_this_configs_markov_off_run(tmp_path):
     from eval.run import ablation_checkpoint
 
-    for experiment, run_name in (("smollm2_cpu_demo", "markov0"), ("smollm2_cpu_quality", "lcr-markov0")):
+    for experiment, run_name in (("smollm2_cpu_demo", "markov0-win256"), ("smollm2_cpu_quality", "lcr-markov0-win256")):
         cfg = _load(f"+experiment={experiment}", f"paths.output_dir={tmp_path}")
         assert ablation_checkpoint(cfg) is None  # not trained yet
         ckpt = tmp_path / "checkpoints" / "smollm2-135m" / run_name

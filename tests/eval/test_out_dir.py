@@ -67,9 +67,8 @@ def test_a_rerun_on_an_earlier_evals_own_set_never_rewrites_it(tmp_path, compose
     prompts, used = eval_set(cfg, HEADS, out)
     assert [p.prompt_id for p in prompts] == ["fits"]
     assert given.read_text() == text  # the input as the user gave it
-    assert used == out / "eval_set.used.jsonl" and [json.loads(x)["prompt_id"] for x in used.read_text().splitlines()] == [
-        "fits"
-    ]
+    assert used == out / "eval_set.used.jsonl"
+    assert [json.loads(x)["prompt_id"] for x in used.read_text().splitlines()] == ["fits"]
 
 
 def test_a_bad_prompts_file_leaves_no_directory_behind(tmp_path, compose_config):

@@ -38,6 +38,7 @@ def test_dflash_export_served_by_vllm_matches_the_reference_loop(tmp_path, smoll
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
     common = [
         "+experiment=smollm2_cpu_demo",
+        "drafter.attention_window=null",  # dflash's parity at full attention; the window's: test_llama_cpp.py
         f"paths.output_dir={tmp_path}",
         "logging.wandb=false",
         "drafter=tiny",
