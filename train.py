@@ -34,11 +34,14 @@ class PipelineResult:
 
 
 def run(cfg: RunConfig | DictConfig) -> PipelineResult:
+    """Each stage's summary line ends with its wall clock, and the last line totals them: the
+    measured duration of the main job, which the README quotes."""
     cfg = load_config(cfg)
     t0 = time.perf_counter()
+    clock = _StageClock()
     heads, target_dir = prepare_target(cfg)
     stages_run = ["target"]
-    lines = [f"target   {cfg.target.name} ({target_dir})"]
+    lines = [f"target   {cfg.target.name} ({target_dir}){clock.lap('target')}"]
     online = cfg.data.mode == "online"
     if "extract" in cfg.stages and online:
         log.info("extract: data.mode=online, the engine streams states to the trainer, no shards: skipped")
@@ -53,7 +56,7 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
             if s.shards_written == 0
             else f"{s.rows} sequences, {s.tokens} tokens in {s.shards_written} new shards"
         )
-        lines.append(f"extract  {what} -> {cfg.data.shards_dir}")
+        lines.append(f"extract  {what} -> {cfg.data.shards_dir}{clock.lap('extract')}")
     if "train" in cfg.stages:
         from dspark.checkpoint import finished_checkpoint
         from dspark.recipe import train
@@ -61,13 +64,18 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         done = finished_checkpoint(cfg)
         if done is not None:
             log.info("train: %s is at train.max_steps=%s for this drafter, skipped", done, cfg.train.max_steps)
-            lines.append(f"train    up to date ({done}), skipped")
+            lines.append(f"train    up to date ({done}), skipped{clock.lap('train')}")
         elif online:
             state = train(cfg, heads, online_source(cfg, target_dir))  # the trainer closes it
-            lines.append(f"train    step {state.step}/{cfg.train.max_steps} (online) -> {cfg.train.checkpoint_dir}")
+            lines.append(
+                f"train    step {state.step}/{cfg.train.max_steps} (online) -> {cfg.train.checkpoint_dir}"
+                f"{clock.lap('train')}"
+            )
         else:
             state = train(cfg, heads)
-            lines.append(f"train    step {state.step}/{cfg.train.max_steps} -> {cfg.train.checkpoint_dir}")
+            lines.append(
+                f"train    step {state.step}/{cfg.train.max_steps} -> {cfg.train.checkpoint_dir}{clock.lap('train')}"
+            )
         stages_run.append("train")
     if "eval" in cfg.stages:
         from eval.run import run_eval
@@ -77,7 +85,7 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         from eval.report import summary_lines
 
         lines += summary_lines(outcome.results, outcome.checks)
-        lines.append(f"report   {outcome.report_dir / 'report.md'} (+ results.json, *.png)")
+        lines.append(f"report   {outcome.report_dir / 'report.md'} (+ results.json, *.png){clock.lap('eval')}")
         lines.append(f"exports  {cfg.eval.export_dir}")
     if "serve_bench" in cfg.stages:
         from eval.serve_bench import run_serve_bench
@@ -85,11 +93,30 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         bench = run_serve_bench(cfg, heads, target_dir)
         stages_run.append("serve_bench")
         lines.append(f"serve    {bench.summary_line()}")
-        lines.append(f"serving  {bench.markdown} (+ serve_bench.json, *.png)")
+        lines.append(f"serving  {bench.markdown} (+ serve_bench.json, *.png){clock.lap('serve_bench')}")
     if cfg.logging.wandb:
         lines.append(f"W&B      {Path(cfg.paths.output_dir) / 'wandb'} (offline runs: wandb sync <run dir>)")
+    lines.append(f"time     {clock.total()}")
     log.info("main job done in %.1f min:\n  %s", (time.perf_counter() - t0) / 60, "\n  ".join(lines))
     return PipelineResult(heads, cfg.drafter, stages_run)
+
+
+class _StageClock:
+    """Wall clock per stage, for the closing summary."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.stages: list[tuple[str, float]] = []
+
+    def lap(self, stage: str) -> str:
+        now = time.perf_counter()
+        self.stages.append((stage, now - self.last))
+        self.last = now
+        return f"  [{self.stages[-1][1] / 60:.1f} min]"
+
+    def total(self) -> str:
+        parts = " + ".join(f"{stage} {s / 60:.1f}" for stage, s in self.stages)
+        return f"{(time.perf_counter() - self.start) / 60:.1f} min of wall clock ({parts})"
 
 
 def online_source(cfg: RunConfig, target_dir: Path):  # noqa: ANN201 - a SequenceSource, or None

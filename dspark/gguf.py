@@ -122,7 +122,7 @@ def target_gguf(
     converted once from ``target_dir`` into ``cache`` (keyed by the directory's config and weights)."""
     if gguf_type == "embedded":
         if embedded is None:
-            raise GgufError("eval.llama_cpp_target_type=embedded: this target ships no GGUF; pick f32, f16 or q8_0")
+            raise GgufError("eval.llama_cpp_target=embedded: this target ships no GGUF; pick f32, f16, bf16 or q8_0")
         return embedded
     if gguf_type not in GGUF_TYPES:
         raise GgufError(f"target gguf type {gguf_type!r}: expected embedded or one of {GGUF_TYPES}")
@@ -229,7 +229,7 @@ def check_pair(
 ) -> GgufCheck:
     """Serve ``draft`` beside ``target`` in llama-server and draft at least one block: a drafter
     llama.cpp cannot load, or one that does not fit the target, is a :class:`GgufError` naming why."""
-    from dspark.core.llama_server import ServerSpec, complete, llama_server, read_counters
+    from dspark.core.llama_server import complete, llama_server, read_counters, server_spec
     from dspark.core.servers import ServerError, choose_port
     from dspark.core.serving import LLAMA_CPP_BY_NAME
 
@@ -237,7 +237,7 @@ def check_pair(
     if problem:
         raise GgufError(problem)
     method = LLAMA_CPP_BY_NAME[layout]
-    spec = ServerSpec(target, method, gamma, ctx=512, draft_gguf=draft)
+    spec = server_spec(target, method, gamma, 512, draft_gguf=draft)
     log_path = Path(log_dir) / f"{Path(draft).name}.check.log"
     host = "127.0.0.1"
     try:

@@ -22,7 +22,6 @@ from typing import Any, Optional
 
 from dspark.core.llama_cpp import LlamaCpp
 from dspark.core.llama_server import (
-    ServerSpec,
     complete,
     counters_after,
     llama_server,
@@ -30,6 +29,7 @@ from dspark.core.llama_server import (
     proposer_stats,
     proposer_stats_after,
     read_counters,
+    server_spec,
     steps_problem,
 )
 from dspark.core.servers import choose_port
@@ -63,15 +63,8 @@ def serve_prompts(
 ) -> list[dict[str, Any]]:
     """One server for ``method``, the prompts one at a time: one record per prompt with its
     counters (``asdict(AcceptanceCounts)``), output ids, decode timing and each proposer's share."""
-    spec = ServerSpec(
-        s.target_gguf,
-        method,
-        s.gamma,
-        s.ctx,
-        draft_gguf=draft,
-        threads=s.threads,
-        p_min=s.p_min if method.layout == "dspark" else None,
-        seed=s.seed,
+    spec = server_spec(
+        s.target_gguf, method, s.gamma, s.ctx, draft_gguf=draft, threads=s.threads, p_min=s.p_min, seed=s.seed
     )
     host = "127.0.0.1"
     what = f"llama.cpp {method.name}"

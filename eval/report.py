@@ -378,7 +378,11 @@ def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
             f"eval     {d.name:<18} tokens/step {fmt(d.tokens_per_step)}{interval_text(d.interval('tokens_per_step'))}"
             f"  (tau {fmt(d.tau)} over drafted steps, {share} drafted; {d.runner}{clock}){_fade_text(d)}"
         )
-    return lines + [f"check    {c.name}: {c.verdict} ({c.detail})" for c in checks]
+    lines += [f"check    {c.name}: {c.verdict} ({c.detail})" for c in checks]
+    parts = results.conditions.extra.get("part_seconds") or {}
+    if parts:  # where the eval's wall clock went (parts kept from a killed run are not timed again)
+        lines.append("eval     time: " + ", ".join(f"{name} {s / 60:.1f} min" for name, s in parts.items()))
+    return lines
 
 
 # --- W&B -------------------------------------------------------------------------------------

@@ -264,6 +264,7 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     if ablation is not None:
         log.info("Markov-off ablation: %s", ablation)
         exports["ablation"] = export_all(cfg, ablation, target_dir, "ablation")
+    seconds = {"export": round(time.perf_counter() - t0, 1)}  # every part's wall clock, in the order run
     checkpoints = [ckpt] + ([ablation] if ablation else [])
     # the reference loop's and vLLM's parts do not depend on llama.cpp's settings: another llama.cpp
     # target or method list measures llama.cpp's rows again and keeps the rest
@@ -272,14 +273,14 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
     core = config_fingerprint(
         {"eval": fingerprint(cfg, checkpoints, without=LLAMA_CPP_SETTINGS), "llama_cpp_beside": llama_cpp_wanted(cfg)}
     )
-    parts = Parts(out_dir / "parts", _parts_key(core, prompts), not e.force)
+    parts = Parts(out_dir / "parts", _parts_key(core, prompts), not e.force, seconds)
     drafters = []
     if e.reference:
         drafters += parts.get_or_run("reference", lambda: reference_results(cfg, heads, target_dir, prompts, exports))
     drafters += vllm_results(cfg, target_dir, prompts, prompts_file, out_dir, exports, parts=parts)
     if llama_cpp_wanted(cfg):
         llama_fp = fingerprint(cfg, checkpoints, without=NOT_LLAMA_CPP_SETTINGS)
-        llama_parts = Parts(out_dir / "parts", _parts_key(llama_fp, prompts), reuse=not e.force)
+        llama_parts = Parts(out_dir / "parts", _parts_key(llama_fp, prompts), reuse=not e.force, seconds=seconds)
         drafters += llama_cpp_results(cfg, target_dir, prompts, out_dir, exports, llama_parts)
     equal = greedy_outputs_equal(cfg, drafters)
     parity = llama_cpp_parity(drafters)
@@ -291,6 +292,7 @@ def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalO
         exports,
         extra={
             "eval_seconds": round(time.perf_counter() - t0, 1),
+            "part_seconds": seconds,
             "fingerprint": fp,
             "ablation_checkpoint": str(ablation) if ablation else None,
             **({"greedy_outputs_equal": equal} if equal else {}),
@@ -311,12 +313,16 @@ class Parts:
     dir: Path
     key: str
     reuse: bool = True
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Each part measured by this run: its wall clock (a kept part is not in it)."""
 
     def get_or_run(self, name: str, run: Any) -> list[DrafterResult]:
         kept = self.get(name)
         if kept is not None:
             return kept
+        t0 = time.perf_counter()
         drafters = run()
+        self.seconds[name] = round(time.perf_counter() - t0, 1)
         self.put(name, drafters)
         return drafters
 

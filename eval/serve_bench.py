@@ -51,7 +51,7 @@ import torch
 from dspark.core.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
 from dspark.core.errors import UserError, exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import atomic_write_json, file_sha256, read_jsonl, write_jsonl
-from dspark.core.llama_server import Counters, ServerSpec, complete, counters_after, llama_server, read_counters
+from dspark.core.llama_server import Counters, complete, counters_after, llama_server, read_counters, server_spec
 from dspark.core.servers import Server
 from dspark.core.serving import BY_NAME, LLAMA_CPP_PREFIX, OURS, export_method, llama_cpp_method, speculative_config
 from dspark.core.target import prepare_target, resolve_target
@@ -298,14 +298,14 @@ def start_server(
     port = choose_port(host, sb.port)
     if c.engine == "llama.cpp":
         tree, target_gguf = s.llama_cpp
-        spec = ServerSpec(
+        spec = server_spec(
             target_gguf,
             llama_cpp_method(c.name),
             s.gamma,
             s.max_model_len,
             draft_gguf=c.draft,
             threads=s.llama_cpp_threads,
-            p_min=s.p_min if c.draft is not None else None,
+            p_min=s.p_min,
             seed=s.seed,
             parallel=max(sb.concurrency),  # one slot per concurrent request, each with the whole window
             prompt_cache=sb.prefix_caching,

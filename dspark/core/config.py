@@ -746,14 +746,15 @@ class EvalConfig:
     """Extra vllm.LLM arguments, e.g. multi-node {nnodes, node_rank, master_addr, master_port}."""
     llama_cpp: str = "auto"
     """llama.cpp's ``llama-server`` serving this run's drafter on CPU (``draft-dspark``, Markov head
-    on), beside its n-gram proposer, the chain and no speculation: auto = on a machine without a
+    on), beside the chain with its n-gram proposer and no speculation: auto = on a machine without a
     GPU where llama.cpp is built (``scripts/setup.sh`` builds it); always = build it first if it is
     not; never."""
-    llama_cpp_methods: list[str] = field(
-        default_factory=lambda: ["none", "ngram", "dspark", "dflash", "ngram-then-dspark"]
-    )
+    llama_cpp_methods: list[str] = field(default_factory=lambda: ["none", "dspark", "ngram-then-dspark"])
     """The llama.cpp rows (``dspark.core.serving.LLAMA_CPP_METHODS``); dflash is served where the
-    export has that layout, and a Markov-off ablation beside ours as dspark."""
+    export has that layout, and a Markov-off ablation beside ours as dspark. The default is what a
+    CPU user chooses between: no speculation (every speedup is over it), our drafter and the chain.
+    ``ngram`` and ``dflash`` are opt-in (issue #49: each row is one more server over every prompt,
+    and vLLM's rows already measure both methods on the same prompts)."""
     llama_cpp_target: str = "auto"
     """The target GGUF: auto = the embedded target's own Q4_1 file (what a user runs), else the
     target converted at f16; embedded; or f32/f16/bf16/q8_0, converted once from the target's

@@ -72,6 +72,9 @@ class ServerSpec:
     """``-np``: slots, each with a window of ``ctx`` (the serving benchmark's concurrency)."""
     prompt_cache: bool = True
     """False: ``--no-cache-prompt`` (the serving benchmark sends the same prompts at every level)."""
+    kv_cache_type: Optional[str] = None
+    """``-ctk/-ctv`` and the drafter's ``-ctkd/-ctvd``: None is llama.cpp's default (f16);
+    :func:`server_spec` sets f32 for an f32 target."""
 
     def command(self, tree: LlamaCpp, *, host: str, port: int) -> list[str]:
         threads = str(self.threads or os.cpu_count() or 1)
@@ -105,6 +108,8 @@ class ServerSpec:
         ]
         if not self.prompt_cache:
             cmd.append("--no-cache-prompt")
+        if self.kv_cache_type is not None:
+            cmd += ["-ctk", self.kv_cache_type, "-ctv", self.kv_cache_type]
         if not self.method.spec_types:
             return cmd
         cmd += ["--spec-type", ",".join(self.method.spec_types), "--spec-draft-n-max", str(self.gamma)]
@@ -119,9 +124,34 @@ class ServerSpec:
             if self.draft_gguf is None:
                 raise ValueError(f"llama.cpp {self.method.name} needs a drafter GGUF")
             cmd += ["-md", str(self.draft_gguf), "-td", threads]
-            if self.p_min is not None:
+            if self.kv_cache_type is not None:
+                cmd += ["-ctkd", self.kv_cache_type, "-ctvd", self.kv_cache_type]
+            if self.p_min is not None and self.method.layout == "dspark":  # dflash has no confidence head
                 cmd += ["--spec-draft-p-min", str(self.p_min)]
         return cmd
+
+
+ALL_F32 = 0
+"""GGUF ``general.file_type`` of a file whose weights are all f32 (gguf-py's ``LlamaFileType.ALL_F32``)."""
+
+
+def kv_cache_type_for(target_gguf: Path) -> Optional[str]:
+    """f32 for an f32 target (its ``general.file_type``), so that llama.cpp's target and drafter
+    caches keep the reference loop's numerics and a parity table compares f32 with f32 (issue #49:
+    llama.cpp's default f16 cache moved logits by more than a near-tie's margin); None otherwise."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(target_gguf)).fields.get("general.file_type")
+    return "f32" if field is not None and int(field.contents()) == ALL_F32 else None
+
+
+def server_spec(target_gguf: Path, method: LlamaCppMethod, gamma: int, ctx: int, **settings: Any) -> ServerSpec:
+    """The one place a llama-server's flags are decided from (method, layout, settings), for the
+    export check, the eval's rows and the serving benchmark alike: ``settings`` are
+    :class:`ServerSpec`'s fields; the caches follow the target's weights (:func:`kv_cache_type_for`)
+    and ``p_min`` reaches only a drafter with a confidence head (:meth:`ServerSpec.command`)."""
+    settings.setdefault("kv_cache_type", kv_cache_type_for(target_gguf))
+    return ServerSpec(target_gguf, method, gamma, ctx, **settings)
 
 
 @contextlib.contextmanager

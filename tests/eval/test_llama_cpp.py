@@ -174,6 +174,39 @@ def test_the_command_line_of_each_method(tmp_path):
     with pytest.raises(ValueError, match="needs a drafter GGUF"):
         ServerSpec(target, LLAMA_CPP_BY_NAME["dspark"], 7, 4096).command(tree, host="h", port=1)
     assert [m.name for m in LLAMA_CPP_METHODS] == ["none", "ngram", "dspark", "dflash", "ngram-then-dspark"]
+    # one rule for every caller (issue #50): a dflash draft has no confidence head, so no p-min
+    assert "--spec-draft-p-min" not in cmd("dflash", p_min=0.3) and "--spec-draft-p-min" not in cmd("ngram", p_min=0.3)
+    assert "-ctk" not in chain and "-ctkd" not in chain  # llama.cpp's own default (f16) unless asked
+    f32 = cmd("dspark", kv_cache_type="f32")
+    assert [flag(f32, f) for f in ("-ctk", "-ctv", "-ctkd", "-ctvd")] == ["f32"] * 4
+    plain = cmd("none", kv_cache_type="f32")
+    assert flag(plain, "-ctk") == flag(plain, "-ctv") == "f32" and "-ctkd" not in plain
+
+
+def _gguf(path: Path, file_type: int | None) -> Path:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    if file_type is not None:
+        w.add_file_type(file_type)
+    w.add_tensor("w", np.zeros((2, 2), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_an_f32_target_is_served_with_f32_caches_for_target_and_drafter(tmp_path):
+    """Issue #49: parity with the f32 reference loop needs f32 caches, not llama.cpp's f16 default."""
+    from dspark.core.llama_server import kv_cache_type_for, server_spec
+
+    f32, f16, unknown = _gguf(tmp_path / "a.gguf", 0), _gguf(tmp_path / "b.gguf", 1), _gguf(tmp_path / "c.gguf", None)
+    assert kv_cache_type_for(f32) == "f32" and kv_cache_type_for(f16) is None and kv_cache_type_for(unknown) is None
+    spec = server_spec(f32, LLAMA_CPP_BY_NAME["dspark"], 7, 512, draft_gguf=tmp_path / "d.gguf")
+    assert spec.kv_cache_type == "f32"
+    assert server_spec(f16, LLAMA_CPP_BY_NAME["none"], 7, 512).kv_cache_type is None
 
 
 def test_what_llama_cpp_cannot_serve_is_refused_in_one_line():
