@@ -12,7 +12,15 @@ drafter cannot change a greedy target's text at all). Rows without a drafter (``
     .venv/bin/python benchmarks/parity_margins.py \\
         outputs/eval/smollm2-135m/markov256-llama_cpp/f32-g7-pNone-df32
 
-Results in docs/benchmarks.md ("llama.cpp ... third session").
+With ``--llama-cpp-target GGUF`` (issue #49) both targets are teacher-forced through the reference
+loop's text, prompt and answer: PyTorch in one forward, llama.cpp one token a call through
+``llama-server`` (f32 caches for an f32 GGUF: ``dspark.core.llama_server.server_spec``), reading
+llama.cpp's own log-probabilities of its top ``--n-probs`` tokens at every answer position. Per
+prompt it prints max and p99 |delta log-prob| over those tokens (a log-prob is a logit less one
+log-sum-exp per position, so the margin between two tokens is a logit margin on each side), the
+positions whose argmax differs, and, at each first difference, the margin on each side.
+
+Results in docs/benchmarks.md ("llama.cpp ... third session"; "Parity with f32 caches").
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ def first_differences(results: dict) -> list[tuple[str, str, int, int, int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("eval_dir", type=Path, help="an eval's out_dir: results.json and eval_set.jsonl")
+    ap.add_argument("--llama-cpp-target", type=Path, help="the target GGUF to teacher-force through llama.cpp")
+    ap.add_argument("--n-probs", type=int, default=8, help="llama.cpp's top tokens compared per position")
     args = ap.parse_args(argv)
     results = json.loads((args.eval_dir / "results.json").read_text())
     prompts = {}
@@ -56,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         j = json.loads(line)
         prompts[j["prompt_id"]] = j["prompt_token_ids"]
     diffs = first_differences(results)
+    if args.llama_cpp_target is not None:
+        return teacher_forced(results, prompts, diffs, args.llama_cpp_target, args.n_probs, args.eval_dir)
     if not diffs:
         print("every llama.cpp row wrote the reference loop's text on every prompt")
         return 0
@@ -74,6 +86,68 @@ def main(argv: list[str] | None = None) -> int:
             logits = model(torch.tensor([prompts[pid] + ref_out[pid][:k]])).logits[0, -1]
         a, b = float(logits[ours]), float(logits[theirs])
         print(f"| {pid} | {k} | {name} | {ours}, {a:.4f} | {theirs}, {b:.4f} | {a - b:.4f} |", flush=True)
+    return 0
+
+
+def teacher_forced(
+    results: dict, prompts: dict, diffs: list, gguf: Path, n_probs: int, out_dir: Path
+) -> int:  # pragma: no cover - needs llama.cpp's build (run by hand; figures in docs/benchmarks.md)
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dspark.core.llama_cpp import ensure_built
+    from dspark.core.llama_server import llama_server, next_token_logprobs, server_spec
+    from dspark.core.servers import choose_port
+    from dspark.core.serving import LLAMA_CPP_BY_NAME
+
+    ref = next(d for d in results["drafters"] if d["runner"] == "reference")
+    texts = {p["prompt_id"]: (prompts[p["prompt_id"]], p["output_ids"]) for p in ref["per_prompt"]}
+    ctx = max(len(a) + len(b) for a, b in texts.values()) + 8
+    model = AutoModelForCausalLM.from_pretrained(results["conditions"]["target_path"], dtype=torch.float32).eval()
+    spec = server_spec(gguf, LLAMA_CPP_BY_NAME["none"], 1, ctx)
+    print(f"llama.cpp target {gguf}, caches {spec.kv_cache_type or 'f16 (default)'}; top {n_probs} per position")
+    print("| prompt | positions | max abs d log-prob | p99 | argmax differs at | margins there (torch / llama.cpp) |")
+    print("|---|---|---|---|---|---|")
+    first = {(pid, k): (ours, theirs) for _, pid, k, ours, theirs in diffs}
+    every: list[float] = []
+    host = "127.0.0.1"
+    with llama_server(
+        ensure_built(),
+        spec,
+        host=host,
+        port=choose_port(host, 0),
+        log_path=out_dir / "llama.cpp" / "teacher_forced.log",
+        timeout_s=600,
+        what="llama.cpp teacher forcing",
+        timeout_key="--llama-cpp-target",
+    ) as server:
+        for pid, (prompt, answer) in texts.items():
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([prompt + answer])).logits[0].double(), -1)
+            deltas, flips, notes = [], [], []
+            for k in range(len(answer)):
+                theirs = next_token_logprobs(server, prompt + answer[:k], n_probs=n_probs)
+                ours = lp[len(prompt) + k - 1]
+                deltas += [abs(v - float(ours[t])) for t, v in theirs.items()]
+                t_arg, l_arg = int(ours.argmax()), max(theirs, key=theirs.get)
+                if t_arg != l_arg or (pid, k) in first:
+                    a, b = first.get((pid, k), (t_arg, l_arg))
+                    tm = float(ours[a] - ours[b])
+                    lm = theirs.get(a, float("nan")) - theirs.get(b, float("nan"))
+                    flips.append(str(k))
+                    notes.append(f"{k}: {tm:.4f} / {lm:.4f}")
+            every += deltas
+            d = np.asarray(deltas)
+            print(
+                f"| {pid} | {len(answer)} | {d.max():.4f} | {np.percentile(d, 99):.4f} | "
+                f"{', '.join(flips) or 'none'} | {'; '.join(notes) or '-'} |",
+                flush=True,
+            )
+    d = np.asarray(every)
+    print(
+        f"all prompts: {d.size} log-probs, max {d.max():.4f}, p99 {np.percentile(d, 99):.4f}, median {np.median(d):.5f}"
+    )
     return 0
 
 

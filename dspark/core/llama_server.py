@@ -247,6 +247,26 @@ def complete(
     return Completion([int(t) for t in out.get("tokens") or []], dict(out.get("timings") or {}))
 
 
+def next_token_logprobs(
+    server: Server, prompt_ids: list[int], *, n_probs: int, timeout_s: float = 3600
+) -> dict[int, float]:
+    """llama.cpp's own log-probabilities of its top ``n_probs`` next tokens after ``prompt_ids``: a
+    softmax of the target's raw logits, before any sampler (``post_sampling_probs`` off). The
+    prompt cache is on, so a caller that walks a text one token at a time decodes one token a call
+    (teacher forcing: ``benchmarks/parity_margins.py``)."""
+    body = {
+        "prompt": list(prompt_ids),
+        "n_predict": 1,
+        "n_probs": n_probs,
+        "temperature": 0.0,
+        "cache_prompt": True,
+        "post_sampling_probs": False,
+    }
+    out = _post(f"{server.url}/completion", body, timeout_s)
+    top = out["completion_probabilities"][0]["top_logprobs"]
+    return {int(t["id"]): float(t["logprob"]) for t in top}
+
+
 @dataclass
 class Counters:
     """llama-server's cumulative counters (see the module's docstring)."""
