@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from dspark.core import derived
 from dspark.core.config import DSparkConfig
+from dspark.core.families import get_family, llama_cpp_families
 from dspark.core.files import file_sha256
 from dspark.core.llama_cpp import LlamaCpp, LlamaCppError
 from dspark.core.waits import log_tail, run_child
@@ -52,10 +53,10 @@ def gguf_path(export_dir: Path, gguf_type: str) -> Path:
 
 def llama_cpp_problem(drafter: DSparkConfig, layout: str, where: object) -> Optional[str]:
     """Why llama.cpp b11434 cannot serve this drafter in ``layout`` (None: it can); ``where`` names it."""
-    if drafter.family != "qwen3":
+    if not get_family(drafter.family).served_by_llama_cpp:
         return (
             f"{where}: drafter family {drafter.family!r}; llama.cpp serves Qwen3-style DSpark/DFlash drafters only "
-            "(drafter.family=qwen3); serve this one with vLLM on GPUs"
+            f"(drafter.family={' or '.join(llama_cpp_families())}); serve this one with vLLM on GPUs"
         )
     if layout == "dspark" and drafter.markov_rank and drafter.markov_head_type != "vanilla":
         return (

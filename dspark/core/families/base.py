@@ -19,7 +19,8 @@ online and colocated data) and the reference loop. A family supplies:
   another family refuses them when set. With them: their short names in a run name
   (:attr:`tag_names`), what its ``conf/drafter/NAME.yaml`` sets (:attr:`tag_defaults`), and
   whether its vLLM class serves a draft vocabulary map (:attr:`serves_draft_vocab`) and a sliding
-  attention window (:attr:`serves_window`);
+  attention window (:attr:`serves_window`), whether llama.cpp serves it (:attr:`served_by_llama_cpp`)
+  and which draft layers of speculators' DSpark it is (:attr:`speculators_layers`);
   A family's methods get the composed ``DSparkConfig`` and ``DrafterDims``; they are annotated
   with the shared parts (:mod:`dspark.core.families.shared`), which the composed types extend;
 * **its sizes** (:meth:`resolve_dims`): its own fields filled into :class:`DrafterDims` from
@@ -74,6 +75,14 @@ class DrafterFamily:
     serves_window: bool = True
     """Whether the family's vLLM class serves a sliding attention window (``dflash_config.use_swa``);
     False refuses ``drafter.attention_window``."""
+    served_by_llama_cpp: bool = False
+    """Whether the pinned llama.cpp build (:mod:`dspark.core.llama_cpp`) converts and serves the
+    family's export (its converter has a class for the family's architectures); False: the GGUF
+    export and the eval's llama.cpp rows refuse it (:func:`dspark.gguf.llama_cpp_problem`)."""
+    speculators_layers: Optional[str] = None
+    """The ``transformer_layer_config.model_type`` of speculators' DSpark whose draft layers are this
+    family's (:mod:`dspark.speculators_format` converts the family's ``dspark`` export to it and
+    reads such a checkpoint back as this family); None: speculators' DSpark cannot hold the family."""
     cache_seq_dim: int = 2
     """The dimension of each ``context_cache`` tensor that runs along the context positions."""
     context_proj_param: str = "model.fc.weight"
