@@ -25,6 +25,7 @@ from dspark.checkpoint import TrainingCheckpoint, latest_tag, load_training_chec
 from dspark.core.config import TORCH_DTYPES, TargetConfig
 from dspark.core.errors import exit_on_user_error
 from dspark.core.families import DEFAULT_FAMILY, get_family
+from dspark.core.families.base import serves_zero_markov_head
 from dspark.core.files import (
     atomic_path,
     default_file_mode,
@@ -238,7 +239,7 @@ def _summary(
         get_family(ckpt.drafter.family).cache_values_per_token(ckpt.dims),
         ckpt.drafter.num_layers,
     )
-    if layout == "dspark" and ckpt.drafter.markov_rank == 0:
+    if layout == "dspark" and serves_zero_markov_head(ckpt.drafter):
         summary.notes.append(
             "Markov-off drafter: written as a zero rank-1 Markov head (vLLM's dspark model requires one)"
         )
