@@ -116,6 +116,19 @@ def convert_export(tree: LlamaCpp, export_dir: Path, target_dir: Path, gguf_type
     return derived.reuse_or_build(out, build, what="drafter GGUF", source=source.hexdigest(), only_over_ours=way_out)
 
 
+AUTO_TARGET = "auto"
+"""The target GGUF type that picks one (:func:`target_gguf_type`)."""
+
+
+def target_gguf_type(gguf_type: str, embedded: Optional[Path]) -> str:
+    """``auto`` (:data:`AUTO_TARGET`) as a target GGUF type: the embedded target's own GGUF
+    (``embedded``, the wheel's file) when there is one, else the target converted at f16; any other
+    type as it is. ``eval.llama_cpp_target`` and ``dspark.export --gguf`` both read it here."""
+    if gguf_type != AUTO_TARGET:
+        return gguf_type
+    return "embedded" if embedded is not None else "f16"
+
+
 def target_gguf(
     tree: LlamaCpp, target_dir: Path, gguf_type: str, *, cache: Path, embedded: Optional[Path] = None
 ) -> Path:
@@ -286,7 +299,8 @@ def export_gguf(
     if not check:
         return draft, None
     if target is None:
-        target = target_gguf(tree, target_dir, "embedded" if embedded else "f16", cache=cache_root(), embedded=embedded)
+        kind = target_gguf_type(AUTO_TARGET, embedded)
+        target = target_gguf(tree, target_dir, kind, cache=cache_root(), embedded=embedded)
     exp = read_export(export_dir)
     return draft, check_pair(
         tree, Path(target), draft, layout=exp.layout, gamma=exp.drafter.block_size, log_dir=draft.parent
