@@ -36,7 +36,7 @@ from typing import Any, Optional
 from dspark.core.config import ServeBenchConfig
 from dspark.core.files import atomic_write_json
 from dspark.core.waits import log_tail
-from eval.results import AcceptanceCounts
+from eval.results import ACCEPT_PER_POS, DRAFT_SHARE, TAU, TOKENS_PER_STEP, AcceptanceCounts
 from eval.server import REPO, Configuration, Server
 
 PERCENTILES = (50, 95, 99)
@@ -185,11 +185,13 @@ def level_record(
         spec = counts.summary()
         if not drafts:
             spec.update(
-                tau=1.0,
-                tokens_per_step=1.0 if counts.num_steps else math.nan,
-                draft_share=0.0,
-                accept_per_pos=[0.0] * gamma,
-                accept_cond_per_pos=[0.0] * gamma,
+                {
+                    TAU.name: 1.0,
+                    TOKENS_PER_STEP.name: 1.0 if counts.num_steps else math.nan,
+                    DRAFT_SHARE.name: 0.0,
+                    ACCEPT_PER_POS.name: [0.0] * gamma,
+                    "accept_cond_per_pos": [0.0] * gamma,  # in the summary, not one of ACCEPTANCE_METRICS
+                }
             )
         spec["acceptance_rate"] = counts.num_accepted / counts.num_draft_tokens if counts.num_draft_tokens else 0.0
     return Level(concurrency, metrics, spec, memory, str(client_log))

@@ -68,7 +68,7 @@ from eval.inputs import (
     make_out_dir,
     wait_for_export,
 )
-from eval.results import nan_to_none
+from eval.results import TAU, TOKENS_PER_STEP, nan_to_none
 from eval.server import Configuration, MemorySampler, choose_port, running_server, server_command
 
 log = logging.getLogger(__name__)
@@ -442,7 +442,7 @@ def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir:
                     conc,
                     lv.metrics["output_tokens_per_s"],
                     lv.metrics["itl_p95_ms"],
-                    f", tok/step {lv.spec['tokens_per_step']:.3f}, tau {lv.spec['tau']:.3f}" if lv.spec else "",
+                    f", tok/step {lv.spec[TOKENS_PER_STEP.name]:.3f}, tau {lv.spec[TAU.name]:.3f}" if lv.spec else "",
                 )
                 result.levels.append(lv)
         finally:
