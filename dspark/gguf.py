@@ -259,7 +259,7 @@ def check_pair(
             tree,
             spec,
             host=host,
-            port=choose_port(host, 0),
+            port=choose_port(host, 0, setting=None),
             log_path=log_path,
             timeout_s=timeout_s,
             what=f"llama.cpp check of {draft}",

@@ -73,7 +73,7 @@ def serve_prompts(
         s.tree,
         spec,
         host=host,
-        port=choose_port(host, 0),
+        port=choose_port(host, 0, setting=None),
         log_path=log_path,
         timeout_s=s.start_timeout_s,
         what=what,

@@ -69,7 +69,14 @@ from eval.inputs import (
     wait_for_export,
 )
 from eval.results import TAU, TOKENS_PER_STEP, nan_to_none
-from eval.server import Configuration, MemorySampler, choose_port, running_server, server_command
+from eval.server import (
+    START_TIMEOUT_SETTING,
+    Configuration,
+    MemorySampler,
+    choose_port,
+    running_server,
+    server_command,
+)
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +325,7 @@ def start_server(
             log_path=log_path,
             timeout_s=sb.start_timeout_s,
             what=what,
-            timeout_key="serve_bench.start_timeout_s",
+            timeout_key=START_TIMEOUT_SETTING,
         )
     cmd = server_command(
         s.target,
