@@ -110,14 +110,14 @@ def _load(spec: str, heads: Any, device: str) -> tuple[str, torch.nn.Module, lis
 def plot(rows: list, bins: list[int], path: Path) -> None:
     from matplotlib.figure import Figure
 
-    from eval.results import AcceptanceCounts
+    from eval.results import TOKENS_PER_STEP, AcceptanceCounts
 
     fig = Figure(figsize=(7, 4.2))
     ax = fig.add_subplot()
     for r in rows:
         ys = [AcceptanceCounts.from_dict(r.per_bin[str(b)]).tokens_per_step for b in bins]
-        lo = [r.interval("tokens_per_step", str(b))[0] for b in bins]
-        hi = [r.interval("tokens_per_step", str(b))[1] for b in bins]
+        lo = [r.interval(TOKENS_PER_STEP.stat, str(b))[0] for b in bins]
+        hi = [r.interval(TOKENS_PER_STEP.stat, str(b))[1] for b in bins]
         ax.plot(bins, ys, marker="o", label=r.name)
         ax.fill_between(bins, lo, hi, alpha=0.12)
     ax.set(
@@ -244,19 +244,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         + "\n"
     )
     plot(rows, bins, args.out / "tokens_per_step_per_bin.png")
-    from eval.results import STATS, AcceptanceCounts, ratio_interval
+    from eval.results import STATS, TOKENS_PER_STEP, AcceptanceCounts, ratio_interval
 
     print("| drafter | " + " | ".join(f"@{b}" for b in bins) + f" | all | pos-1 | fade @{bins[-1]}/@{bins[0]} |")
     print("|---|" + "---|" * (len(bins) + 3))
     for r in rows:
         cells = [
             fmt(AcceptanceCounts.from_dict(r.per_bin[str(b)]).tokens_per_step)
-            + interval_text(r.interval("tokens_per_step", str(b)))
+            + interval_text(r.interval(TOKENS_PER_STEP.stat, str(b)))
             for b in bins
         ]
         fade, fi = r.fade()
         pos1 = AcceptanceCounts.from_dict(r.overall).accept_per_pos[0]
-        every = fmt(r.tokens_per_step) + interval_text(r.interval("tokens_per_step"))
+        every = fmt(r.tokens_per_step) + interval_text(r.interval(TOKENS_PER_STEP.stat))
         print(f"| {r.name} | " + " | ".join(cells) + f" | {every} | {fmt(pos1)} | {fmt(fade)}{interval_text(fi)} |")
     first = rows[0]
     print(f"\nEach row over {first.name}, tokens/step per bin, paired over the same prompts (95 %):\n")
@@ -274,7 +274,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             for k in ids:
                 num.merge(mine[k])
                 den.merge(theirs[k])
-            ci = ratio_interval([mine[k] for k in ids], [theirs[k] for k in ids], STATS["tokens_per_step"], paired=True)
+            stat = STATS[TOKENS_PER_STEP.stat]
+            ci = ratio_interval([mine[k] for k in ids], [theirs[k] for k in ids], stat, paired=True)
             cells.append(fmt(num.tokens_per_step / den.tokens_per_step) + interval_text(ci))
         print(f"| {r.name} | " + " | ".join(cells) + " |")
     print("\nDraft pass per step (ms, the block's forward and heads in PyTorch on this machine), per bin:\n")

@@ -182,7 +182,12 @@ def engine_kwargs(
 def make_engine(kwargs: dict[str, Any], data: DataConfig):
     from dspark.core.vllm_engine import make_llm
 
-    return make_llm(kwargs, cpu_kvcache_gib=data.vllm.cpu_kvcache_gib, start_timeout_s=data.vllm.start_timeout_s)
+    return make_llm(
+        kwargs,
+        cpu_kvcache_gib=data.vllm.cpu_kvcache_gib,
+        start_timeout_s=data.vllm.start_timeout_s,
+        timeout_key="data.vllm.start_timeout_s",
+    )
 
 
 def capture_rows(

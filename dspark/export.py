@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 from dspark.checkpoint import TrainingCheckpoint, latest_tag, load_training_checkpoint
 from dspark.core.config import TORCH_DTYPES, TargetConfig
 from dspark.core.errors import exit_on_user_error
-from dspark.core.families import get_family
+from dspark.core.families import DEFAULT_FAMILY, get_family
+from dspark.core.families.base import serves_zero_markov_head
 from dspark.core.files import (
     atomic_path,
     default_file_mode,
@@ -73,7 +74,7 @@ class ExportSummary:
     sample_from_anchor: bool
     markov_rank: int
     confidence_head: bool
-    family: str = "qwen3"
+    family: str = DEFAULT_FAMILY
     cache_values_per_token: int = 0  # one layer's context cache (KV or latent), values per token
     num_layers: int = 0
     notes: list[str] = field(default_factory=list)
@@ -238,7 +239,7 @@ def _summary(
         get_family(ckpt.drafter.family).cache_values_per_token(ckpt.dims),
         ckpt.drafter.num_layers,
     )
-    if layout == "dspark" and ckpt.drafter.markov_rank == 0:
+    if layout == "dspark" and serves_zero_markov_head(ckpt.drafter):
         summary.notes.append(
             "Markov-off drafter: written as a zero rank-1 Markov head (vLLM's dspark model requires one)"
         )

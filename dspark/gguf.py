@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from dspark.core import derived
 from dspark.core.config import DSparkConfig
+from dspark.core.families import get_family, llama_cpp_families
 from dspark.core.files import file_sha256
 from dspark.core.llama_cpp import LlamaCpp, LlamaCppError
 from dspark.core.waits import log_tail, run_child
@@ -52,10 +53,10 @@ def gguf_path(export_dir: Path, gguf_type: str) -> Path:
 
 def llama_cpp_problem(drafter: DSparkConfig, layout: str, where: object) -> Optional[str]:
     """Why llama.cpp b11434 cannot serve this drafter in ``layout`` (None: it can); ``where`` names it."""
-    if drafter.family != "qwen3":
+    if not get_family(drafter.family).served_by_llama_cpp:
         return (
             f"{where}: drafter family {drafter.family!r}; llama.cpp serves Qwen3-style DSpark/DFlash drafters only "
-            "(drafter.family=qwen3); serve this one with vLLM on GPUs"
+            f"(drafter.family={' or '.join(llama_cpp_families())}); serve this one with vLLM on GPUs"
         )
     if layout == "dspark" and drafter.markov_rank and drafter.markov_head_type != "vanilla":
         return (
@@ -113,6 +114,19 @@ def convert_export(tree: LlamaCpp, export_dir: Path, target_dir: Path, gguf_type
 
     way_out = "move it, or export to another --out"
     return derived.reuse_or_build(out, build, what="drafter GGUF", source=source.hexdigest(), only_over_ours=way_out)
+
+
+AUTO_TARGET = "auto"
+"""The target GGUF type that picks one (:func:`target_gguf_type`)."""
+
+
+def target_gguf_type(gguf_type: str, embedded: Optional[Path]) -> str:
+    """``auto`` (:data:`AUTO_TARGET`) as a target GGUF type: the embedded target's own GGUF
+    (``embedded``, the wheel's file) when there is one, else the target converted at f16; any other
+    type as it is. ``eval.llama_cpp_target`` and ``dspark.export --gguf`` both read it here."""
+    if gguf_type != AUTO_TARGET:
+        return gguf_type
+    return "embedded" if embedded is not None else "f16"
 
 
 def target_gguf(
@@ -245,7 +259,7 @@ def check_pair(
             tree,
             spec,
             host=host,
-            port=choose_port(host, 0),
+            port=choose_port(host, 0, setting=None),
             log_path=log_path,
             timeout_s=timeout_s,
             what=f"llama.cpp check of {draft}",
@@ -285,7 +299,8 @@ def export_gguf(
     if not check:
         return draft, None
     if target is None:
-        target = target_gguf(tree, target_dir, "embedded" if embedded else "f16", cache=cache_root(), embedded=embedded)
+        kind = target_gguf_type(AUTO_TARGET, embedded)
+        target = target_gguf(tree, target_dir, kind, cache=cache_root(), embedded=embedded)
     exp = read_export(export_dir)
     return draft, check_pair(
         tree, Path(target), draft, layout=exp.layout, gamma=exp.drafter.block_size, log_dir=draft.parent

@@ -40,7 +40,13 @@ from safetensors.torch import load_file
 from dspark.checkpoint import DRAFT_MAP, SHARED_FROM_TARGET, CheckpointError, TrainingCheckpoint, check_weights
 from dspark.core.config import DSparkConfig
 from dspark.core.families import family_of_architecture, get_family, served_architectures
-from dspark.core.families.base import confidence_zero_columns, missing_served_fields, served_window
+from dspark.core.families.base import (
+    confidence_zero_columns,
+    missing_served_fields,
+    served_window,
+    without_zero_markov_head,
+    zero_markov_head,
+)
 from dspark.core.files import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
 from dspark.core.serving import LAYOUTS
@@ -160,10 +166,8 @@ def serving_weights(
         d2t = ckpt.weights[DRAFT_MAP].to(torch.int64)
         out[DRAFT_MAP] = d2t.contiguous()
         out["lm_head.weight"] = target_lm_head[target_ids(d2t)].to(dtype).contiguous()
-    if layout == "dspark" and ckpt.drafter.markov_rank == 0:
-        v = ckpt.dims.vocab_size
-        out["markov_head.markov_w1.weight"] = torch.zeros(v, 1, dtype=dtype)
-        out["markov_head.markov_w2.weight"] = torch.zeros(ckpt.drafter.draft_vocab_size or v, 1, dtype=dtype)
+    if layout == "dspark":
+        out.update(zero_markov_head(ckpt.drafter, ckpt.dims, dtype))
     pad = confidence_zero_columns(ckpt.drafter) if layout == "dspark" else 0
     if pad:
         name = family.to_serving(CONFIDENCE_WEIGHT)
@@ -277,8 +281,8 @@ def read_export(path: Path) -> ExportedDrafter:
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise ExportError(f"{path / WEIGHTS_FILE}: cannot be read as safetensors ({type(e).__name__}: {e})") from e
     weights = draft_vocab_weights(weights, drafter, dims, where=path / WEIGHTS_FILE)
-    if layout == "dspark" and drafter.markov_rank == 0:
-        weights = {k: v for k, v in weights.items() if not k.startswith("markov_head.")}
+    if layout == "dspark":
+        weights = without_zero_markov_head(weights, drafter)
     pad = confidence_zero_columns(drafter) if layout == "dspark" else 0
     if pad and CONFIDENCE_WEIGHT in weights:  # served over [state; Markov embedding]: back to the state alone
         w = weights[CONFIDENCE_WEIGHT]

@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 
 from dspark.checkpoint import check_weights
 from dspark.core.config import DSparkConfig
-from dspark.core.families import DrafterDims
+from dspark.core.families import DEFAULT_FAMILY, DrafterDims, get_family, speculators_families
 from dspark.core.families.base import served_window
 from dspark.core.files import atomic_path, read_json, remove_stale_temporaries, replace_problem
 from dspark.core.shard_format import layer_ids_problem
@@ -99,9 +99,10 @@ def speculators_config(
     if prov is None:
         prov = read_json(export_dir / PROVENANCE_FILE, expected="an export's export.json", error=ExportError)
     where = export_dir / CONFIG_FILE
-    if ours.get("architectures") != ["Qwen3DSparkModel"]:
+    held = [[f.architectures["dspark"]] for f in speculators_families().values() if "dspark" in f.architectures]
+    if ours.get("architectures") not in held:
         raise ExportError(
-            f"{where}: architectures is {ours.get('architectures')}, expected ['Qwen3DSparkModel'] "
+            f"{where}: architectures is {ours.get('architectures')}, expected {' or '.join(map(str, held))} "
             "(speculators' DSpark has Qwen3-style draft layers: a K3 MLA drafter or a dflash-layout export has no "
             "speculators form)"
         )
@@ -203,8 +204,13 @@ def read_speculators(path: Path) -> ExportedDrafter:
         got = cfg.get("speculators_model_type") if isinstance(cfg, dict) else type(cfg).__name__
         raise ExportError(f"{where}: speculators_model_type is {got!r}, expected 'dspark'")
     layers = cfg.get("transformer_layer_config") or {}
-    if layers.get("model_type", "qwen3") != "qwen3":
-        raise ExportError(f"{where}: transformer_layer_config.model_type is {layers['model_type']!r}, expected 'qwen3'")
+    held = speculators_families()
+    # which family's layers: a config without model_type is read as the default family's
+    model_type = layers.get("model_type", get_family(DEFAULT_FAMILY).speculators_layers)
+    if model_type not in held:
+        raise ExportError(
+            f"{where}: transformer_layer_config.model_type is {model_type!r}, expected {' or '.join(map(repr, held))}"
+        )
     for key, want in (("sample_from_anchor", True), ("markov_head_type", "vanilla")):
         if cfg.get(key, want) != want:
             raise ExportError(f"{where}: {key} is {cfg[key]!r}, expected {want!r}")
@@ -233,7 +239,7 @@ def read_speculators(path: Path) -> ExportedDrafter:
         hidden, rank = int(layers["hidden_size"]), int(cfg.get("markov_rank", 0))
         rope = layers.get("rope_parameters") or {}
         drafter = DSparkConfig(
-            family="qwen3",
+            family=held[model_type].name,
             num_layers=int(layers["num_hidden_layers"]),
             block_size=int(cfg["block_size"]),
             hidden_size=hidden,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +34,8 @@ from typing import Any, Optional
 
 from dspark.core.config import ServeBenchConfig
 from dspark.core.files import atomic_write_json
-from dspark.core.waits import log_tail
-from eval.results import AcceptanceCounts
+from dspark.core.waits import WaitTimedOut, log_tail, run_child
+from eval.results import ACCEPT_PER_POS, DRAFT_SHARE, TAU, TOKENS_PER_STEP, AcceptanceCounts
 from eval.server import REPO, Configuration, Server
 
 PERCENTILES = (50, 95, 99)
@@ -143,21 +142,21 @@ def client_argv(
 
 
 def run_client(argv: list[str], out: Path, *, timeout_s: float, what: str) -> dict[str, Any]:
-    """``python -m eval.bench_client OUT ARGV`` (vLLM's benchmark in its own process); its result."""
+    """``python -m eval.bench_client OUT ARGV`` (vLLM's benchmark in its own process, its output in
+    OUT's ``.log``); its result. The client is a :func:`~dspark.core.waits.run_child`: it dies with
+    this process, and past ``timeout_s`` (or on Ctrl-C) it is killed with every process it started."""
     cmd = [sys.executable, "-m", "eval.bench_client", str(out), *argv]
     log_path = out.with_suffix(".log")
-    with open(log_path, "w") as fh:
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(
-                f"{what}: vLLM's benchmark client ran past {timeout_s:g}s (serve_bench.level_timeout_s); its log: "
-                f"{log_path}"
-            ) from None
-    if proc.returncode != 0 or not out.is_file():
+    try:
+        rc = run_child(cmd, log_file=log_path, timeout_s=timeout_s, what=what, todo="", cwd=REPO)
+    except WaitTimedOut:
         raise RuntimeError(
-            f"{what}: vLLM's benchmark client failed (exit {proc.returncode}); its log: {log_path}\n"
-            f"{log_tail(log_path)}"
+            f"{what}: vLLM's benchmark client ran past {timeout_s:g}s (serve_bench.level_timeout_s); its log: "
+            f"{log_path}"
+        ) from None
+    if rc != 0 or not out.is_file():
+        raise RuntimeError(
+            f"{what}: vLLM's benchmark client failed (exit {rc}); its log: {log_path}\n{log_tail(log_path)}"
         )
     return json.loads(out.read_text())
 
@@ -185,11 +184,13 @@ def level_record(
         spec = counts.summary()
         if not drafts:
             spec.update(
-                tau=1.0,
-                tokens_per_step=1.0 if counts.num_steps else math.nan,
-                draft_share=0.0,
-                accept_per_pos=[0.0] * gamma,
-                accept_cond_per_pos=[0.0] * gamma,
+                {
+                    TAU.name: 1.0,
+                    TOKENS_PER_STEP.name: 1.0 if counts.num_steps else math.nan,
+                    DRAFT_SHARE.name: 0.0,
+                    ACCEPT_PER_POS.name: [0.0] * gamma,
+                    "accept_cond_per_pos": [0.0] * gamma,  # in the summary, not one of ACCEPTANCE_METRICS
+                }
             )
         spec["acceptance_rate"] = counts.num_accepted / counts.num_draft_tokens if counts.num_draft_tokens else 0.0
     return Level(concurrency, metrics, spec, memory, str(client_log))

@@ -21,7 +21,7 @@ from dspark.core.serving import BENCH_CONFIGS, LLAMA_CPP_PREFIX
 from dspark.core.wandb_run import init_wandb
 from eval.bench_client import METRICS
 from eval.report import fmt, metric_text
-from eval.results import ACCEPTANCE_METRICS, nan_to_none
+from eval.results import ACCEPTANCE_METRICS, TAU, TOKENS_PER_STEP, nan_to_none
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class BenchOutcome:
             parts.append(
                 f"{c['label']} {'/'.join(f'{tps[x]:.0f}' if x in tps else '-' for x in levels)}"
                 + (
-                    f" (tok/step {fmt(spec[0].get('tokens_per_step'), 2)}, tau {fmt(spec[0]['tau'], 2)})"
+                    f" (tok/step {fmt(spec[0].get(TOKENS_PER_STEP.name), 2)}, tau {fmt(spec[0][TAU.name], 2)})"
                     if spec
                     else ""
                 )

@@ -73,7 +73,7 @@ def serve_prompts(
         s.tree,
         spec,
         host=host,
-        port=choose_port(host, 0),
+        port=choose_port(host, 0, setting=None),
         log_path=log_path,
         timeout_s=s.start_timeout_s,
         what=what,
@@ -171,14 +171,12 @@ def llama_cpp_wanted(cfg: Any) -> bool:
 
 
 def target_gguf_for(cfg: Any, tree: LlamaCpp, target_dir: Path) -> Path:
-    """``eval.llama_cpp_target`` as a file: auto = the embedded target's own GGUF, else f16."""
+    """``eval.llama_cpp_target`` as a file (``auto``: :func:`dspark.gguf.target_gguf_type`)."""
     from dspark.core.target import cache_root, embedded_gguf_path
-    from dspark.gguf import target_gguf
+    from dspark.gguf import target_gguf, target_gguf_type
 
-    kind = cfg.eval.llama_cpp_target
     embedded = embedded_gguf_path() if cfg.target.source == "embedded_smollm2" else None
-    if kind == "auto":
-        kind = "embedded" if embedded is not None else "f16"
+    kind = target_gguf_type(cfg.eval.llama_cpp_target, embedded)
     return target_gguf(tree, target_dir, kind, cache=cache_root(), embedded=embedded)
 
 

@@ -28,6 +28,7 @@ from eval.results import (
     ACCEPTANCE_METRICS,
     CONFIDENCE,
     INSIDE_NOISE,
+    TAU,
     TOKENS_PER_STEP,
     AcceptanceCounts,
     AcceptanceMetric,
@@ -119,7 +120,7 @@ def plot_tokens_per_step_per_bin(results: EvalResults, path: Path) -> None:
     for i, d in enumerate(results.drafters):
         xs = [j + (i - (len(results.drafters) - 1) / 2) * width for j in range(len(bins))]
         values = [_bin_value(d, b) for b in bins]
-        lo_hi = [d.interval("tokens_per_step", b) for b in bins]
+        lo_hi = [d.interval(TOKENS_PER_STEP.stat, b) for b in bins]
         err = [
             [max(v - lo, 0.0) if not math.isnan(lo) else 0.0 for v, (lo, _) in zip(values, lo_hi)],
             [max(hi - v, 0.0) if not math.isnan(hi) else 0.0 for v, (_, hi) in zip(values, lo_hi)],
@@ -374,8 +375,9 @@ def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
                 if d.measured_speedup and d.method != "none"
                 else ""
             )
+        interval = interval_text(d.interval(TOKENS_PER_STEP.stat))
         lines.append(
-            f"eval     {d.name:<18} tokens/step {fmt(d.tokens_per_step)}{interval_text(d.interval('tokens_per_step'))}"
+            f"eval     {d.name:<18} tokens/step {fmt(d.tokens_per_step)}{interval}"
             f"  (tau {fmt(d.tau)} over drafted steps, {share} drafted; {d.runner}{clock}){_fade_text(d)}"
         )
     lines += [f"check    {c.name}: {c.verdict} ({c.detail})" for c in checks]
@@ -425,7 +427,7 @@ def log_to_wandb(run: Run, results: EvalResults, plots: dict[str, Path]) -> None
     speedups = speedup_table(results)
     bins = [str(b) for b in results.conditions.context_bins]
     bin_table = wandb.Table(
-        columns=["drafter", "tokens_per_step", "tau"] + bins,
+        columns=["drafter", TOKENS_PER_STEP.name, TAU.name] + bins,
         data=[[d.name, d.tokens_per_step, d.tau] + [_bin_value(d, b) for b in bins] for d in results.drafters],
     )
     columns = ["drafter", "tokens_per_step", "p", "r", "predicted", "measured"]
@@ -434,7 +436,7 @@ def log_to_wandb(run: Run, results: EvalResults, plots: dict[str, Path]) -> None
         {
             **_wandb_scalars(results, speedups),
             **{f"eval/plots/{name}": wandb.Image(str(p)) for name, p in plots.items()},
-            "eval/tokens_per_step_per_bin_table": bin_table,
+            f"eval/{TOKENS_PER_STEP.name}_per_bin_table": bin_table,
             "eval/speedup_table": speedup,
         }
     )

@@ -68,8 +68,15 @@ from eval.inputs import (
     make_out_dir,
     wait_for_export,
 )
-from eval.results import nan_to_none
-from eval.server import Configuration, MemorySampler, choose_port, running_server, server_command
+from eval.results import TAU, TOKENS_PER_STEP, nan_to_none
+from eval.server import (
+    START_TIMEOUT_SETTING,
+    Configuration,
+    MemorySampler,
+    choose_port,
+    running_server,
+    server_command,
+)
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +325,7 @@ def start_server(
             log_path=log_path,
             timeout_s=sb.start_timeout_s,
             what=what,
-            timeout_key="serve_bench.start_timeout_s",
+            timeout_key=START_TIMEOUT_SETTING,
         )
     cmd = server_command(
         s.target,
@@ -442,7 +449,7 @@ def bench_config(c: Configuration, s: BenchSetup, sb: ServeBenchConfig, out_dir:
                     conc,
                     lv.metrics["output_tokens_per_s"],
                     lv.metrics["itl_p95_ms"],
-                    f", tok/step {lv.spec['tokens_per_step']:.3f}, tau {lv.spec['tau']:.3f}" if lv.spec else "",
+                    f", tok/step {lv.spec[TOKENS_PER_STEP.name]:.3f}, tau {lv.spec[TAU.name]:.3f}" if lv.spec else "",
                 )
                 result.levels.append(lv)
         finally:

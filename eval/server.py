@@ -1,7 +1,9 @@
 """A vLLM OpenAI server for the serving benchmark: its command line with the eval's engine
 arguments, and the peak memory of its process tree while it serves. Its life (a free port,
 healthy within a bound, always stopped with its whole tree) is :mod:`dspark.core.servers`', which
-llama.cpp's server shares; the names are re-exported here for the benchmark's callers.
+llama.cpp's server shares; the names are re-exported here for the benchmark's callers, the port
+and the start-up bound under the benchmark's own settings (:data:`PORT_SETTING`,
+:data:`START_TIMEOUT_SETTING`).
 
 A server is started as ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve``
 runs); it dies with the process that started it (a kill -9 of the benchmark leaves nothing
@@ -20,16 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from dspark.core import servers
 from dspark.core.servers import (  # noqa: F401  (re-exported: the benchmark's callers import them here)
     REPO,
     PortInUseError,
     Server,
     ServerError,
     ServerStartError,
-    choose_port,
     port_in_use,
     process_tree,
-    running_server,
     stop_server,
     tree_rss,
     wait_healthy,
@@ -37,6 +38,21 @@ from dspark.core.servers import (  # noqa: F401  (re-exported: the benchmark's c
 from dspark.core.serving import OURS, ServingMethod, speculative_config
 
 log = logging.getLogger(__name__)
+
+PORT_SETTING = "serve_bench.port"
+"""The setting that picks a benchmark server's port, which a refusal names."""
+START_TIMEOUT_SETTING = "serve_bench.start_timeout_s"
+"""The setting that bounds a benchmark server's start (vLLM's or llama-server), which a timeout names."""
+
+
+def choose_port(host: str, port: int) -> int:
+    """:func:`dspark.core.servers.choose_port` for :data:`PORT_SETTING`."""
+    return servers.choose_port(host, port, setting=PORT_SETTING)
+
+
+def running_server(cmd: list[str], **kwargs: Any) -> contextlib.AbstractContextManager[Server]:
+    """:func:`dspark.core.servers.running_server` bounded by :data:`START_TIMEOUT_SETTING`."""
+    return servers.running_server(cmd, timeout_key=START_TIMEOUT_SETTING, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from dspark.core.errors import UserError
 from dspark.core.files import free_port
@@ -61,18 +61,21 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def choose_port(host: str, port: int) -> int:
-    """``port`` when it is free, a free one picked by the OS for 0; a port in use is refused."""
+def choose_port(host: str, port: int, *, setting: Optional[str]) -> int:
+    """``port`` when it is free, a free one picked by the OS for 0; a port in use is refused.
+    ``setting``: the caller's config key that set ``port``, which a refusal names (None: a port
+    the caller picks, 0)."""
+    key = setting or "port"
     if port == 0:
         for _ in range(20):
             p = free_port(host)
             if not port_in_use(host, p):
                 return p
-        raise PortInUseError(f"serve_bench.port=0: no free port found on {host}")
+        raise PortInUseError(f"{key}=0: no free port found on {host}")
     if port_in_use(host, port):
         raise PortInUseError(
-            f"serve_bench.port={port}: {host}:{port} is in use (another server?); it is not reused, expected a "
-            "free port, or serve_bench.port=0 to pick one"
+            f"{key}={port}: {host}:{port} is in use (another server?); it is not reused, expected a "
+            f"free port, or {key}=0 to pick one"
         )
     return port
 
@@ -125,10 +128,11 @@ def wait_healthy(
     what: str,
     poll_s: float = 1.0,
     engine: str = "vLLM",
-    timeout_key: str = "serve_bench.start_timeout_s",
+    timeout_key: str,
 ) -> float:
     """Seconds until ``GET /health`` answers 200. The server exiting first, or the timeout, raise
-    :class:`ServerStartError` naming its log (the caller stops the server)."""
+    :class:`ServerStartError` naming its log (the caller stops the server) and, for the timeout,
+    ``timeout_key``: the caller's name for the bound (its config key)."""
     t0 = time.monotonic()
     while True:
         rc = server.proc.poll()
@@ -181,10 +185,11 @@ def running_server(
     env: dict[str, str],
     what: str,
     engine: str = "vLLM",
-    timeout_key: str = "serve_bench.start_timeout_s",
+    timeout_key: str,
 ) -> Iterator[Server]:
-    """A server from ``cmd`` (its own session, its output in ``log_path``), healthy; stopped on
-    the way out, whatever happens."""
+    """A server from ``cmd`` (its own session, its output in ``log_path``), healthy within
+    ``timeout_s`` (named ``timeout_key`` when it is not: :func:`wait_healthy`); stopped on the way
+    out, whatever happens."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("%s: %s (log: %s)", what, " ".join(cmd), log_path)
     with open(log_path, "w") as fh:

@@ -20,17 +20,26 @@ log = logging.getLogger(__name__)
 ENGINE_READY_TIMEOUT_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
 
 
-def make_llm(kwargs: dict[str, Any], *, cpu_kvcache_gib: int, start_timeout_s: Optional[float] = None):
+def make_llm(
+    kwargs: dict[str, Any],
+    *,
+    cpu_kvcache_gib: int,
+    start_timeout_s: Optional[float] = None,
+    timeout_key: Optional[str] = None,
+):
     """``vllm.LLM(**kwargs)``; on CPU its KV cache is ``cpu_kvcache_gib`` GiB unless
     ``VLLM_CPU_KVCACHE_SPACE`` is already set.
 
     With ``start_timeout_s`` the start is bounded: vLLM's own ready timeout is set to it (unless
     ``VLLM_ENGINE_READY_TIMEOUT_S`` is set) and, past it, the engine core and workers are killed,
-    which ends vLLM's wait; :class:`~dspark.core.waits.WaitTimedOut` then names the bound and what
-    to do. (An engine run inside this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, has no
-    process to kill and is not bounded.)"""
+    which ends vLLM's wait; :class:`~dspark.core.waits.WaitTimedOut` then names the bound (the
+    caller's setting, ``timeout_key``, which a bounded start needs) and what to do. (An engine run
+    inside this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, has no process to kill and is not
+    bounded.)"""
     from dspark.core.waits import bounded_start
 
+    if start_timeout_s and not timeout_key:
+        raise TypeError("make_llm: a bounded start (start_timeout_s) needs the timeout_key that set the bound")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_gib))
     if start_timeout_s:
         os.environ.setdefault(ENGINE_READY_TIMEOUT_ENV, str(int(start_timeout_s)))  # read when vllm is imported
@@ -42,7 +51,7 @@ def make_llm(kwargs: dict[str, Any], *, cpu_kvcache_gib: int, start_timeout_s: O
         what=f"starting vLLM's engine for {kwargs.get('model')}",
         todo="see vLLM's log above for the step it was on (loading weights, compiling, a multi-node peer that "
         "never joined: check master_addr/master_port and that every node was started), then rerun; a larger "
-        "data.vllm.start_timeout_s if it was only slow",
+        f"{timeout_key} if it was only slow",
     )
 
 

@@ -93,7 +93,7 @@ sys.modules["vllm"] = fake
 from dspark.core.errors import exit_on_user_error
 from dspark.core.vllm_engine import make_llm
 with exit_on_user_error():
-    make_llm({"model": "/models/t"}, cpu_kvcache_gib=1, start_timeout_s=3)
+    make_llm({"model": "/models/t"}, cpu_kvcache_gib=1, start_timeout_s=3, timeout_key="data.vllm.start_timeout_s")
 """
 
 
@@ -144,7 +144,7 @@ from dspark.core.vllm_engine import make_llm
 try:
     with exit_on_user_error():
         kwargs = dict(model=sys.argv[1], dtype="float32", max_model_len=512, enforce_eager=True)
-        make_llm(kwargs, cpu_kvcache_gib=1, start_timeout_s=float(sys.argv[2]))
+        make_llm(kwargs, cpu_kvcache_gib=1, start_timeout_s=float(sys.argv[2]), timeout_key="data.vllm.start_timeout_s")
 finally:
     left = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
     print("processes left:", len(left), flush=True)

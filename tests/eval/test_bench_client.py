@@ -1,7 +1,8 @@
 """vLLM's benchmark client against a server that, as llama-server b11434 does, answers a streamed
 completion with ``Keep-Alive`` and then drops the connection instead of answering a next request
 on it: without ``--new-connection-per-request`` every request after the first fails; with it,
-every request is answered (eval/bench_client.py's docstring)."""
+every request is answered (eval/bench_client.py's docstring). And the client as a child process:
+bounded, ended with its whole tree, its failure reported with its log."""
 
 from __future__ import annotations
 
@@ -104,3 +105,51 @@ def test_a_server_that_drops_kept_alive_connections_fails_requests_unless_each_h
         assert result["total_output_tokens"] == 12 and result["first_errors"] == []
     else:
         assert result["completed"] < 4 and result["failed"] > 0 and "Disconnected" in result["first_errors"][0]
+
+
+# --- the client as a child process ----------------------------------------------------------------
+
+
+def _fake_client(tmp_path: Path, body: str) -> str:
+    """An executable that run_client starts in place of ``python -m eval.bench_client ...``."""
+    fake = tmp_path / "fake-python"
+    fake.write_text("#!/bin/sh\n" + body)
+    fake.chmod(0o755)
+    return str(fake)
+
+
+def test_a_client_past_its_bound_is_ended_with_the_processes_it_started(tmp_path, monkeypatch):
+    """Issue #50: the client runs as every child does (dspark.core.waits.run_child): past
+    serve_bench.level_timeout_s it and its own children are killed, and the error is as before."""
+    import psutil
+
+    from eval.bench_client import run_client
+
+    pidfile = tmp_path / "child.pid"
+    monkeypatch.setattr(sys, "executable", _fake_client(tmp_path, f"sleep 600 &\necho $! > {pidfile}\nsleep 600\n"))
+    out = tmp_path / "level.json"
+    with pytest.raises(RuntimeError) as e:
+        run_client([], out, timeout_s=2, what="serve_bench ours (dspark), concurrency 1")
+    assert str(e.value) == (
+        "serve_bench ours (dspark), concurrency 1: vLLM's benchmark client ran past 2s "
+        f"(serve_bench.level_timeout_s); its log: {tmp_path / 'level.log'}"
+    )
+    child = int(pidfile.read_text())
+    try:
+        assert psutil.Process(child).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped
+    except psutil.NoSuchProcess:
+        pass
+
+
+def test_a_client_that_fails_is_reported_with_its_status_and_log(tmp_path, monkeypatch):
+    from eval.bench_client import run_client
+
+    monkeypatch.setattr(sys, "executable", _fake_client(tmp_path, "echo 'ValueError: no such model'\nexit 3\n"))
+    out = tmp_path / "level.json"
+    with pytest.raises(RuntimeError) as e:
+        run_client([], out, timeout_s=60, what="serve_bench none, concurrency 1")
+    log = tmp_path / "level.log"
+    assert str(e.value).startswith(
+        f"serve_bench none, concurrency 1: vLLM's benchmark client failed (exit 3); its log: {log}\n"
+    )
+    assert "ValueError: no such model" in str(e.value) and "ValueError: no such model" in log.read_text()

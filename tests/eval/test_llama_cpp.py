@@ -225,6 +225,30 @@ def test_what_llama_cpp_cannot_serve_is_refused_in_one_line():
     assert llama_cpp_problem(DSparkConfig(confidence_head_with_markov=False), "dspark", "EXP") is None
 
 
+def test_the_auto_target_gguf_is_the_embedded_file_else_f16(tmp_path):
+    """One rule for ``eval.llama_cpp_target=auto`` and ``dspark.export --gguf`` (issue #50)."""
+    from dspark.gguf import target_gguf_type
+
+    assert target_gguf_type("auto", tmp_path / "t.gguf") == "embedded"
+    assert target_gguf_type("auto", None) == "f16"
+    assert target_gguf_type("q8_0", tmp_path / "t.gguf") == "q8_0"
+
+
+def test_llama_cpp_refuses_a_family_by_its_flag_not_its_name(monkeypatch):
+    """``DrafterFamily.served_by_llama_cpp`` decides (issue #50): qwen3 without the flag is refused,
+    k3_mla with it is not, and the refusal names the families that have it."""
+    from dspark.core.families import FAMILIES
+
+    monkeypatch.setattr(FAMILIES["qwen3"], "served_by_llama_cpp", False)
+    monkeypatch.setattr(FAMILIES["k3_mla"], "served_by_llama_cpp", True)
+    refused = llama_cpp_problem(DSparkConfig(), "dspark", "EXP")
+    assert refused == (
+        "EXP: drafter family 'qwen3'; llama.cpp serves Qwen3-style DSpark/DFlash drafters only "
+        "(drafter.family=k3_mla); serve this one with vLLM on GPUs"
+    )
+    assert llama_cpp_problem(DSparkConfig(family="k3_mla"), "dspark", "EXP") is None
+
+
 # --- the real build ----------------------------------------------------------------------------
 
 

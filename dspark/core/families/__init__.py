@@ -18,10 +18,13 @@ from dataclasses import field, fields, make_dataclass
 
 from dspark.core.families import k3_mla, qwen3
 from dspark.core.families.base import DrafterFamily
-from dspark.core.families.shared import SharedDims
+from dspark.core.families.shared import SharedDims, SharedDrafterFields
 
 FAMILIES: dict[str, DrafterFamily] = {f.name: f for f in (qwen3.FAMILY, k3_mla.FAMILY)}
-"""``drafter.family`` -> the family. The first is the default."""
+"""``drafter.family`` -> the family."""
+DEFAULT_FAMILY: str = SharedDrafterFields.family
+"""``drafter.family``'s default (the schema's: :class:`SharedDrafterFields`), for whatever needs a
+family before a config names one."""
 
 
 def _own_fields(families: dict[str, DrafterFamily]) -> dict[str, str]:
@@ -82,3 +85,19 @@ def family_of_architecture(architecture: str) -> tuple[DrafterFamily, str]:
 
 def served_architectures() -> list[str]:
     return [a for f in FAMILIES.values() for a in f.architectures.values()]
+
+
+def llama_cpp_families() -> list[str]:
+    """The families llama.cpp serves (:attr:`DrafterFamily.served_by_llama_cpp`), by name."""
+    return [f.name for f in FAMILIES.values() if f.served_by_llama_cpp]
+
+
+def speculators_families() -> dict[str, DrafterFamily]:
+    """speculators' ``transformer_layer_config.model_type`` -> the family whose draft layers it is
+    (:attr:`DrafterFamily.speculators_layers`; the first registered where two say the same), for
+    the families speculators' DSpark can hold."""
+    out: dict[str, DrafterFamily] = {}
+    for f in FAMILIES.values():
+        if f.speculators_layers is not None:
+            out.setdefault(f.speculators_layers, f)
+    return out

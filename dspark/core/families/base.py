@@ -19,7 +19,8 @@ online and colocated data) and the reference loop. A family supplies:
   another family refuses them when set. With them: their short names in a run name
   (:attr:`tag_names`), what its ``conf/drafter/NAME.yaml`` sets (:attr:`tag_defaults`), and
   whether its vLLM class serves a draft vocabulary map (:attr:`serves_draft_vocab`) and a sliding
-  attention window (:attr:`serves_window`);
+  attention window (:attr:`serves_window`), whether llama.cpp serves it (:attr:`served_by_llama_cpp`)
+  and which draft layers of speculators' DSpark it is (:attr:`speculators_layers`);
   A family's methods get the composed ``DSparkConfig`` and ``DrafterDims``; they are annotated
   with the shared parts (:mod:`dspark.core.families.shared`), which the composed types extend;
 * **its sizes** (:meth:`resolve_dims`): its own fields filled into :class:`DrafterDims` from
@@ -74,6 +75,14 @@ class DrafterFamily:
     serves_window: bool = True
     """Whether the family's vLLM class serves a sliding attention window (``dflash_config.use_swa``);
     False refuses ``drafter.attention_window``."""
+    served_by_llama_cpp: bool = False
+    """Whether the pinned llama.cpp build (:mod:`dspark.core.llama_cpp`) converts and serves the
+    family's export (its converter has a class for the family's architectures); False: the GGUF
+    export and the eval's llama.cpp rows refuse it (:func:`dspark.gguf.llama_cpp_problem`)."""
+    speculators_layers: Optional[str] = None
+    """The ``transformer_layer_config.model_type`` of speculators' DSpark whose draft layers are this
+    family's (:mod:`dspark.speculators_format` converts the family's ``dspark`` export to it and
+    reads such a checkpoint back as this family); None: speculators' DSpark cannot hold the family."""
     cache_seq_dim: int = 2
     """The dimension of each ``context_cache`` tensor that runs along the context positions."""
     context_proj_param: str = "model.fc.weight"
@@ -140,14 +149,56 @@ class DrafterFamily:
         return name
 
 
+MARKOV_HEAD_PREFIX = "markov_head."
+"""Our (and the served) name prefix of the Markov head's tensors."""
+
+
+def served_markov_rank(cfg: SharedDrafterFields) -> int:
+    """The Markov rank a ``dspark``-layout export serves: the drafter's own, except that a drafter
+    without a Markov head (``markov_rank`` 0, the Markov-off ablation) is served with a zero rank-1
+    head (:func:`zero_markov_head`): vLLM's DSpark classes always build one, and a zero head adds
+    nothing to the logits, in vLLM and in llama.cpp alike. The one home of that rule: the config
+    (:func:`dspark_head_fields`), the weights and their read-back (:func:`zero_markov_head`,
+    :func:`without_zero_markov_head`) and the confidence head's columns
+    (:func:`confidence_zero_columns`) follow it."""
+    return max(cfg.markov_rank, 1)
+
+
+def serves_zero_markov_head(cfg: SharedDrafterFields) -> bool:
+    """Whether a ``dspark``-layout export serves a zero Markov head the drafter does not have."""
+    return served_markov_rank(cfg) != cfg.markov_rank
+
+
+def zero_markov_head(cfg: SharedDrafterFields, dims: SharedDims, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The served tensors of the zero Markov head (:func:`served_markov_rank`) of a drafter without
+    one, by their served names: ``markov_w1`` over the target vocabulary, ``markov_w2`` over the
+    draft's; nothing for a drafter with its own head."""
+    if not serves_zero_markov_head(cfg):
+        return {}
+    rank, v = served_markov_rank(cfg), dims.vocab_size
+    return {
+        f"{MARKOV_HEAD_PREFIX}markov_w1.weight": torch.zeros(v, rank, dtype=dtype),
+        f"{MARKOV_HEAD_PREFIX}markov_w2.weight": torch.zeros(cfg.draft_vocab_size or v, rank, dtype=dtype),
+    }
+
+
+def without_zero_markov_head(weights: dict[str, torch.Tensor], cfg: SharedDrafterFields) -> dict[str, torch.Tensor]:
+    """A ``dspark``-layout export's weights read back: the zero Markov head it serves for a drafter
+    without one (:func:`zero_markov_head`) left out; the weights as they are otherwise."""
+    if not serves_zero_markov_head(cfg):
+        return weights
+    return {k: v for k, v in weights.items() if not k.startswith(MARKOV_HEAD_PREFIX)}
+
+
 def confidence_zero_columns(cfg: SharedDrafterFields) -> int:
     """How many zero input columns the served confidence head gets (0: none). Every DSpark export
     serves its confidence head over [state; Markov embedding], the one form llama.cpp reads: a head
-    trained on the state alone gets zero weights for the Markov part (the rank-1 zero head's when
-    markov_rank is 0), which leaves its logit as it was, in vLLM and in llama.cpp alike."""
+    trained on the state alone gets zero weights for the Markov part (the zero head's when
+    markov_rank is 0: :func:`served_markov_rank`), which leaves its logit as it was, in vLLM and in
+    llama.cpp alike."""
     if not cfg.enable_confidence_head or (cfg.markov_rank > 0 and cfg.confidence_head_with_markov):
         return 0
-    return max(cfg.markov_rank, 1)
+    return served_markov_rank(cfg)
 
 
 def served_fields(cfg: SharedDrafterFields, dims: SharedDims, *, dtype: str) -> dict[str, Any]:
@@ -181,7 +232,7 @@ def dspark_head_fields(cfg: SharedDrafterFields) -> dict[str, Any]:
     """The Markov and confidence heads' config.json fields, as vLLM's ``DSparkMarkovHead`` /
     ``DSparkConfidenceHead`` read them (shared by every family's DSpark class)."""
     return {
-        "markov_rank": max(cfg.markov_rank, 1),  # rank 0 is served as a zero rank-1 head (same logits)
+        "markov_rank": served_markov_rank(cfg),  # rank 0 is served as a zero head (same logits)
         "markov_head_type": "vanilla",
         "enable_confidence_head": cfg.enable_confidence_head,
         "confidence_head_with_markov": cfg.enable_confidence_head,  # see confidence_zero_columns

@@ -379,6 +379,8 @@ class K3MLAFamily(DrafterFamily):
     tag_defaults = {"rope_theta": DEFAULT_ROPE_THETA}  # conf/drafter/k3_mla.yaml sets it
     serves_draft_vocab = False  # K3DSparkForCausalLM takes the full vocabulary, with no d2t
     serves_window = False  # K3DSparkModel's layers are full attention: no window key in its config
+    served_by_llama_cpp = False  # llama.cpp's converter has no class for K3DSparkModel
+    speculators_layers = None  # speculators' DSpark has Qwen3-style draft layers only
     cache_seq_dim = 1  # c [B, S, R], k_pe [B, S, Dr]
     context_proj_param = "model.context_proj.weight"
 

@@ -113,9 +113,15 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+MODEL_TYPE = "qwen3"
+"""The ``model_type`` of the family's config.json: the draft layers are a Qwen3 config."""
+
+
 class Qwen3Family(DrafterFamily):
     name = "qwen3"
     architectures = {"dspark": "Qwen3DSparkModel", "dflash": "DFlashDraftModel"}
+    served_by_llama_cpp = True  # llama.cpp's converter reads both layouts (conversion/qwen.py)
+    speculators_layers = MODEL_TYPE  # speculators' DSpark: Qwen3 draft layers
     cache_seq_dim = 2  # k, v: [B, Nkv, S, D]
 
     def layer(self, cfg: SharedDrafterFields, dims: SharedDims) -> nn.Module:
@@ -134,7 +140,7 @@ class Qwen3Family(DrafterFamily):
         """A Qwen3 config plus the drafter fields vLLM reads: :func:`served_fields`'s written out
         one by one, as their order in the pinned bytes has them (tests/dspark/test_export_bytes.py)."""
         base = {
-            "model_type": "qwen3",
+            "model_type": MODEL_TYPE,
             "hidden_size": dims.hidden_size,
             "intermediate_size": dims.intermediate_size,
             "num_hidden_layers": cfg.num_layers,
