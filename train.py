@@ -58,7 +58,7 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         )
         lines.append(f"extract  {what} -> {cfg.data.shards_dir}{clock.lap('extract')}")
     if "train" in cfg.stages:
-        from dspark.checkpoint import finished_checkpoint
+        from dspark.checkpoint_run import finished_checkpoint
         from dspark.recipe import train
 
         done = finished_checkpoint(cfg)

@@ -12,7 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.checkpoint import TrainingCheckpoint, checkpoint_model_file, latest_tag, load_training_checkpoint
+from dspark.checkpoint_tags import checkpoint_model_file, latest_tag
+from dspark.checkpoint_weights import TrainingCheckpoint, load_training_checkpoint
 from dspark.core.config import RunConfig
 from dspark.core.errors import UserError
 from dspark.core.waits import WaitTimedOut

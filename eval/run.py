@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from dspark.checkpoint import latest_tag
+from dspark.checkpoint_tags import latest_tag
 from dspark.core.config import ConfigError, RunConfig, config_fingerprint, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import atomic_write_json, read_json
