@@ -127,7 +127,7 @@ def online_source(cfg: RunConfig, target_dir: Path):  # noqa: ANN201 - a Sequenc
         return None
     online = cfg.data.online
     if online.trainer_addr:
-        from dspark.core.stream import RemoteSource
+        from dspark.core.stream_remote import RemoteSource
 
         return RemoteSource(
             online.trainer_addr,
