@@ -158,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from dspark.core.target import load_target_heads
     from eval.checks import interval_text
-    from eval.prompts import load_eval_set
+    from eval.eval_set import load_eval_set
     from eval.report import fmt
     from eval.results import DrafterResult, per_bin_summary
 

@@ -20,7 +20,8 @@ from dspark.core.waits import WaitTimedOut
 from dspark.export import ExportSummary, export
 from dspark.export_validate import validate
 from dspark.serving_format import CONFIG_FILE, WEIGHTS_FILE, drafter_layouts
-from eval.prompts import EvalPrompt, build_eval_set, eval_set_sha256, load_eval_set, save_eval_set
+from eval.eval_set import EvalPrompt, eval_set_sha256, load_eval_set, save_eval_set
+from eval.prompts import build_eval_set
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from dspark.core.serving import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_met
 from dspark.export import ExportSummary
 from dspark.serving_format import load_drafter, read_export
 from eval.checks import quality_checks
+from eval.eval_set import eval_set_sha256
 from eval.inputs import checkpoint_file, claim_out_dir, engine_kwargs, eval_set, export_all, vllm_max_model_len
 from eval.llama_serve import llama_cpp_results, llama_cpp_wanted
-from eval.prompts import eval_set_sha256
 from eval.results import (
     AcceptanceCounts,
     Check,

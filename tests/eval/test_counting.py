@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eval.prompts import EvalPrompt, save_eval_set
+from eval.eval_set import EvalPrompt, save_eval_set
 from eval.reference import DecodeConfig, DraftRunner, PromptLookup, TargetRunner, plain_generate, speculative_generate
 from eval.results import STATS, AcceptanceCounts, bootstrap_interval, ratio_interval, speedup_interval
 from tests.eval.test_reference import tiny_pair

@@ -37,7 +37,7 @@ if os.environ.get("STUB_HANG"):  # the engine "starts" and never finishes: waits
     while True:
         time.sleep(1)
 from dspark.core.files import atomic_write_json
-from eval.prompts import load_eval_set
+from eval.eval_set import load_eval_set
 
 from eval.results import AcceptanceCounts
 

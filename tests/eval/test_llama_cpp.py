@@ -301,7 +301,7 @@ def test_a_drafter_of_another_target_is_refused_in_one_error_line(tmp_path, llam
 
 
 def _prompts():
-    from eval.prompts import EvalPrompt
+    from eval.eval_set import EvalPrompt
 
     base = [5, 17, 300, 4000, 12, 999, 5, 17, 300, 4000, 12, 77]
     return [
