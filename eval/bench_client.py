@@ -36,7 +36,7 @@ from typing import Any, Optional
 from dspark.core.config import ServeBenchConfig
 from dspark.core.files import atomic_write_json
 from dspark.core.waits import log_tail
-from eval.results import AcceptanceCounts
+from eval.acceptance import AcceptanceCounts
 from eval.server import REPO, Configuration, Server
 
 PERCENTILES = (50, 95, 99)

@@ -33,7 +33,7 @@ from dspark.core.config import EvalConfig, ExtractEngineConfig, TargetConfig
 from dspark.core.files import atomic_write_json
 from dspark.core.serving import BY_NAME, SPECULATIVE, speculative_config
 from dspark.core.vllm_engine import generate, make_llm
-from eval.results import AcceptanceCounts
+from eval.acceptance import AcceptanceCounts
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from eval.results import AcceptanceCounts, DrafterResult
+from eval.acceptance import AcceptanceCounts
+from eval.results import DrafterResult
 from eval.run import Parts
 from tests.toy import overrides
 
@@ -39,7 +40,7 @@ if os.environ.get("STUB_HANG"):  # the engine "starts" and never finishes: waits
 from dspark.core.files import atomic_write_json
 from eval.eval_set import load_eval_set
 
-from eval.results import AcceptanceCounts
+from eval.acceptance import AcceptanceCounts
 
 per_bin, outputs, per_prompt = {}, {}, []
 for p in load_eval_set(Path(args["--prompts"])):  # counters that depend on every prompt token
