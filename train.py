@@ -58,7 +58,7 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         )
         lines.append(f"extract  {what} -> {cfg.data.shards_dir}{clock.lap('extract')}")
     if "train" in cfg.stages:
-        from dspark.checkpoint import finished_checkpoint
+        from dspark.checkpoint_run import finished_checkpoint
         from dspark.recipe import train
 
         done = finished_checkpoint(cfg)
@@ -127,7 +127,7 @@ def online_source(cfg: RunConfig, target_dir: Path):  # noqa: ANN201 - a Sequenc
         return None
     online = cfg.data.online
     if online.trainer_addr:
-        from dspark.core.stream import RemoteSource
+        from dspark.core.stream_remote import RemoteSource
 
         return RemoteSource(
             online.trainer_addr,

@@ -41,11 +41,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     from dspark.core.serving import LLAMA_CPP_BY_NAME
     from dspark.core.target import embedded_gguf_path
     from dspark.gguf import convert_export
+    from eval.acceptance import AcceptanceCounts
     from eval.checks import interval_text
+    from eval.eval_set import load_eval_set
+    from eval.intervals import speedup_interval
     from eval.llama_serve import LlamaCppServing, serve_prompts
-    from eval.prompts import load_eval_set
     from eval.report import fmt
-    from eval.results import AcceptanceCounts, speedup_interval
 
     tree = find()
     if tree is None:

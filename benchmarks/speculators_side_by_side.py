@@ -80,7 +80,7 @@ def speculators_model(tr: Any, heads: Any, tmp: Path) -> Any:
     our own export and conversion (dspark.export, dspark.speculators_format), eager attention."""
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
-    from dspark.checkpoint import TrainingCheckpoint
+    from dspark.checkpoint_weights import TrainingCheckpoint
     from dspark.export import export
     from dspark.speculators_format import write_speculators
 

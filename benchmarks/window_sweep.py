@@ -63,10 +63,10 @@ def simulate(
     eos: set[int],
 ):  # noqa: ANN201
     """The reference loop's greedy steps for one prompt against the target's fixed continuation:
-    its :class:`~eval.results.AcceptanceCounts`, the tokens it outputs and the seconds its draft
+    its :class:`~eval.acceptance.AcceptanceCounts`, the tokens it outputs and the seconds its draft
     passes took (the block's forward and heads, as ``DraftRunner.propose`` runs them)."""
+    from eval.acceptance import AcceptanceCounts
     from eval.reference import DraftRunner, _finish
-    from eval.results import AcceptanceCounts
 
     dr = DraftRunner(drafter)
     dr.reset()
@@ -110,7 +110,7 @@ def _load(spec: str, heads: Any, device: str) -> tuple[str, torch.nn.Module, lis
 def plot(rows: list, bins: list[int], path: Path) -> None:
     from matplotlib.figure import Figure
 
-    from eval.results import TOKENS_PER_STEP, AcceptanceCounts
+    from eval.acceptance import TOKENS_PER_STEP, AcceptanceCounts
 
     fig = Figure(figsize=(7, 4.2))
     ax = fig.add_subplot()
@@ -157,10 +157,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from dspark.core.target import load_target_heads
+    from eval.acceptance import per_bin_summary
     from eval.checks import interval_text
-    from eval.prompts import load_eval_set
+    from eval.eval_set import load_eval_set
     from eval.report import fmt
-    from eval.results import DrafterResult, per_bin_summary
+    from eval.results import DrafterResult
 
     torch.manual_seed(0)
     heads = load_target_heads(args.target_dir)
@@ -244,7 +245,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         + "\n"
     )
     plot(rows, bins, args.out / "tokens_per_step_per_bin.png")
-    from eval.results import STATS, TOKENS_PER_STEP, AcceptanceCounts, ratio_interval
+    from eval.acceptance import TOKENS_PER_STEP, AcceptanceCounts
+    from eval.intervals import STATS, ratio_interval
 
     print("| drafter | " + " | ".join(f"@{b}" for b in bins) + f" | all | pos-1 | fade @{bins[-1]}/@{bins[0]} |")
     print("|---|" + "---|" * (len(bins) + 3))

@@ -11,7 +11,7 @@ as they are read; nothing else is written.
 On one machine the engine is started in the trainer's process (vLLM runs the model in its own
 engine-core process) and a background thread feeds it, ``data.batch_size`` prompts per call.
 Across nodes (``data.online.trainer_addr``) this module is the producer's command; it sends to
-the trainer's rank 0 over torch.distributed (:class:`dspark.core.stream.StreamLink`):
+the trainer's rank 0 over torch.distributed (:class:`dspark.core.stream_link.StreamLink`):
 
     python -m data_tools.online +experiment=NAME data.mode=online data.online.trainer_addr=HOST
 
@@ -39,7 +39,8 @@ from data_tools.extract import capture_rows, engine_kwargs, make_engine, plan_re
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from dspark.core.config import ConfigError, RunConfig, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
-from dspark.core.stream import BlockProducer, StreamClosed, StreamMeta, stream_to_trainer
+from dspark.core.stream import BlockProducer, StreamClosed, StreamMeta
+from dspark.core.stream_remote import stream_to_trainer
 from dspark.core.target import read_config, resolve_target
 from dspark.core.vllm_engine import interrupt_generate, run_headless_workers
 

@@ -351,7 +351,7 @@ LCR_TRAIN_QUESTIONS = (
     "Summarise the documents in a table with the columns: document, subject, key names.",
     "What questions would a reviewer ask about these documents? Give three with short answers.",
 )
-"""Questions for the training prompts; the eval set asks others (eval.prompts.OFFLINE_QUESTIONS)."""
+"""Questions for the training prompts; the eval set asks others (eval.prompt_bins.OFFLINE_QUESTIONS)."""
 
 
 LCR_EXCLUDED_MODULES = frozenset(

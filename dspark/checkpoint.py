@@ -1,16 +1,15 @@
-"""Training checkpoints: the one place that knows a checkpoint's layout and metadata.
+"""The trainer's checkpoints: :class:`Checkpointer` saves, resumes and keeps ``validation.jsonl``.
 
-A checkpoint directory (``train.checkpoint_dir``) holds DeepSpeed tags ``stepNNNNNNNN/`` and
-DeepSpeed's ``latest`` file naming the newest. Inside a tag, beside DeepSpeed's own files:
+A save writes DeepSpeed tag ``stepNNNNNNNN/`` (with the disk check and the clean-up of a save that
+did not finish) whose model-states file's client state holds ``step``, the data position, RNG
+states (:class:`TrainState`), ``drafter`` (:class:`DSparkConfig` as a dict) and ``dims``
+(:class:`DrafterDims`), then its ``run.json`` (:func:`~dspark.checkpoint_run.provenance`), then
+moves ``latest`` to it. A resume checks the tag first: complete, of this drafter, of this run's
+settings (:mod:`dspark.checkpoint_run`).
 
-* the model-states file's client state: ``step``, the data position, RNG states, ``drafter``
-  (:class:`DSparkConfig` as a dict) and ``dims`` (:class:`DrafterDims`);
-* ``run.json``: the provenance (:func:`provenance`): resolved config, git SHA, versions, argv.
-  It is written inside the tag *before* ``latest`` moves to it.
-
-The trainer's :class:`Checkpointer` saves (with the disk check and the clean-up of a save that did
-not finish), resumes and keeps ``validation.jsonl``; export and eval read checkpoints through
-:func:`load_training_checkpoint`.
+Beside it: a checkpoint directory's layout (tags, ``latest``, ``run.json``, the lock) is
+:mod:`dspark.checkpoint_tags`; export and eval read a tag's drafter through
+:func:`dspark.checkpoint_weights.load_training_checkpoint`.
 """
 
 from __future__ import annotations
@@ -18,15 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import platform
 import random
 import re
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -34,368 +26,30 @@ from typing import Any, Optional
 import torch
 
 from dspark.batching import DataPosition
-from dspark.core.config import DSparkConfig, RunConfig
-from dspark.core.errors import UserError
+from dspark.checkpoint_run import changed_run_error, checkpoint_config_differences, provenance, run_differences
+from dspark.checkpoint_tags import (
+    LATEST_FILE,
+    RUN_FILE,
+    CheckpointError,
+    check_resume_tag,
+    latest_tag,
+    lock_checkpoint_dir,
+    publish_tag,
+    remove_unpublished_tag,
+    tag_bytes,
+    tag_name,
+)
+from dspark.core.config import RunConfig
 from dspark.core.files import (
     DiskFullError,
-    atomic_write_json,
     atomic_write_text,
     disk_full_message,
-    file_sha256,
     free_bytes,
     is_disk_full,
     reporting_disk_full,
 )
-from dspark.model import DrafterDims, trainable_parameter_shapes
 
 log = logging.getLogger(__name__)
-
-RUN_FILE = "run.json"
-LATEST_FILE = "latest"
-LOCK_FILE, OWNER_FILE = ".lock", ".owner.json"
-SHARED_FROM_TARGET = ("embed_tokens.", "lm_head.", "target_lm_head.", "target_norm.")
-"""Frozen, the target's own: never part of the drafter's weights. A reduced draft vocabulary's
-``lm_head`` is the target's rows at ``d2t`` (rebuilt from the target and the map, which is kept)."""
-DRAFT_MAP = "d2t"
-"""The draft vocabulary's map (:mod:`dspark.draft_vocab`): an int64 buffer kept with the weights."""
-
-
-class CheckpointError(UserError):
-    """A checkpoint (or an export made from one) that cannot be read or served; the message says
-    which file, field or tensor, and what was expected."""
-
-
-class CheckpointInUseError(CheckpointError):
-    """Another live run holds the checkpoint directory."""
-
-
-def lock_checkpoint_dir(checkpoint_dir: Path) -> Any:
-    """Hold ``checkpoint_dir`` for this run (an OS file lock, released when the process ends, so
-    a killed run leaves no stale lock). A second run pointed at it (a requeued job and a manual
-    rerun) is refused with the holder's host and pid instead of writing into the same tags."""
-    from filelock import FileLock, Timeout
-
-    checkpoint_dir = Path(checkpoint_dir).expanduser()
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(checkpoint_dir / LOCK_FILE))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        try:
-            owner = json.loads((checkpoint_dir / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            owner = {}
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner["since"])) if "since" in owner else "?"
-        raise CheckpointInUseError(
-            f"{checkpoint_dir}: in use by another training run (host {owner.get('host', '?')}, pid "
-            f"{owner.get('pid', '?')}, since {since}); two runs writing one checkpoint directory would "
-            "interleave their tags. Wait for it or stop it, or give this run its own train.checkpoint_dir"
-        ) from None
-    atomic_write_json(
-        checkpoint_dir / OWNER_FILE, {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    )
-    return lock
-
-
-def publish_tag(checkpoint_dir: Path, tag: str, run_config: dict[str, Any]) -> None:
-    """Finish a tag DeepSpeed saved with ``save_latest=False``: write its ``run.json``, then move
-    ``latest`` to it. A kill in between leaves ``latest`` on the previous, complete tag."""
-    checkpoint_dir = Path(checkpoint_dir).expanduser()
-    atomic_write_json(checkpoint_dir / tag / RUN_FILE, run_config, indent=2, default=str)
-    atomic_write_text(checkpoint_dir / LATEST_FILE, tag)
-
-
-def tag_bytes(tag: Path) -> int:
-    """Bytes the files of a tag directory hold (every rank's), 0 when there is none."""
-    return sum(f.stat().st_size for f in Path(tag).rglob("*") if f.is_file())
-
-
-def remove_unpublished_tag(checkpoint_dir: Path, tag: str) -> int:
-    """Remove tag directory ``tag`` unless ``latest`` names it: the files of a save that was killed
-    or ran out of space, never resumed (``latest`` did not move), about to be written again. A
-    save into it would overwrite DeepSpeed's files one by one and keep any it no longer writes.
-    Returns the bytes given back."""
-    checkpoint_dir = Path(checkpoint_dir).expanduser()
-    latest = latest_tag(checkpoint_dir)
-    path = checkpoint_dir / tag
-    if not path.is_dir() or (latest is not None and latest.name == tag):
-        return 0
-    size = tag_bytes(path)
-    shutil.rmtree(path)
-    return size
-
-
-def tag_name(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def tag_step(tag: Path) -> int:
-    """The step of a ``stepNNNNNNNN`` tag directory, -1 for any other name."""
-    name = Path(tag).name
-    return int(name.removeprefix("step")) if name.startswith("step") and name[4:].isdigit() else -1
-
-
-def latest_tag(checkpoint_dir: Path) -> Optional[Path]:
-    """The tag DeepSpeed's ``latest`` names, or None when there is none yet."""
-    latest = Path(checkpoint_dir).expanduser() / LATEST_FILE
-    return latest.parent / latest.read_text().strip() if latest.is_file() else None
-
-
-def _tag_dir(path: Path) -> Path:
-    """A tag directory from either the tag itself or the checkpoint root (its ``latest``)."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    tag = latest_tag(path)
-    if tag is not None:
-        if not tag.is_dir():
-            raise CheckpointError(f"{path / LATEST_FILE} names tag {tag.name!r}, but {tag} does not exist")
-        return tag
-    return path
-
-
-def _model_states_file(tag: Path) -> Path:
-    files = sorted(tag.glob("*mp_rank_00_model_states.pt"))
-    if not files:
-        raise CheckpointError(
-            f"{tag}: not a DeepSpeed checkpoint tag (no *mp_rank_00_model_states.pt); "
-            "pass the checkpoint directory (with 'latest') or one of its stepNNNNNNNN tags"
-        )
-    return files[0]
-
-
-def checkpoint_model_file(path: Path) -> Path:
-    """The DeepSpeed model-states file of a checkpoint tag, or of the checkpoint directory's
-    ``latest`` tag: what an export reads, so what a report that depends on it should hash."""
-    return _model_states_file(_tag_dir(path))
-
-
-def read_run_config(tag: Path) -> Optional[dict[str, Any]]:
-    """The resolved Hydra config a tag was trained with (``run.json``), None if it has none."""
-    run_file = Path(tag) / RUN_FILE
-    return json.loads(run_file.read_text())["config"] if run_file.is_file() else None
-
-
-@dataclass
-class TrainingCheckpoint:
-    """The drafter part of one DeepSpeed checkpoint tag, in fp32."""
-
-    path: Path  # the tag directory
-    step: int
-    drafter: DSparkConfig
-    dims: DrafterDims
-    weights: dict[str, torch.Tensor]  # trainable drafter tensors, no "drafter." prefix
-    run_config: dict[str, Any]  # resolved Hydra config of the run (run.json)
-    zero_stage: int
-    context_layer_ids: list[int]  # target layer ids (our convention) the drafter reads, in fc input order
-
-
-def load_training_checkpoint(path: Path) -> TrainingCheckpoint:
-    """Read the drafter weights from a DeepSpeed checkpoint (ZeRO 0-3).
-
-    ZeRO 1-3 keep the fp32 master weights partitioned in the optimizer shards; DeepSpeed's own
-    ``zero_to_fp32`` reassembles them, so an export never depends on the world size it trained on.
-    """
-    tag = _tag_dir(path)
-    states_file = _model_states_file(tag)
-    try:
-        states = torch.load(states_file, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a damaged file
-        raise CheckpointError(
-            f"{states_file}: cannot be read as a DeepSpeed model-states file ({type(e).__name__}: {e})"
-        ) from e
-    for key in ("drafter", "dims", "step"):
-        if key not in states:
-            raise CheckpointError(
-                f"{states_file}: field {key!r} missing; expected a checkpoint written by dspark.trainer"
-            )
-    stage = int((states.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
-    if stage == 0:
-        raw = states["module"]
-    else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        try:
-            raw = get_fp32_state_dict_from_zero_checkpoint(
-                str(tag.parent), tag=tag.name, exclude_frozen_parameters=True
-            )
-        except Exception as e:  # noqa: BLE001 - DeepSpeed raises bare ValueError/FileNotFoundError
-            raise CheckpointError(f"{tag}: ZeRO-{stage} shards could not be merged ({type(e).__name__}: {e})") from e
-    weights = {}
-    for name, t in raw.items():
-        if not name.startswith("drafter."):
-            raise CheckpointError(
-                f"{states_file}: tensor {name!r} is not under 'drafter.'; expected a dspark.trainer checkpoint"
-            )
-        name = name[len("drafter.") :]
-        if not name.startswith(SHARED_FROM_TARGET):
-            weights[name] = (t.detach().float() if t.is_floating_point() else t.detach()).contiguous()
-    run_config = read_run_config(tag)
-    if run_config is None:
-        raise CheckpointError(
-            f"{tag / RUN_FILE}: missing; the checkpoint's run config (target, layer ids) is needed to export"
-        )
-    dims = DrafterDims(**states["dims"])
-    drafter = DSparkConfig(**states["drafter"])
-    # recorded by the trainer; checkpoints from before it did: the drafter's ids, else the target's
-    ctx_ids = states.get("context_layer_ids") or drafter.target_layer_ids or run_config["target"]["layer_ids"]
-    ckpt = TrainingCheckpoint(
-        tag, int(states["step"]), drafter, dims, weights, run_config, stage, [int(i) for i in ctx_ids]
-    )
-    check_weights(ckpt.weights, ckpt.drafter, dims, where=str(tag))
-    return ckpt
-
-
-def saved_draft_map(tag: Path) -> Optional[torch.Tensor]:
-    """The draft vocabulary's ``d2t`` a checkpoint tag was trained with (the drafter's buffer in its
-    model states, read memory-mapped), None when the drafter has the full vocabulary."""
-    states_file = _model_states_file(Path(tag))
-    try:
-        states = torch.load(states_file, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a damaged file
-        raise CheckpointError(
-            f"{states_file}: cannot be read as a DeepSpeed model-states file ({type(e).__name__}: {e})"
-        ) from e
-    d2t = (states.get("module") or {}).get(f"drafter.{DRAFT_MAP}")
-    return None if d2t is None else d2t.clone()
-
-
-def check_weights(weights: dict[str, torch.Tensor], cfg: DSparkConfig, dims: DrafterDims, *, where: str) -> None:
-    """Names, shapes and finiteness against the drafter's own parameter tree; every problem in one message."""
-    want = trainable_parameter_shapes(cfg, dims)
-    problems = [f"missing tensor {k!r} (expected shape {list(s)})" for k, s in want.items() if k not in weights]
-    problems += [f"unexpected tensor {k!r}" for k in weights if k not in want]
-    problems += [
-        f"tensor {k!r} has shape {list(weights[k].shape)}, expected {list(s)}"
-        for k, s in want.items()
-        if k in weights and tuple(weights[k].shape) != s
-    ]
-    problems += [
-        f"tensor {k!r} has non-finite values"
-        for k, t in weights.items()
-        if k in want and t.is_floating_point() and not torch.isfinite(t).all()
-    ]
-    if DRAFT_MAP in want and DRAFT_MAP in weights and tuple(weights[DRAFT_MAP].shape) == want[DRAFT_MAP]:
-        from dspark.draft_vocab import map_problem
-
-        problem = map_problem(weights[DRAFT_MAP], dims.vocab_size)
-        if problem:
-            problems.append(f"tensor {DRAFT_MAP!r}: {problem}")
-    if problems:
-        raise CheckpointError(f"{where}: " + "; ".join(problems))
-
-
-def checkpoint_config_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:
-    """The drafter fields (and target layer ids) in which the checkpoint's run.json differs from
-    ``cfg``, as "field: checkpoint X, now Y"; empty when equal or when the tag has no run.json."""
-    saved = read_run_config(tag_dir)
-    if saved is None:
-        return []
-    now = cfg.to_dict()
-    # a field the checkpoint predates (drafter.family, the MLA sizes) had its default then
-    old = {**asdict(DSparkConfig()), **saved.get("drafter", {})}
-    keys = list(dict.fromkeys([*old, *now["drafter"]]))
-    diffs = [
-        f"drafter.{k}: checkpoint {old.get(k)!r}, now {now['drafter'].get(k)!r}"
-        for k in keys
-        if old.get(k) != now["drafter"].get(k)
-    ]
-    if saved.get("target", {}).get("layer_ids") != now["target"]["layer_ids"]:
-        diffs.append(
-            f"target.layer_ids: checkpoint {saved.get('target', {}).get('layer_ids')}, now {now['target']['layer_ids']}"
-        )
-    return diffs
-
-
-RUN_CONTROL = {
-    "train": (
-        "max_steps",  # a longer run resumes this one
-        "log_every",
-        "eval_every",
-        "eval_at_steps",
-        "save_every",
-        "resume",
-        "dist_timeout_s",
-        "run_name",
-        "checkpoint_dir",
-        "fused_optimizer",  # the same AdamW, one kernel or per tensor
-        "recompute_vocab_chunks",  # memory, not numbers
-    ),
-}
-"""``train`` fields that say how a run is driven, not what it trains: they may change between a
-run and its rerun. Every other ``train`` field shapes the result."""
-ADDED_LATER = {("train", "kl_weight"): 0.0, ("train", "markov_init"): "zeros"}
-"""What a run recorded before a shaping field existed trained with (a missing key is otherwise
-taken as unchanged): a run of the old loss is not resumed as a KL run."""
-SHAPING_DATA = ("mode", "train_sequences", "val_fraction")
-"""``data`` fields that shape training in every mode (the offline dataset itself is its manifest)."""
-SHAPING_ONLINE = ("source", "hf_split", "num_prompts", "temperature", "seed", "max_new_tokens", "max_seq_len")
-"""``data`` fields that make an online run's sequences (an offline run's are in its manifest)."""
-
-
-def dataset_identity(cfg: RunConfig) -> dict[str, Any]:
-    """The offline dataset a run trains on, as ``run.json`` records it: its manifest's SHA-256
-    (every shard's name, rows and sha), so another dataset under any path is told apart."""
-    if cfg.data.mode != "offline":
-        return {}
-    manifest = Path(cfg.data.shards_dir).expanduser() / "manifest.json"
-    return {"manifest_sha256": file_sha256(manifest) if manifest.is_file() else None}
-
-
-def run_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:
-    """What shapes a run (every ``train`` field but :data:`RUN_CONTROL`'s, the data fields, the
-    seed, the target, the dataset's manifest) where the tag's ``run.json`` differs from ``cfg``, as
-    "key: checkpoint X, now Y"; empty when equal or when the tag has no run.json. The drafter's
-    own fields are :func:`checkpoint_config_differences`'."""
-    run_file = Path(tag_dir) / RUN_FILE
-    if not run_file.is_file():
-        return []
-    record = json.loads(run_file.read_text())
-    saved, now = record["config"], cfg.to_dict()
-    keys = [("train", k) for k in now["train"] if k not in RUN_CONTROL["train"]]
-    keys += [("data", k) for k in SHAPING_DATA + (SHAPING_ONLINE if now["data"]["mode"] != "offline" else ())]
-    keys += [("target", "name"), ("seed", None)]
-    diffs = []
-    for group, k in keys:
-        absent = ADDED_LATER.get((group, k), now[group][k] if k is not None else None)
-        old = saved.get(group) if k is None else (saved.get(group) or {}).get(k, absent)
-        new = now[group] if k is None else now[group][k]
-        if old != new:
-            diffs.append(f"{group if k is None else f'{group}.{k}'}: checkpoint {old!r}, now {new!r}")
-    if "dataset" in record:  # tags written before it was recorded are judged by their config alone
-        old, new = record["dataset"].get("manifest_sha256"), dataset_identity(cfg).get("manifest_sha256")
-        if old != new:
-            diffs.append(
-                f"the dataset ({Path(cfg.data.shards_dir) / 'manifest.json'}): checkpoint's manifest sha256 "
-                f"{str(old)[:12]}, now {str(new)[:12]}"
-            )
-    return diffs
-
-
-def changed_run_error(tag: Path, diffs: list[str]) -> CheckpointError:
-    return CheckpointError(
-        f"{tag}: this run was trained with other settings ({'; '.join(diffs)}); it is neither skipped nor "
-        "resumed as if it were this one. Train this one under its own name (train.run_name=...), continue that "
-        f"checkpoint with the new settings anyway (train.resume={tag}), or start over (train.resume=never)"
-    )
-
-
-def finished_checkpoint(cfg: RunConfig) -> Optional[Path]:
-    """The newest checkpoint when it already is at ``train.max_steps`` for this very drafter
-    config (so the stage can be skipped without starting DeepSpeed); None otherwise. A finished
-    run whose settings or dataset changed (:func:`run_differences`) is refused, not skipped."""
-    tag = latest_tag(Path(cfg.train.checkpoint_dir))
-    if str(cfg.train.resume) != "auto" or tag is None:
-        return None
-    if not (tag / RUN_FILE).is_file() or checkpoint_config_differences(tag, cfg):
-        return None
-    if tag_step(tag) < cfg.train.max_steps:
-        return None
-    diffs = run_differences(tag, cfg)
-    if diffs:
-        raise changed_run_error(tag, diffs)
-    return tag
-
 
 HISTORY_WINDOW = 1000
 """Steps of per-step history (loss, sequence ids) a checkpoint keeps: an audit trail of bounded
@@ -456,31 +110,6 @@ class TrainState:
         )
 
 
-def provenance(cfg: RunConfig) -> dict[str, Any]:
-    """What a checkpoint was made by (its ``run.json``): resolved config, git SHA, versions, argv."""
-    import deepspeed
-    import transformers
-
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except OSError:
-        sha = ""
-    return {
-        "config": cfg.to_dict(),
-        "dataset": dataset_identity(cfg),
-        "git_sha": sha,
-        "argv": sys.argv,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "deepspeed": deepspeed.__version__,
-            "transformers": transformers.__version__,
-        },
-    }
-
-
 _SIZE_MISMATCH = re.compile(
     r"size mismatch for ([^:\s]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from checkpoint, "
     r"the shape in current model is torch\.Size\((\[[^\]]*\])\)"
@@ -505,28 +134,6 @@ def state_dict_mismatch(err: BaseException) -> Optional[str]:
         if names:
             parts.append(f"{len(names)} tensor(s) {what}, e.g. {names[0]}")
     return "; ".join(parts) or text.splitlines()[0]
-
-
-def check_resume_tag(tag_dir: Path, named_by: str) -> None:
-    """A tag fit to resume, before DeepSpeed reads it: a directory, with DeepSpeed's model states
-    and the trainer's ``run.json`` (written last: without it the save did not finish, and its
-    drafter could not be checked). One error each, naming the tag and ``named_by``."""
-    if not tag_dir.is_dir():
-        raise CheckpointError(
-            f"{named_by}={tag_dir}: no such checkpoint tag directory; expected a stepNNNNNNNN directory the trainer "
-            "wrote (train.resume=auto resumes the one 'latest' names, train.resume=never starts over)"
-        )
-    if not any(tag_dir.glob("*mp_rank_00_model_states.pt")):
-        raise CheckpointError(
-            f"{named_by}={tag_dir}: not a DeepSpeed checkpoint tag (no *mp_rank_00_model_states.pt); expected a "
-            "stepNNNNNNNN directory the trainer wrote"
-        )
-    if not (tag_dir / RUN_FILE).is_file():
-        raise CheckpointError(
-            f"{named_by}={tag_dir}: no {RUN_FILE}, so its save did not finish (the trainer writes it last) and its "
-            "drafter cannot be checked against this config; resume a complete tag (train.resume=auto: the one "
-            "'latest' names) or start over (train.resume=never)"
-        )
 
 
 class Checkpointer:

@@ -16,7 +16,7 @@ The counts are computed once per dataset and cached beside its shards
 (``<dataset>/.draft_vocab/``), keyed by the training shards' SHA-256, the rule and the number of
 sequences, so any N reuses them. A run's map then lives in its checkpoints (the drafter's ``d2t``
 buffer, :class:`dspark.model.DSparkDrafter`): a resumed run reads it from the tag it resumes
-(:func:`dspark.checkpoint.saved_draft_map`), never from the data again, and an export carries it.
+(:func:`dspark.checkpoint_weights.saved_draft_map`), never from the data again, and an export carries it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     python -m dspark.export export CKPT --out DIR --gguf   # + the drafter GGUF llama.cpp serves (CPU)
 
 What is written is declared in :mod:`dspark.serving_format`; what is read, in
-:mod:`dspark.checkpoint`; the vLLM check is :mod:`dspark.export_validate`.
+:mod:`dspark.checkpoint_weights`; the vLLM check is :mod:`dspark.export_validate`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 from safetensors.torch import save_file
 
-from dspark.checkpoint import TrainingCheckpoint, latest_tag, load_training_checkpoint
+from dspark.checkpoint_tags import latest_tag
+from dspark.checkpoint_weights import TrainingCheckpoint, load_training_checkpoint
 from dspark.core.config import TORCH_DTYPES, TargetConfig
 from dspark.core.errors import exit_on_user_error
 from dspark.core.families import DEFAULT_FAMILY, get_family
@@ -175,7 +176,7 @@ def check_out_dir(out_dir: Path, checkpoint: Path) -> None:
     before anything is written."""
     out, tag = out_dir.resolve(), Path(checkpoint).expanduser().resolve()
     if not tag.exists():
-        return  # the checkpoint's own error comes first (dspark.checkpoint names it)
+        return  # the checkpoint's own error comes first (dspark.checkpoint_weights names it)
     # the run's directory, a tag in it, or a trained drafter's own directory (eval.checkpoint may name one)
     run_dir = tag if latest_tag(tag) is not None or (tag / CONFIG_FILE).is_file() else tag.parent
     if out == tag or out in tag.parents:

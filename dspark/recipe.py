@@ -362,7 +362,8 @@ def draft_map(cfg: RunConfig, heads: TargetHeads, train_ds: Any, checkpointer: C
     """``drafter.draft_vocab_size``'s ``d2t``: the one of the tag this run resumes (so a resumed run
     drafts over the vocabulary it trained, whatever the data says now), else built from the
     training split's supervised tokens (:mod:`dspark.draft_vocab`, counts cached beside the shards)."""
-    from dspark.checkpoint import CheckpointError, saved_draft_map
+    from dspark.checkpoint_tags import CheckpointError
+    from dspark.checkpoint_weights import saved_draft_map
     from dspark.draft_vocab import draft_vocab_map
 
     size = int(cfg.drafter.draft_vocab_size)  # type: ignore[arg-type]

@@ -37,7 +37,8 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file
 
-from dspark.checkpoint import DRAFT_MAP, SHARED_FROM_TARGET, CheckpointError, TrainingCheckpoint, check_weights
+from dspark.checkpoint_tags import CheckpointError
+from dspark.checkpoint_weights import DRAFT_MAP, SHARED_FROM_TARGET, TrainingCheckpoint, check_weights
 from dspark.core.config import DSparkConfig
 from dspark.core.families import family_of_architecture, get_family, served_architectures
 from dspark.core.families.base import (

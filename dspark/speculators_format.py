@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from safetensors.torch import load_file
 
-from dspark.checkpoint import check_weights
+from dspark.checkpoint_weights import check_weights
 from dspark.core.config import DSparkConfig
 from dspark.core.families import DEFAULT_FAMILY, DrafterDims, get_family, speculators_families
 from dspark.core.families.base import served_window

@@ -23,7 +23,8 @@ import torch
 
 from dspark.batching import Batch, DataPosition, collate
 from dspark.calibration import calibration_sums, expected_calibration_error
-from dspark.checkpoint import Checkpointer, TrainState, tag_name
+from dspark.checkpoint import Checkpointer, TrainState
+from dspark.checkpoint_tags import tag_name
 from dspark.colocated import ColocatedDataset
 from dspark.core.config import TORCH_DTYPES, LossSettings, RunConfig
 from dspark.core.stream import SequenceSource

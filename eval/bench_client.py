@@ -35,7 +35,7 @@ from typing import Any, Optional
 from dspark.core.config import ServeBenchConfig
 from dspark.core.files import atomic_write_json
 from dspark.core.waits import WaitTimedOut, log_tail, run_child
-from eval.results import ACCEPT_PER_POS, DRAFT_SHARE, TAU, TOKENS_PER_STEP, AcceptanceCounts
+from eval.acceptance import ACCEPT_PER_POS, DRAFT_SHARE, TAU, TOKENS_PER_STEP, AcceptanceCounts
 from eval.server import REPO, Configuration, Server
 
 PERCENTILES = (50, 95, 99)

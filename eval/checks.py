@@ -8,16 +8,9 @@ import math
 from typing import Optional
 
 from dspark.core.config import EvalConfig
-from eval.results import (
-    ACCEPT_PER_POS,
-    STATS,
-    TOKENS_PER_STEP,
-    Check,
-    DrafterResult,
-    EvalResults,
-    ratio_interval,
-    speedup_row,
-)
+from eval.acceptance import ACCEPT_PER_POS, TOKENS_PER_STEP
+from eval.intervals import STATS, ratio_interval
+from eval.results import Check, DrafterResult, EvalResults, speedup_row
 
 
 def interval_text(interval: tuple[float, float] | None, digits: int = 3) -> str:
@@ -73,7 +66,7 @@ def paired_interval(a: DrafterResult, b: DrafterResult, stat: str = TOKENS_PER_S
 def quality_checks(results: EvalResults, e: Optional[EvalConfig] = None) -> list[Check]:
     """The targets of the demo (issue #6) and the preset's own goals (``eval.target_tau``,
     ``eval.target_pos1``), each beside its measured value and its 95 % interval over prompts.
-    Every method is compared on tokens per target step over all steps (``eval.results``); for
+    Every method is compared on tokens per target step over all steps (``eval.acceptance``); for
     our drafter, which drafts every step, that equals its tau."""
     by = {d.name: d for d in results.drafters}
     ours = by.get("dspark")

@@ -12,14 +12,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.checkpoint import TrainingCheckpoint, checkpoint_model_file, latest_tag, load_training_checkpoint
+from dspark.checkpoint_tags import checkpoint_model_file, latest_tag
+from dspark.checkpoint_weights import TrainingCheckpoint, load_training_checkpoint
 from dspark.core.config import RunConfig
 from dspark.core.errors import UserError
 from dspark.core.waits import WaitTimedOut
 from dspark.export import ExportSummary, export
 from dspark.export_validate import validate
 from dspark.serving_format import CONFIG_FILE, WEIGHTS_FILE, drafter_layouts
-from eval.prompts import EvalPrompt, build_eval_set, eval_set_sha256, load_eval_set, save_eval_set
+from eval.eval_set import EvalPrompt, eval_set_sha256, load_eval_set, save_eval_set
+from eval.prompts import build_eval_set
 
 log = logging.getLogger(__name__)
 

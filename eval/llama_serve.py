@@ -3,7 +3,7 @@ GGUF and one method of :data:`~dspark.core.serving.LLAMA_CPP_METHODS` (none, its
 our drafter as ``draft-dspark`` with its Markov head, the Markov-off/fill-in export as
 ``draft-dflash``, the chain n-gram then dspark), the eval's prompts one at a time (batch size 1).
 
-Every method is counted as the vLLM rows are (:mod:`eval.results`): steps are target forwards
+Every method is counted as the vLLM rows are (:mod:`eval.acceptance`): steps are target forwards
 after the prompt (``n_decode_total`` minus the prompt's chunks, checked against
 ``generated - 1 - accepted``), drafts and accepted tokens from llama.cpp's own counters, read
 before and after each prompt so a warm-up request is excluded. Wall clock: llama.cpp's own
@@ -34,7 +34,7 @@ from dspark.core.llama_server import (
 )
 from dspark.core.servers import choose_port
 from dspark.core.serving import LLAMA_CPP_PREFIX, LlamaCppMethod
-from eval.results import AcceptanceCounts
+from eval.acceptance import AcceptanceCounts
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,8 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
 def _row(
     name: str, m: LlamaCppMethod, draft: Optional[Path], target: Path, per_prompt: list, gamma: int, tree: LlamaCpp
 ) -> Any:
-    from eval.results import AcceptanceCounts, DrafterResult, per_bin_summary
+    from eval.acceptance import AcceptanceCounts, per_bin_summary
+    from eval.results import DrafterResult
 
     bins = [p["bin"] for p in per_prompt]
     overall, per_bin = per_bin_summary(bins, [AcceptanceCounts.from_dict(p) for p in per_prompt], gamma)

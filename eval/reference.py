@@ -12,7 +12,7 @@ One step, for the last token x_a (sampled by the target, its states not computed
    distribution is the target's; then one bonus/correction token from the target;
 4. the target cache is cut back to the kept tokens and their states extend the drafter context.
 
-Counting matches vLLM's counters (:mod:`eval.results`): one draft per verification step that
+Counting matches vLLM's counters (:mod:`eval.acceptance`): one draft per verification step that
 proposed something, every proposed token counted even past ``max_new_tokens`` or EOS (the output
 is cut afterwards), and every verification step counted as a step, drafted or not.
 
@@ -34,7 +34,8 @@ import torch
 
 from dspark.calibration import NUM_BINS, calibration_sums, expected_calibration_error
 from dspark.core.config import EvalConfig
-from eval.results import AcceptanceCounts, Calibration
+from eval.acceptance import AcceptanceCounts
+from eval.results import Calibration
 
 log = logging.getLogger(__name__)
 

@@ -22,16 +22,11 @@ from typing import TYPE_CHECKING, Any
 from matplotlib.figure import Figure
 
 from dspark.core.files import atomic_write_text
+from eval.acceptance import ACCEPT_PER_POS, ACCEPTANCE_METRICS, TAU, TOKENS_PER_STEP, AcceptanceCounts, AcceptanceMetric
 from eval.checks import interval_text
+from eval.intervals import CONFIDENCE
 from eval.results import (
-    ACCEPT_PER_POS,
-    ACCEPTANCE_METRICS,
-    CONFIDENCE,
     INSIDE_NOISE,
-    TAU,
-    TOKENS_PER_STEP,
-    AcceptanceCounts,
-    AcceptanceMetric,
     Check,
     DrafterResult,
     EvalConditions,

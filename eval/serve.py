@@ -33,7 +33,7 @@ from dspark.core.config import EvalConfig, ExtractEngineConfig, TargetConfig
 from dspark.core.files import atomic_write_json
 from dspark.core.serving import BY_NAME, SPECULATIVE, speculative_config
 from dspark.core.vllm_engine import generate, make_llm
-from eval.results import AcceptanceCounts
+from eval.acceptance import AcceptanceCounts
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def serve(spec: ServeSpec) -> ServeRun:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eval.prompts import load_eval_set
+    from eval.eval_set import load_eval_set
 
     prompts = load_eval_set(spec.prompts_file)
     t0 = time.perf_counter()
@@ -245,7 +245,7 @@ def load_run(path: Path) -> ServeRun:
 def input_problem(target: Path, method: str, draft: Optional[Path], prompts: Optional[Path]) -> Optional[str]:
     """What is wrong with the command's paths, checked before vLLM starts (minutes for a large
     target); None when they are usable. ``prompts`` None: not needed (``--headless``)."""
-    from eval.prompts import EvalPromptError, load_eval_set
+    from eval.eval_set import EvalPromptError, load_eval_set
 
     if not (target / "config.json").is_file():
         return f"--target {target}: no config.json there, expected the target's model directory"
@@ -276,7 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--target", type=Path, required=True, help="target model directory")
     p.add_argument("--method", choices=SPECULATIVE, required=True)
     p.add_argument("--draft", type=Path, default=None, help="export directory (dflash/dspark)")
-    p.add_argument("--prompts", type=Path, required=True, help="eval set JSONL (eval.prompts.save_eval_set)")
+    p.add_argument("--prompts", type=Path, required=True, help="eval set JSONL (eval.eval_set.save_eval_set)")
     p.add_argument("--gamma", type=int, required=True, help="num_speculative_tokens (eval.gamma)")
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     p.add_argument("--temperature", type=float, default=defaults.temperature)

@@ -56,6 +56,7 @@ from dspark.core.servers import Server
 from dspark.core.serving import BY_NAME, LLAMA_CPP_PREFIX, OURS, export_method, llama_cpp_method, speculative_config
 from dspark.core.target import prepare_target, resolve_target
 from dspark.core.vllm_engine import run_headless_workers
+from eval.acceptance import TAU, TOKENS_PER_STEP
 from eval.bench_client import NEW_CONNECTION_PER_REQUEST, Level, client_argv, level_record, run_client
 from eval.bench_report import BenchOutcome, assemble, merged_configs, write_outputs
 from eval.inputs import (
@@ -68,7 +69,7 @@ from eval.inputs import (
     make_out_dir,
     wait_for_export,
 )
-from eval.results import TAU, TOKENS_PER_STEP, nan_to_none
+from eval.results import nan_to_none
 from eval.server import (
     START_TIMEOUT_SETTING,
     Configuration,

@@ -187,7 +187,7 @@ if ! [ -f "$cache/eval_set.jsonl" ]; then
 fi
 if ! [ -f "$cache/vllm_cpu_ngram.json" ]; then
   window=$("$PY" -c 'import sys
-from eval.prompts import load_eval_set
+from eval.eval_set import load_eval_set
 from eval.inputs import engine_window
 p = load_eval_set(sys.argv[1]); print(engine_window(max(x.num_tokens for x in p), int(sys.argv[2]), int(sys.argv[3])))' \
     "$cache/eval_set.jsonl" "$new" "$gamma")

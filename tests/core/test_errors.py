@@ -3,13 +3,13 @@
 import pytest
 
 from data_tools.prompts import PromptFileError
-from dspark.checkpoint import CheckpointError
+from dspark.checkpoint_tags import CheckpointError
 from dspark.core.config import ConfigError
 from dspark.core.errors import UserError, exit_on_user_error
 from dspark.core.shard_format import DatasetError
 from dspark.core.target import TargetError
 from dspark.serving_format import ExportError
-from eval.prompts import EvalPromptError
+from eval.eval_set import EvalPromptError
 
 
 @pytest.fixture

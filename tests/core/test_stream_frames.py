@@ -1,5 +1,6 @@
-"""The online stream's frames (dspark/core/stream.py): rows round-trip exactly, and nothing but a
-well-formed frame of a message the stream carries is accepted; no sender's code ever runs."""
+"""The online stream's frames (dspark/core/frames.py, dspark/core/stream_link.py): rows round-trip
+exactly, and nothing but a well-formed frame of a message the stream carries is accepted; no
+sender's code ever runs."""
 
 import json
 import os
@@ -21,7 +22,8 @@ from dspark.core.frames import (
     encode_row,
 )
 from dspark.core.shard_format import encode_hidden_states
-from dspark.core.stream import BLOCK_END, STREAM_END, VAL_END, VAL_ROW, StreamItem, StreamLink, check_message
+from dspark.core.stream import BLOCK_END, STREAM_END, VAL_END, VAL_ROW, StreamItem
+from dspark.core.stream_link import StreamLink, check_message
 
 LAYERS, HIDDEN = 3, 8
 
@@ -264,7 +266,8 @@ def test_the_link_is_bounded_by_its_stream_binds_its_address_and_names_what_is_m
     import psutil
 
     from dspark.core.files import free_port
-    from dspark.core.stream import RemoteSource, StreamMeta
+    from dspark.core.stream import StreamMeta
+    from dspark.core.stream_remote import RemoteSource
 
     bound = StreamMeta.from_json(_meta(), "p").frame_bound()
     assert bound == FRAME_PREFIX.size + (1 << 20) + 1024 * (3 * 576 * 4 + 16) and bound < 16 << 20

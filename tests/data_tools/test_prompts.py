@@ -222,7 +222,7 @@ def test_named_lcr_sources_yield_as_many_as_asked_in_their_range_never_the_evals
 
     from transformers import AutoTokenizer
 
-    from eval.prompts import offline_documents
+    from eval.prompt_documents import offline_documents
 
     asked = 6000  # more than the 4,096 the source once stopped at
     got = dedupe_and_split(load_source(source), val_fraction=0.05, limit=asked)

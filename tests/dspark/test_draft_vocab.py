@@ -262,7 +262,7 @@ def test_a_reduced_export_loads_in_vllms_loader_with_its_head_and_map(tmp_path):
     is the trained one with the same map."""
     from safetensors.torch import load_file
 
-    from dspark.checkpoint import TrainingCheckpoint
+    from dspark.checkpoint_weights import TrainingCheckpoint
     from dspark.core.target import load_target_heads
     from dspark.export import export
     from dspark.export_validate import validate

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.checkpoint import TrainingCheckpoint
+from dspark.checkpoint_weights import TrainingCheckpoint
 from dspark.core.config import DSparkConfig
 from dspark.export import export
 from dspark.model import DrafterDims, trainable_parameter_shapes

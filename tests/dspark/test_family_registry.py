@@ -71,7 +71,7 @@ import torch
 
 assert Path(dspark.__file__).resolve().is_relative_to(Path.cwd().resolve()), dspark.__file__
 
-from dspark.checkpoint import TrainingCheckpoint
+from dspark.checkpoint_weights import TrainingCheckpoint
 from dspark.core.compose import compose_run
 from dspark.core.config import ConfigError, DSparkConfig
 from dspark.export import export

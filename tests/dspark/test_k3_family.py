@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dspark.checkpoint import load_training_checkpoint
+from dspark.checkpoint_weights import load_training_checkpoint
 from dspark.core.config import ConfigError
 from dspark.core.target import load_target_heads
 from dspark.export import export

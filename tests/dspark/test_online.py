@@ -11,15 +11,8 @@ import torch
 from dspark.batching import DataPosition
 from dspark.core.config import ConfigError
 from dspark.core.shard_format import encode_hidden_states
-from dspark.core.stream import (
-    BlockProducer,
-    BoundedBuffer,
-    RemoteSource,
-    StreamClosed,
-    StreamMeta,
-    producer_blocks,
-    stream_to_trainer,
-)
+from dspark.core.stream import BlockProducer, BoundedBuffer, StreamClosed, StreamMeta, producer_blocks
+from dspark.core.stream_remote import RemoteSource, stream_to_trainer
 from dspark.core.target import load_target_heads
 from dspark.online import PROMPT_LOG, OnlineBatches, read_prompt_log, stream_meta
 from dspark.recipe import build_trainer
@@ -370,7 +363,8 @@ def test_online_trainer_trains_validates_resumes_at_the_cursor_and_writes_only_c
 PRODUCER = r"""
 import logging
 import sys
-from dspark.core.stream import BlockProducer, StreamMeta, stream_to_trainer
+from dspark.core.stream import BlockProducer, StreamMeta
+from dspark.core.stream_remote import stream_to_trainer
 from dspark.shards import ShardDataset
 
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)

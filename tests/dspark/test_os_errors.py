@@ -197,7 +197,8 @@ def test_a_shards_dir_that_is_a_file_is_named_with_its_key(compose_config, smoll
 
 def test_a_tag_whose_run_json_is_of_another_drafter_names_the_tag_and_the_difference(tmp_path):
     """run.json copied from a tag of a wider drafter: DeepSpeed's strict load refuses the weights."""
-    from dspark.checkpoint import Checkpointer, CheckpointError
+    from dspark.checkpoint import Checkpointer
+    from dspark.checkpoint_tags import CheckpointError
 
     tag = tmp_path / "ckpt" / "step00000004"
     tag.mkdir(parents=True)

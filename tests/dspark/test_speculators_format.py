@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark.checkpoint import CheckpointError, load_training_checkpoint
+from dspark.checkpoint_tags import CheckpointError
+from dspark.checkpoint_weights import load_training_checkpoint
 from dspark.export import export
 from dspark.serving_format import ExportError, read_export
 from dspark.speculators_format import read_speculators, speculators_config, write_speculators

@@ -119,7 +119,8 @@ def test_resume_continues_the_same_loss_curve(compose_config, tiny, tmp_path):
 def test_a_finished_run_with_changed_settings_or_dataset_is_refused_not_skipped(compose_config, tiny, tmp_path):
     """Issue #37: another lr, another dataset (even a bad path) printed "train up to date, skipped".
     A run is skipped only if nothing that shapes it changed; run-control keys may change."""
-    from dspark.checkpoint import CheckpointError, finished_checkpoint
+    from dspark.checkpoint_run import finished_checkpoint
+    from dspark.checkpoint_tags import CheckpointError
 
     target, data = tiny
     make_trainer(compose_config, tiny, tmp_path, "train.max_steps=2", "train.save_every=2").train()
@@ -146,7 +147,7 @@ def test_a_finished_run_with_changed_settings_or_dataset_is_refused_not_skipped(
 def test_resume_paths_and_tags_are_checked_before_deepspeed_reads_them(compose_config, tiny, tmp_path):
     """Issue #37: a missing resume path gave DeepSpeed's AssertionError, a tag without run.json and
     another drafter its load_state_dict traceback."""
-    from dspark.checkpoint import CheckpointError
+    from dspark.checkpoint_tags import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"train.resume=/nonexistent/step00000001: no such checkpoint tag"):
         make_trainer(
@@ -165,7 +166,7 @@ def test_resume_paths_and_tags_are_checked_before_deepspeed_reads_them(compose_c
 
 
 def test_finished_run_is_skipped_and_another_drafter_is_not_resumed(compose_config, tiny, tmp_path):
-    from dspark.checkpoint import finished_checkpoint
+    from dspark.checkpoint_run import finished_checkpoint
 
     target, data = tiny
     make_trainer(compose_config, tiny, tmp_path, "train.max_steps=2", "train.save_every=2").train()
@@ -451,7 +452,7 @@ def test_export_from_zero0_and_zero3_checkpoints_gives_the_trained_weights(compo
 
 
 def test_export_refuses_bad_checkpoints_and_exports(compose_config, tiny, tmp_path):
-    from dspark.checkpoint import CheckpointError
+    from dspark.checkpoint_tags import CheckpointError
     from dspark.export import export
     from dspark.serving_format import ExportError, read_export
 
@@ -531,7 +532,7 @@ def test_checkpoint_history_is_bounded_and_the_digest_covers_all_steps():
 def test_a_second_run_on_the_same_checkpoint_dir_is_refused(compose_config, tiny, tmp_path):
     import socket
 
-    from dspark.checkpoint import CheckpointInUseError
+    from dspark.checkpoint_tags import CheckpointInUseError
 
     first = make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1")
     with pytest.raises(
@@ -787,7 +788,8 @@ def test_kill_9_mid_save_leaves_latest_on_the_last_complete_tag_and_the_rerun_ma
     """Killed while DeepSpeed writes step 4 (ZeRO-1: model states written, optimizer states half):
     the half tag is neither resumed nor exported; the rerun rewrites it and ends as an
     uninterrupted run does."""
-    from dspark.checkpoint import CheckpointError, load_training_checkpoint
+    from dspark.checkpoint_tags import CheckpointError
+    from dspark.checkpoint_weights import load_training_checkpoint
     from dspark.export import export
 
     target, data = tiny
@@ -999,7 +1001,8 @@ def test_two_ranks_one_disk_full_mid_save_all_end_soon_with_rank_0s_error(tiny, 
 def test_a_run_recorded_before_a_shaping_key_existed_is_judged_by_what_it_trained_with(tmp_path):
     """A run.json from before ``train.kl_weight`` and ``train.markov_init`` trained with KL 0 and the
     zeros init: it differs from today's KL default, and equals a run that sets the old loss."""
-    from dspark.checkpoint import RUN_FILE, run_differences
+    from dspark.checkpoint_run import run_differences
+    from dspark.checkpoint_tags import RUN_FILE
     from dspark.core.config import RunConfig, TrainConfig
 
     def recorded_without_the_new_keys(cfg: RunConfig) -> None:

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eval.prompts import EvalPrompt, save_eval_set
+from eval.acceptance import AcceptanceCounts
+from eval.eval_set import EvalPrompt, save_eval_set
+from eval.intervals import STATS, bootstrap_interval, ratio_interval, speedup_interval
 from eval.reference import DecodeConfig, DraftRunner, PromptLookup, TargetRunner, plain_generate, speculative_generate
-from eval.results import STATS, AcceptanceCounts, bootstrap_interval, ratio_interval, speedup_interval
 from tests.eval.test_reference import tiny_pair
 
 VOCAB = 16

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from eval.results import AcceptanceCounts, DrafterResult
+from eval.acceptance import AcceptanceCounts
+from eval.results import DrafterResult
 from eval.run import Parts
 from tests.toy import overrides
 
@@ -37,9 +38,9 @@ if os.environ.get("STUB_HANG"):  # the engine "starts" and never finishes: waits
     while True:
         time.sleep(1)
 from dspark.core.files import atomic_write_json
-from eval.prompts import load_eval_set
+from eval.eval_set import load_eval_set
 
-from eval.results import AcceptanceCounts
+from eval.acceptance import AcceptanceCounts
 
 per_bin, outputs, per_prompt = {}, {}, []
 for p in load_eval_set(Path(args["--prompts"])):  # counters that depend on every prompt token

@@ -325,7 +325,7 @@ def test_a_drafter_of_another_target_is_refused_in_one_error_line(tmp_path, llam
 
 
 def _prompts():
-    from eval.prompts import EvalPrompt
+    from eval.eval_set import EvalPrompt
 
     base = [5, 17, 300, 4000, 12, 999, 5, 17, 300, 4000, 12, 77]
     return [
@@ -425,7 +425,7 @@ def test_a_markov_off_drafter_with_a_confidence_head_is_served_and_accepts_what_
     zero Markov column, and llama.cpp (which refused the state-only form) now serves it."""
     import dataclasses
 
-    from dspark.checkpoint import load_training_checkpoint
+    from dspark.checkpoint_weights import load_training_checkpoint
     from dspark.export import export
     from dspark.gguf import check_pair, convert_export
     from dspark.serving_format import read_export
@@ -460,7 +460,7 @@ def test_a_windowed_drafter_is_converted_served_and_accepts_what_the_reference_d
     read mask id -1 and aborted on the first draft (get_sub_batch, error -2)."""
     import dataclasses
 
-    from dspark.checkpoint import load_training_checkpoint
+    from dspark.checkpoint_weights import load_training_checkpoint
     from dspark.export import export
     from dspark.gguf import convert_export, gguf_fields
     from eval.llama_serve import LlamaCppServing, serve_prompts
@@ -496,7 +496,7 @@ def test_a_reduced_draft_vocabulary_is_served_through_d2t_and_accepts_what_the_r
 
     import torch
 
-    from dspark.checkpoint import load_training_checkpoint
+    from dspark.checkpoint_weights import load_training_checkpoint
     from dspark.core.target import load_target_heads
     from dspark.draft_vocab import build_d2t, target_ids
     from dspark.export import export

@@ -1,4 +1,4 @@
-"""Every acceptance figure declared in ``eval.results.ACCEPTANCE_METRICS`` reaches every output
+"""Every acceptance figure declared in ``eval.acceptance.ACCEPTANCE_METRICS`` reaches every output
 that shows acceptance: report.md's figures table, the report's W&B scalars, serve_bench.md and
 serve_bench's W&B scalars and table. A figure added to the list but not shown somewhere fails here."""
 
@@ -6,18 +6,12 @@ from dataclasses import asdict
 
 import pytest
 
+from eval.acceptance import ACCEPTANCE_METRICS, AcceptanceCounts, per_bin_summary
 from eval.bench_client import METRICS
 from eval.bench_report import TABLE_COLUMNS, render_markdown, table_rows, wandb_scalars
+from eval.intervals import STATS
 from eval.report import _wandb_scalars, metric_text, write_report
-from eval.results import (
-    ACCEPTANCE_METRICS,
-    STATS,
-    AcceptanceCounts,
-    DrafterResult,
-    EvalConditions,
-    EvalResults,
-    per_bin_summary,
-)
+from eval.results import DrafterResult, EvalConditions, EvalResults
 
 GAMMA = 3
 # accepted tokens per step, None: a step without a draft. 6 steps, 4 drafts, 6 accepted: every

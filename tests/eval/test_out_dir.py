@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from eval.eval_set import EvalPromptError
 from eval.inputs import OUT_DIR_MARKER, OutDirInUseError, claim_out_dir, eval_set
-from eval.prompts import EvalPromptError
 
 HEADS = SimpleNamespace(vocab_size=49152, config={"max_position_embeddings": 8192}, tokenizer=None)
 

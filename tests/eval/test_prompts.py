@@ -10,18 +10,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from data_tools.prompts import LCR_TRAIN_QUESTIONS, bundled_conversations, bundled_lcr_conversations
-from eval.prompts import (
-    OFFLINE_QUESTIONS,
-    EvalPromptError,
-    build_eval_set,
-    eval_set_sha256,
-    format_lcr_prompt,
-    load_aa_lcr,
-    load_eval_set,
-    main,
-    offline_documents,
-    save_eval_set,
-)
+from dspark.core.prompt_format import format_lcr_prompt
+from eval.eval_set import EvalPromptError, eval_set_sha256, load_eval_set, save_eval_set
+from eval.prompt_bins import OFFLINE_QUESTIONS
+from eval.prompt_documents import load_aa_lcr, offline_documents
+from eval.prompts import build_eval_set, main
 
 HEADER = [
     "",
@@ -240,7 +233,8 @@ def test_the_fixed_passage_set_holds_question_and_passage_fixed_and_adds_distrac
             for n in group[0].document_names
             if n.startswith("pydoc_data.topics:") and n.split(":")[1] in group[0].question
         )
-        from eval.prompts import PASSAGE_TOKENS, offline_documents
+        from eval.prompt_bins import PASSAGE_TOKENS
+        from eval.prompt_documents import offline_documents
 
         text = next(d.text for d in offline_documents() if d.name == topic)
         passage = tokenizer.encode(tokenizer.decode(tokenizer.encode(text)[:PASSAGE_TOKENS]), add_special_tokens=False)
@@ -344,7 +338,7 @@ def test_prompts_over_the_window_are_left_out_and_counted(tmp_path, caplog):
     path = tmp_path / "p.jsonl"
     long = _one_prompt(prompt_id="long", prompt_token_ids=[5] * 9000, num_tokens=9000)
     path.write_text(json.dumps(_one_prompt()) + "\n" + json.dumps(long) + "\n")
-    with caplog.at_level(logging.WARNING, logger="eval.prompts"):
+    with caplog.at_level(logging.WARNING, logger="eval.eval_set"):
         got = load_eval_set(path, vocab_size=49152, window=8192, max_new_tokens=128)
     assert [p.prompt_id for p in got] == ["p0"]
     assert "1 of 2 prompts left out" in caplog.text and "window of 8192 (the longest has 9000 tokens)" in caplog.text

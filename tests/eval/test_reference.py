@@ -4,6 +4,7 @@ the way vLLM counts, and the cached-context drafter equal to the training forwar
 import pytest
 import torch
 
+from eval.acceptance import AcceptanceCounts
 from eval.reference import (
     DecodeConfig,
     DraftRunner,
@@ -13,7 +14,6 @@ from eval.reference import (
     speculative_generate,
     verify,
 )
-from eval.results import AcceptanceCounts
 from tests.toy import tiny_drafter, tiny_drafter_config, tiny_llama_target
 
 LAYERS = [1, 2]  # 2 = the final pre-norm state of the 2-layer target

@@ -9,18 +9,17 @@ from dataclasses import asdict
 
 import pytest
 
+from eval.acceptance import AcceptanceCounts
 from eval.checks import quality_checks, ratio_check
+from eval.intervals import STATS, bootstrap_interval
 from eval.report import main, summary_lines, write_report
 from eval.results import (
     INSIDE_NOISE,
-    STATS,
-    AcceptanceCounts,
     Calibration,
     Check,
     DrafterResult,
     EvalConditions,
     EvalResults,
-    bootstrap_interval,
     expected_tokens,
     fit_p,
     load_checks,

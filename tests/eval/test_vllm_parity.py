@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dspark.shards import ShardDataset
-from eval.prompts import EvalPrompt, save_eval_set
+from eval.eval_set import EvalPrompt, save_eval_set
 from tests.toy import SHORT_QUESTIONS
 
 REPO = Path(__file__).resolve().parents[2]
