@@ -42,12 +42,14 @@ from dspark.core.config.data import (
 from dspark.core.config.deepspeed import DeepSpeedConfig, ZeroConfig
 from dspark.core.config.drafter import _TAG_NAMES, _TAG_SPELLED, MARKOV_HEAD_TYPES, DSparkConfig, drafter_tag
 from dspark.core.config.eval import (
+    EVAL_PARTS,
     EVAL_SOURCES,
     LLAMA_CPP_TARGETS,
     LLAMA_CPP_USE,
     REFERENCE_PROPOSERS,
     SERVE_EXPORT,
     EvalConfig,
+    eval_fields,
 )
 from dspark.core.config.logging_paths import WANDB_MODES, LoggingConfig, PathsConfig, default_cache_dir
 from dspark.core.config.run import (
@@ -105,6 +107,8 @@ __all__ = [
     "DeepSpeedConfig",
     "ZeroConfig",
     "EvalConfig",
+    "EVAL_PARTS",
+    "eval_fields",
     "EVAL_SOURCES",
     "LLAMA_CPP_TARGETS",
     "LLAMA_CPP_USE",
