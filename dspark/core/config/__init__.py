@@ -44,6 +44,7 @@ from dspark.core.config.drafter import _TAG_NAMES, _TAG_SPELLED, MARKOV_HEAD_TYP
 from dspark.core.config.eval import (
     EVAL_PARTS,
     EVAL_SOURCES,
+    GGUF_TYPES,
     LLAMA_CPP_TARGETS,
     LLAMA_CPP_USE,
     REFERENCE_PROPOSERS,
@@ -110,6 +111,7 @@ __all__ = [
     "EVAL_PARTS",
     "eval_fields",
     "EVAL_SOURCES",
+    "GGUF_TYPES",
     "LLAMA_CPP_TARGETS",
     "LLAMA_CPP_USE",
     "REFERENCE_PROPOSERS",

@@ -15,7 +15,10 @@ from dspark.core.serving import BASELINES, LLAMA_CPP_BY_NAME
 EVAL_SOURCES = ("offline", "aa_lcr", "fixed_passage")
 SERVE_EXPORT = ("auto", "never")
 LLAMA_CPP_USE = ("auto", "always", "never")
-LLAMA_CPP_TARGETS = ("auto", "embedded", "f32", "f16", "bf16", "q8_0")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+"""What the converter writes (``--outtype``) that llama.cpp's CPU backend serves here: the drafter
+GGUF's types (``eval.llama_cpp_draft_type``, :mod:`dspark.gguf`) and a converted target's."""
+LLAMA_CPP_TARGETS = ("auto", "embedded", *GGUF_TYPES)
 REFERENCE_PROPOSERS = ("dspark", "ngram-then-dspark", "ngram")
 
 # Which of the eval's results a field feeds (``field(metadata=...)``, read by :func:`eval_fields`);
@@ -128,7 +131,7 @@ class EvalConfig:
         _choice("eval.source", self.source, EVAL_SOURCES)
         _choice("eval.llama_cpp", self.llama_cpp, LLAMA_CPP_USE)
         _choice("eval.llama_cpp_target", self.llama_cpp_target, LLAMA_CPP_TARGETS)
-        _choice("eval.llama_cpp_draft_type", self.llama_cpp_draft_type, LLAMA_CPP_TARGETS[2:])
+        _choice("eval.llama_cpp_draft_type", self.llama_cpp_draft_type, GGUF_TYPES)
         for m in self.llama_cpp_methods:
             _choice("eval.llama_cpp_methods[]", m, tuple(LLAMA_CPP_BY_NAME))
         _choice("eval.serve_export", self.serve_export, SERVE_EXPORT)
