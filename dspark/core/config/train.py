@@ -1,9 +1,9 @@
 """The ``train`` keys (``conf/config.yaml`` and ``conf/recipe/``): the loss's settings
-(:class:`LossSettings`) and the trainer's (:class:`TrainConfig`)."""
+(:class:`LossSettings`, its weights and their schedule) and the trainer's (:class:`TrainConfig`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from dspark.core.config.checks import _at_least, _check, _choice, _compute_dtype, _dir_name
@@ -17,7 +17,8 @@ MARKOV_INITS = ("zeros", "speculators")
 @dataclass
 class LossSettings:
     """The loss (dspark/loss.py), declared once: these are ``train.<field>`` in the config
-    (:class:`TrainConfig` is a LossSettings) and the loss reads them from here, no field copied.
+    (:class:`TrainConfig` is a LossSettings) and the loss reads them from here, no field copied;
+    the trainer hands the loss each step's (:meth:`weights_at`).
 
     loss = sum over positions k of w_k (ce_weight*CE + tv_weight*TV + lk_weight*LK + kl_weight*KL +
     confidence_weight*BCE) / sum_k w_k, with w_k = exp(-(k-1)/position_decay)."""
@@ -45,8 +46,18 @@ class LossSettings:
     """Recompute the vocabulary-wide logits in backward (memory ~ ``dspark.loss.CHUNK_ROWS`` x V
     instead of predictions x V); off trades that memory for one LM-head forward less per step.
     ZeRO-3 turns it off (:func:`dspark.recipe.loss_settings`)."""
+    ce_weight_start: Optional[float] = None
+    """A loss schedule: the CE weight starts here and moves linearly to ``ce_weight`` over the
+    first ``ce_anneal_frac`` of ``max_steps`` (TV's gradient is weak while the draft is spread
+    over the vocabulary; CE's is not). None: ``ce_weight`` throughout (:meth:`weights_at`)."""
+    ce_anneal_frac: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.ce_weight_start is not None:
+            _at_least("train.ce_weight_start", self.ce_weight_start, 0)
+        _check(
+            0 < self.ce_anneal_frac <= 1, "train.ce_anneal_frac", self.ce_anneal_frac, "expected a fraction in (0, 1]"
+        )
         for key in ("ce_weight", "tv_weight", "lk_weight", "kl_weight", "confidence_weight"):
             _at_least(f"train.{key}", getattr(self, key), 0)
         _check(self.position_decay > 0, "train.position_decay", self.position_decay, "expected a number > 0")
@@ -56,6 +67,18 @@ class LossSettings:
             self.ce_weight,
             "ce_weight, tv_weight, lk_weight and kl_weight cannot all be 0 (nothing would train the drafter)",
         )
+
+    def weights_at(self, step: int, max_steps: int) -> LossSettings:
+        """What the loss reads at optimizer step ``step`` (0-based) of ``max_steps``: ``ce_weight``
+        under the ``ce_weight_start`` schedule (from ``ce_weight_start`` linearly to ``ce_weight``
+        over the first ``ce_anneal_frac`` of the steps, then ``ce_weight``), the schedule itself
+        applied (``ce_weight_start`` None). Without a schedule: these settings."""
+        if self.ce_weight_start is None:
+            return self
+        span = max(1, round(self.ce_anneal_frac * max_steps))
+        frac = min(1.0, step / span)
+        ce_weight = self.ce_weight_start + (self.ce_weight - self.ce_weight_start) * frac
+        return replace(self, ce_weight=ce_weight, ce_weight_start=None)
 
 
 @dataclass
@@ -101,11 +124,6 @@ class TrainConfig(LossSettings):
     """The Markov head at step 0: ``zeros`` (W1 ~ N(0, 0.02), W2 = 0: the drafter starts as the plain
     DFlash drafter) or ``speculators`` (speculators' DSpark: W1 ~ N(0, 0.01), W2 nn.Linear's default
     uniform init, ``speculators/models/dspark/model_definitions.py``)."""
-    ce_weight_start: Optional[float] = None
-    """A loss schedule: the CE weight starts here and moves linearly to ``ce_weight`` over the
-    first ``ce_anneal_frac`` of ``max_steps`` (TV's gradient is weak while the draft is spread
-    over the vocabulary; CE's is not). None: ``ce_weight`` throughout."""
-    ce_anneal_frac: float = 0.5
     target_topk: int = 0
     """0: the target's full distribution is computed every step from its final states. k > 0:
     its top k are computed once per dataset and cached beside the shards (``.target_topk/``);
@@ -134,11 +152,6 @@ class TrainConfig(LossSettings):
         _choice("train.markov_init", self.markov_init, MARKOV_INITS)
         _at_least("train.target_topk", self.target_topk, 0)
         _at_least("train.copy_anchor_boost", self.copy_anchor_boost, 0)
-        if self.ce_weight_start is not None:
-            _at_least("train.ce_weight_start", self.ce_weight_start, 0)
-        _check(
-            0 < self.ce_anneal_frac <= 1, "train.ce_anneal_frac", self.ce_anneal_frac, "expected a fraction in (0, 1]"
-        )
         for key in (
             "micro_batch_size",
             "grad_accum_steps",
