@@ -23,6 +23,7 @@ from dspark.core.config.serve_bench import ServeBenchConfig
 from dspark.core.config.target import TargetConfig, resolve_target_config, target_name_from_path
 from dspark.core.config.train import TrainConfig
 from dspark.core.errors import closest_key, exit_on_user_error
+from dspark.core.families import FAMILIES
 
 STAGES = ("extract", "train", "eval", "serve_bench")
 """Every stage ``stages=[...]`` may name, in the order the main job runs them."""
@@ -70,12 +71,13 @@ class RunConfig:
             f"expected null with train.init_from_target_layers={init} (one initialisation, not two)",
         )
         if init is not None:
+            able = " or ".join(f"drafter.family={n}" for n, f in FAMILIES.items() if f.inits_from_target_layers)
             _check(
-                self.drafter.family == "qwen3",
+                FAMILIES[self.drafter.family].inits_from_target_layers,
                 "train.init_from_target_layers",
                 init,
-                f"implemented for drafter.family=qwen3 (GQA target layers) only, this drafter is "
-                f"{self.drafter.family!r}; expected null",
+                f"implemented for {able} only (a family whose layers take the target's decoder layers), "
+                f"this drafter is {self.drafter.family!r}; expected null",
             )
             _check(
                 len(init) == self.drafter.num_layers and min(init) >= 0,

@@ -74,6 +74,10 @@ class DrafterFamily:
     serves_window: bool = True
     """Whether the family's vLLM class serves a sliding attention window (``dflash_config.use_swa``);
     False refuses ``drafter.attention_window``."""
+    inits_from_target_layers: bool = True
+    """Whether the family's decoder layers have a target decoder layer's shape (GQA attention and
+    MLP), so that ``train.init_from_target_layers`` can copy target layers into them
+    (:meth:`dspark.model.DSparkDrafter.init_layers_from`); False refuses that key."""
     cache_seq_dim: int = 2
     """The dimension of each ``context_cache`` tensor that runs along the context positions."""
     context_proj_param: str = "model.fc.weight"

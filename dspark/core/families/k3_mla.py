@@ -379,6 +379,7 @@ class K3MLAFamily(DrafterFamily):
     tag_defaults = {"rope_theta": DEFAULT_ROPE_THETA}  # conf/drafter/k3_mla.yaml sets it
     serves_draft_vocab = False  # K3DSparkForCausalLM takes the full vocabulary, with no d2t
     serves_window = False  # K3DSparkModel's layers are full attention: no window key in its config
+    inits_from_target_layers = False  # MLA layers: no target decoder layer has their shape
     cache_seq_dim = 1  # c [B, S, R], k_pe [B, S, Dr]
     context_proj_param = "model.context_proj.weight"
 
