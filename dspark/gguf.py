@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dspark.core import derived
-from dspark.core.config import DSparkConfig
+from dspark.core.config import GGUF_TYPES, DSparkConfig
 from dspark.core.families import get_family, llama_cpp_families
 from dspark.core.files import file_sha256
 from dspark.core.llama_cpp import LlamaCpp, LlamaCppError
@@ -36,8 +36,6 @@ from dspark.serving_format import CONFIG_FILE, WEIGHTS_FILE, ExportError, read_e
 
 log = logging.getLogger(__name__)
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
-"""What the converter writes (``--outtype``) that llama.cpp's CPU backend serves here."""
 CONVERT_TIMEOUT_S = 3600
 
 

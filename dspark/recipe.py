@@ -113,8 +113,7 @@ def _build_parts(
         init_from_drafter(drafter, cfg, Path(t.init_from))
     if t.target_topk and not online:
         attach_target_topk(train_ds, drafter, cfg, heads, final_index, rank=rank, world=world)
-    lcfg = loss_settings(cfg)
-    model = DrafterWithLoss(drafter, lcfg)
+    model = DrafterWithLoss(drafter)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95), fused=t.fused_optimizer or None
@@ -156,7 +155,7 @@ def _build_parts(
     return TrainParts(
         cfg=cfg,
         engine=engine,
-        loss=lcfg,
+        loss=loss_settings(cfg),
         batches=batches,
         val=val_ds,
         context_index=ctx_index,
@@ -489,13 +488,14 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
 class DrafterWithLoss(torch.nn.Module):
     """What DeepSpeed wraps: drafter forward and loss in one ``forward``, so every parameter
     use (LM head and Markov head inside the loss included) happens inside the engine's forward,
-    where ZeRO-3 gathers partitioned weights. ``lcfg`` may change between steps (the CE schedule)."""
+    where ZeRO-3 gathers partitioned weights. ``loss``: this step's loss settings, handed in by
+    the trainer with every call (:meth:`LossSettings.weights_at`: the CE schedule)."""
 
-    def __init__(self, drafter: DSparkDrafter, lcfg: LossSettings):
+    def __init__(self, drafter: DSparkDrafter):
         super().__init__()
-        self.drafter, self.lcfg = drafter, lcfg
+        self.drafter = drafter
 
-    def forward(self, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor) -> LossOutput:
+    def forward(self, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor, loss: LossSettings) -> LossOutput:
         out = self.drafter(batch.input_ids, batch.context_states, anchors)
         return dspark_loss(
             self.drafter,
@@ -506,7 +506,7 @@ class DrafterWithLoss(torch.nn.Module):
             valid_anchors=valid,
             loss_mask=batch.loss_mask,
             lengths=batch.lengths,
-            cfg=self.lcfg,
+            cfg=loss,
             topk_ids=batch.topk_ids,
             topk_probs=batch.topk_probs,
         )

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
@@ -73,11 +73,12 @@ class TrainParts:
 
     cfg: RunConfig
     engine: Any
-    """A DeepSpeed engine whose module maps ``(batch, anchors, valid)`` to a
-    :class:`~dspark.loss.LossOutput`, with the drafter at ``module.drafter`` and the loss weights
-    at ``module.lcfg`` (:class:`dspark.recipe.DrafterWithLoss`)."""
+    """A DeepSpeed engine whose module maps ``(batch, anchors, valid, loss)`` to a
+    :class:`~dspark.loss.LossOutput` (``loss``: the step's :class:`LossSettings`), with the drafter
+    at ``module.drafter`` (:class:`dspark.recipe.DrafterWithLoss`)."""
     loss: LossSettings
-    """The recipe's loss weights; the CE schedule (:func:`ce_weight_at`) varies ``ce_weight``."""
+    """The recipe's loss settings; each training step hands the engine its own
+    (:meth:`LossSettings.weights_at`: the CE schedule varies ``ce_weight``), validation these."""
     batches: Batches
     val: Optional[Sequences]
     context_index: list[int]
@@ -92,15 +93,6 @@ class TrainParts:
     world: int = 1
     source: Optional[SequenceSource] = None
     """An online run's stream, closed with the trainer."""
-
-
-def ce_weight_at(t, step: int) -> float:  # noqa: ANN001 - TrainConfig
-    """The CE weight at ``step`` (0-based) under ``train.ce_weight_start``'s linear schedule."""
-    if t.ce_weight_start is None:
-        return t.ce_weight
-    span = max(1, round(t.ce_anneal_frac * t.max_steps))
-    frac = min(1.0, step / span)
-    return t.ce_weight_start + (t.ce_weight - t.ce_weight_start) * frac
 
 
 def peak_memory_gb() -> float:
@@ -188,6 +180,7 @@ class Trainer:
         seq_ids: list[str] = []
         predictions, flops = 0, 0
         norm = None
+        loss = self.parts.loss.weights_at(self.state.step, self.t.max_steps)
         for _ in range(self.t.grad_accum_steps):
             td = time.perf_counter()
             batch = self.batches.next()
@@ -202,9 +195,8 @@ class Trainer:
                 copy_boost=self.t.copy_anchor_boost,
             )
             batch = batch.to(self.engine.device, self.dtype)
-            self.engine.module.lcfg = replace(self.parts.loss, ce_weight=ce_weight_at(self.t, self.state.step))
             timing["data_s"] += time.perf_counter() - td
-            out = self.engine(batch, anchors.to(self.engine.device), valid.to(self.engine.device))
+            out = self.engine(batch, anchors.to(self.engine.device), valid.to(self.engine.device), loss)
             if not torch.isfinite(out.loss):
                 raise FloatingPointError(
                     f"non-finite loss {out.loss.item()} at step {self.state.step + 1}, sequences {batch.seq_ids}"
@@ -227,7 +219,7 @@ class Trainer:
         metrics = {k: sum(m[k] for m in per_micro) / len(per_micro) for k in per_micro[0]}
         metrics.update(
             timing,
-            ce_weight=self.engine.module.lcfg.ce_weight,
+            ce_weight=loss.ce_weight,
             lr=self.engine.get_lr()[0],
             grad_norm=float(norm) if norm is not None else float("nan"),
         )
@@ -414,7 +406,6 @@ class Trainer:
         assert ds is not None
         block = self.cfg.drafter.block_size
         self.engine.eval()
-        self.engine.module.lcfg = self.parts.loss  # the recipe's weights, whatever the schedule is at
         gen = torch.Generator().manual_seed(12345 + self.rank)
         mine = list(range(self.rank, len(ds), self.world))
         names = scalar_names(block)
@@ -429,8 +420,11 @@ class Trainer:
                 max_len=self.t.max_seq_len,
             )
             anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, self.t.anchors_per_seq, gen)
-            out = self.engine(
-                batch.to(self.engine.device, self.dtype), anchors.to(self.engine.device), valid.to(self.engine.device)
+            out = self.engine(  # the recipe's loss settings, whatever step the CE schedule is at
+                batch.to(self.engine.device, self.dtype),
+                anchors.to(self.engine.device),
+                valid.to(self.engine.device),
+                self.parts.loss,
             )
             scalars = out.scalars()
             sums += torch.tensor([scalars[k] * out.num_positions for k in names], dtype=torch.float64)

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from dspark.checkpoint_tags import latest_tag
-from dspark.core.config import ConfigError, RunConfig, config_fingerprint, load_config
+from dspark.core.config import ConfigError, RunConfig, config_fingerprint, eval_fields, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import atomic_write_json, read_json
 from dspark.core.serving import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_method
@@ -205,23 +205,12 @@ def ablation_checkpoint(cfg: RunConfig) -> Optional[Path]:
     return path if latest_tag(path) is not None else None
 
 
-NOT_SETTINGS = ("force", "vllm_timeout_s", "llama_cpp_timeout_s", "out_dir", "export_dir")
+# which eval fields each fingerprint leaves out: declared on the fields (EvalConfig's ``part`` metadata)
+NOT_SETTINGS = eval_fields("run_control")
 """Eval fields that say how an eval is run or where it writes, not what it measures."""
-LLAMA_CPP_SETTINGS = ("llama_cpp", "llama_cpp_methods", "llama_cpp_target", "llama_cpp_draft_type", "llama_cpp_threads")
+LLAMA_CPP_SETTINGS = eval_fields("llama_cpp")
 """Eval fields only llama.cpp's rows depend on: the reference loop's and vLLM's parts are kept across them."""
-NOT_LLAMA_CPP_SETTINGS = (
-    "reference",
-    "reference_proposers",
-    "reference_outputs",
-    "measure_plain",
-    "baselines",
-    "serve_export",
-    "vllm_max_model_len",
-    "vllm_cpu_kvcache_gib",
-    "vllm_engine_kwargs",
-    "target_tau",
-    "target_pos1",
-)
+NOT_LLAMA_CPP_SETTINGS = eval_fields("not_llama_cpp")
 """Eval fields llama.cpp's rows do not depend on (the other parts' rows, the checks' lines): turning
 the reference loop on for a parity table keeps llama.cpp's measured rows."""
 

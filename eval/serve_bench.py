@@ -25,7 +25,7 @@ steps with a draft only (ngram drafts only where the last tokens match earlier o
         serve_bench.concurrency=[1,8,32] serve_bench.request_rate=4 serve_bench.num_prompts=200
     python train.py +experiment=... stages=[extract,train,eval,serve_bench]  # as a stage of the main job
 
-Keys (``serve_bench.KEY=VALUE``; types and defaults: dspark/core/config.py, ServeBenchConfig):
+Keys (``serve_bench.KEY=VALUE``; types and defaults: dspark/core/config/serve_bench.py, ServeBenchConfig):
 configs, concurrency, request_rate, num_prompts, output_len, ignore_eos, temperature,
 traffic_file, max_model_len, num_warmups, host, port, start_timeout_s, level_timeout_s, out_dir.
 

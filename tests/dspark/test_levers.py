@@ -10,7 +10,6 @@ from dspark.loss import dspark_loss, topk_kl, topk_tv
 from dspark.model import copy_continuations, sample_anchors
 from dspark.shards import ShardSequence
 from dspark.target_topk import SequenceTopK, cached_positions
-from dspark.trainer import ce_weight_at
 from tests.toy import tiny_drafter, tiny_drafter_config
 
 
@@ -170,6 +169,12 @@ def test_copy_boost_oversamples_copy_anchors_and_zero_keeps_uniform_sampling():
 
 
 def test_ce_weight_schedule():
-    t = TrainConfig(max_steps=100, ce_weight=0.1, ce_weight_start=1.0, ce_anneal_frac=0.5)
-    assert [round(ce_weight_at(t, s), 4) for s in (0, 25, 50, 99)] == [1.0, 0.55, 0.1, 0.1]
-    assert ce_weight_at(TrainConfig(ce_weight=0.2), 7) == 0.2
+    s = LossSettings(ce_weight=0.1, ce_weight_start=1.0, ce_anneal_frac=0.5)
+    assert [round(s.weights_at(k, 100).ce_weight, 4) for k in (0, 25, 50, 99)] == [1.0, 0.55, 0.1, 0.1]
+    # the rule the trainer had (dspark.trainer.ce_weight_at), to the bit
+    assert all(s.weights_at(k, 100).ce_weight == 1.0 + (0.1 - 1.0) * min(1.0, k / 50) for k in range(100))
+    step = s.weights_at(25, 100)
+    assert step.ce_weight_start is None and step.weights_at(99, 100) == step  # the schedule applied, once
+    assert (step.kl_weight, step.tv_weight, step.position_decay) == (s.kl_weight, s.tv_weight, s.position_decay)
+    t = TrainConfig(ce_weight=0.2)  # train.* is a LossSettings: no schedule, the same settings every step
+    assert t.weights_at(7, t.max_steps) is t

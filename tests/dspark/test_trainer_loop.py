@@ -9,6 +9,7 @@ import torch
 
 from dspark.batching import Batch, DataPosition
 from dspark.checkpoint import TrainState
+from dspark.core.config import LossSettings
 from dspark.loss import LossOutput, scalar_names
 from dspark.recipe import loss_settings
 from dspark.trainer import Trainer, TrainParts
@@ -22,9 +23,10 @@ class Quadratic(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.tensor(0.0))
-        self.lcfg, self.positions = None, 0
+        self.positions, self.losses = 0, []
 
-    def forward(self, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor) -> LossOutput:
+    def forward(self, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor, loss: LossSettings) -> LossOutput:
+        self.losses.append(loss)  # the loss settings the trainer hands each call
         loss = (self.w - 1.0) ** 2
         rate = torch.full((BLOCK,), float(1.0 - loss.detach()))
         d = loss.detach()
@@ -41,9 +43,9 @@ class StandInEngine:
         self.module, self.calls = module, 0
         self.opt = torch.optim.SGD(module.parameters(), lr=0.25)
 
-    def __call__(self, batch, anchors, valid):
+    def __call__(self, batch, anchors, valid, loss):
         self.calls += 1
-        return self.module(batch, anchors, valid)
+        return self.module(batch, anchors, valid, loss)
 
     def backward(self, loss):
         loss.backward()
@@ -158,3 +160,22 @@ def test_the_loop_stops_at_until_without_finishing_the_run(compose_config):
     state = Trainer(parts).train(until=3)
     assert state.step == 3 and parts.logger.finished == [] and parts.checkpointer.closed
     assert [s for s, _, _ in parts.checkpointer.saved] == [2]
+
+
+def test_each_step_hands_the_loss_its_settings(compose_config):
+    """The CE schedule's weight of each step goes to the loss with the call (nothing is written into
+    the module); every micro batch of a step gets the same settings, and the log shows them."""
+    parts = _parts(
+        compose_config,
+        "train.max_steps=4",
+        "train.grad_accum_steps=2",
+        "train.ce_weight_start=1.0",
+        "train.ce_anneal_frac=0.5",
+    )
+    Trainer(parts).train()
+    module = parts.engine.module
+    assert [s.ce_weight for s in module.losses] == [1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0]
+    assert all(s == parts.loss.weights_at(i // 2, 4) for i, s in enumerate(module.losses))
+    assert parts.loss.ce_weight_start == 1.0 and parts.loss.ce_weight == 0.0  # the recipe's, unchanged
+    assert [d["train/ce_weight"] for _, d in parts.logger.logged if "train/ce_weight" in d] == [1.0, 0.5, 0.0, 0.0]
+    assert not hasattr(module, "lcfg")

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -252,6 +253,57 @@ def test_a_part_is_reused_only_whole_and_with_this_runs_key(tmp_path, caplog):
     assert parts.get_or_run("reference", run) == first and len(calls) == 2
     assert path.read_text() == whole
     assert [p.name for p in path.parent.iterdir()] == ["reference.json"]  # no temporary file left
+
+
+def test_which_eval_fields_feed_which_fingerprint_is_pinned():
+    """The fingerprints' partition of the eval fields (their ``part`` metadata on EvalConfig): a field
+    moved to another part, or a new field, changes which results a rerun keeps; decide it here."""
+    from dspark.core.config import EVAL_PARTS, EvalConfig, eval_fields
+    from eval.run import LLAMA_CPP_SETTINGS, NOT_LLAMA_CPP_SETTINGS, NOT_SETTINGS
+
+    assert set(NOT_SETTINGS) == {"force", "vllm_timeout_s", "llama_cpp_timeout_s", "out_dir", "export_dir"}
+    assert set(LLAMA_CPP_SETTINGS) == {
+        "llama_cpp",
+        "llama_cpp_methods",
+        "llama_cpp_target",
+        "llama_cpp_draft_type",
+        "llama_cpp_threads",
+    }
+    assert set(NOT_LLAMA_CPP_SETTINGS) == {
+        "reference",
+        "reference_proposers",
+        "reference_outputs",
+        "measure_plain",
+        "baselines",
+        "serve_export",
+        "vllm_max_model_len",
+        "vllm_cpu_kvcache_gib",
+        "vllm_engine_kwargs",
+        "target_tau",
+        "target_pos1",
+    }
+    every = {  # no part: every fingerprint reads them
+        "source",
+        "aa_lcr_csv",
+        "aa_lcr_texts",
+        "context_bins",
+        "prompts_per_bin",
+        "prompts_file",
+        "max_new_tokens",
+        "temperature",
+        "seed",
+        "gamma",
+        "confidence_threshold",
+        "checkpoint",
+        "ablation_checkpoint",
+        "export_dtype",
+    }
+    assert set(eval_fields(None)) == every
+    parts = [eval_fields(p) for p in EVAL_PARTS] + [eval_fields(None)]
+    names = [f.name for f in fields(EvalConfig)]
+    assert sorted(n for p in parts for n in p) == sorted(names)  # each field in exactly one
+    with pytest.raises(ValueError, match="expected one of"):
+        eval_fields("llama.cpp")
 
 
 def test_llama_cpp_settings_leave_the_reference_and_vllm_parts_kept(tmp_path, compose_config):

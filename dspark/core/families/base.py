@@ -83,6 +83,10 @@ class DrafterFamily:
     """The ``transformer_layer_config.model_type`` of speculators' DSpark whose draft layers are this
     family's (:mod:`dspark.speculators_format` converts the family's ``dspark`` export to it and
     reads such a checkpoint back as this family); None: speculators' DSpark cannot hold the family."""
+    inits_from_target_layers: bool = True
+    """Whether the family's decoder layers have a target decoder layer's shape (GQA attention and
+    MLP), so that ``train.init_from_target_layers`` can copy target layers into them
+    (:meth:`dspark.model.DSparkDrafter.init_layers_from`); False refuses that key."""
     cache_seq_dim: int = 2
     """The dimension of each ``context_cache`` tensor that runs along the context positions."""
     context_proj_param: str = "model.fc.weight"

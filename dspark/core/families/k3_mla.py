@@ -381,6 +381,7 @@ class K3MLAFamily(DrafterFamily):
     serves_window = False  # K3DSparkModel's layers are full attention: no window key in its config
     served_by_llama_cpp = False  # llama.cpp's converter has no class for K3DSparkModel
     speculators_layers = None  # speculators' DSpark has Qwen3-style draft layers only
+    inits_from_target_layers = False  # MLA layers: no target decoder layer has their shape
     cache_seq_dim = 1  # c [B, S, R], k_pe [B, S, Dr]
     context_proj_param = "model.context_proj.weight"
 
