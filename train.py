@@ -88,7 +88,7 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         lines.append(f"report   {outcome.report_dir / 'report.md'} (+ results.json, *.png){clock.lap('eval')}")
         lines.append(f"exports  {cfg.eval.export_dir}")
     if "serve_bench" in cfg.stages:
-        from eval.serve_bench import run_serve_bench
+        from eval.serve_bench.stage import run_serve_bench
 
         bench = run_serve_bench(cfg, heads, target_dir)
         stages_run.append("serve_bench")

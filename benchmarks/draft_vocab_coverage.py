@@ -23,7 +23,7 @@ import torch
 from dspark.core.config import TargetConfig
 from dspark.core.files import read_jsonl
 from dspark.core.target import resolve_target
-from dspark.shards import ShardDataset
+from dspark.data.shards import ShardDataset
 
 SIZES = (4096, 8192, 16384, 32768)
 VOCAB = 49152  # SmolLM2-135M

@@ -3,7 +3,7 @@
 1. capture throughput (vLLM prefill with hidden-state capture, packing and shard write) against
    plain vLLM prefill of the same prompts, same engine settings and environment;
 2. bytes per token on disk against the raw floor (n_layers x hidden x bytes per value);
-3. shard read MB/s and ms per random sequence on one core, through dspark.shards.
+3. shard read MB/s and ms per random sequence on one core, through dspark.data.shards.
 
     .venv/bin/python benchmarks/extract_bench.py [--prompts 64] [--out outputs/benchmarks/extract.json]
 """
@@ -54,7 +54,7 @@ def main() -> None:
     from dspark.core.config import DataConfig, TargetConfig
     from dspark.core.shard_format import Manifest
     from dspark.core.target import resolve_target
-    from dspark.shards import ShardDataset
+    from dspark.data.shards import ShardDataset
 
     spec = TargetConfig()
     path = resolve_target(spec).path

@@ -37,15 +37,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "llama_cpp_window_cost")
     args = ap.parse_args(argv)
 
-    from dspark.core.llama_cpp import find
-    from dspark.core.serving import LLAMA_CPP_BY_NAME
+    from dspark.core.llama_cpp.build import find
+    from dspark.core.serving_methods import LLAMA_CPP_BY_NAME
     from dspark.core.target import embedded_gguf_path
-    from dspark.gguf import convert_export
+    from dspark.export.gguf import convert_export
     from eval.acceptance import AcceptanceCounts
     from eval.checks import interval_text
     from eval.eval_set import load_eval_set
     from eval.intervals import speedup_interval
-    from eval.llama_serve import LlamaCppServing, serve_prompts
+    from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
     from eval.report import fmt
 
     tree = find()

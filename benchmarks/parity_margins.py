@@ -14,7 +14,7 @@ drafter cannot change a greedy target's text at all). Rows without a drafter (``
 
 With ``--llama-cpp-target GGUF`` (issue #49) both targets are teacher-forced through the reference
 loop's text, prompt and answer: PyTorch in one forward, llama.cpp one token a call through
-``llama-server`` (f32 caches for an f32 GGUF: ``dspark.core.llama_server.server_spec``), reading
+``llama-server`` (f32 caches for an f32 GGUF: ``dspark.core.llama_cpp.server.server_spec``), reading
 llama.cpp's own log-probabilities of its top ``--n-probs`` tokens at every answer position. Per
 prompt it prints max and p99 |delta log-prob| over those tokens (a log-prob is a logit less one
 log-sum-exp per position, so the margin between two tokens is a logit margin on each side), the
@@ -96,10 +96,10 @@ def teacher_forced(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dspark.core.llama_cpp import ensure_built
-    from dspark.core.llama_server import llama_server, next_token_logprobs, server_spec
-    from dspark.core.servers import choose_port
-    from dspark.core.serving import LLAMA_CPP_BY_NAME
+    from dspark.core.llama_cpp.build import ensure_built
+    from dspark.core.llama_cpp.server import llama_server, next_token_logprobs, server_spec
+    from dspark.core.server_lifecycle import choose_port
+    from dspark.core.serving_methods import LLAMA_CPP_BY_NAME
 
     ref = next(d for d in results["drafters"] if d["runner"] == "reference")
     texts = {p["prompt_id"]: (prompts[p["prompt_id"]], p["output_ids"]) for p in ref["per_prompt"]}

@@ -1,6 +1,6 @@
 """What verifying shards where they are read costs (issue #37): each shard's size and SHA-256
 against the manifest and every row through ``check_row``, once, when the reader builds the shard's
-Arrow cache (``dspark.shards.ShardDataset._open``); a rerun finds the caches and checks nothing.
+Arrow cache (``dspark.data.shards.ShardDataset._open``); a rerun finds the caches and checks nothing.
 
     .venv/bin/python benchmarks/shard_check_cost.py outputs/data/smollm2-135m
     .venv/bin/python benchmarks/shard_check_cost.py outputs/data/smollm2-135m --synthetic-gb 10 \\
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dspark.core.shard_format import CACHE_DIR, MANIFEST, SCHEMA, Manifest, check_row  # noqa: E402
-from dspark.shards import ShardDataset  # noqa: E402
+from dspark.data.shards import ShardDataset  # noqa: E402
 
 
 def parts(directory: Path) -> dict[str, float]:

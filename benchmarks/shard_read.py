@@ -1,4 +1,4 @@
-"""Read throughput of real datasets as the trainer reads them: ``dspark.shards.ShardDataset``
+"""Read throughput of real datasets as the trainer reads them: ``dspark.data.shards.ShardDataset``
 from a dataset directory into fp32 micro batches, per store dtype (issue #16: fp8 shards are half
 the bytes, and their dequantization is a multiply per value somewhere).
 
@@ -34,9 +34,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dspark.batching import collate  # noqa: E402
 from dspark.core.shard_format import Manifest  # noqa: E402
-from dspark.shards import ShardDataset  # noqa: E402
+from dspark.data.batching import collate  # noqa: E402
+from dspark.data.shards import ShardDataset  # noqa: E402
 
 
 def dir_bytes(path: Path) -> int:

@@ -77,12 +77,12 @@ def _val(res: dict[str, float]) -> dict[str, float]:
 
 def speculators_model(tr: Any, heads: Any, tmp: Path) -> Any:
     """speculators' DSparkDraftModel for the trainer's drafter shape: our drafter's config through
-    our own export and conversion (dspark.export, dspark.speculators_format), eager attention."""
+    our own export and conversion (dspark.export, dspark.export.speculators_format), eager attention."""
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
     from dspark.checkpoint_weights import TrainingCheckpoint
     from dspark.export import export
-    from dspark.speculators_format import write_speculators
+    from dspark.export.speculators_format import write_speculators
 
     drafter = tr.engine.module.drafter
     weights = {k: v.detach().float().clone() for k, v in drafter.named_parameters() if v.requires_grad}
@@ -134,8 +134,8 @@ def _speculators_losses(model: Any, batch: Any, mask: torch.Tensor, loss_config:
 def run_speculators(tr: Any, heads: Any, tmp: Path, *, matched: bool, validate_at: list[int], log: Any) -> dict:
     from speculators.losses import resolve_loss_config
 
+    from dspark.data.target_topk import supervised_tokens
     from dspark.recipe import lr_lambda
-    from dspark.target_topk import supervised_tokens
 
     t = tr.cfg.train
     model, ours_init = speculators_model(tr, heads, tmp)

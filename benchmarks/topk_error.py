@@ -32,9 +32,9 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from dspark.batching import collate
     from dspark.core.config import load_config
     from dspark.core.target import prepare_target
+    from dspark.data.batching import collate
     from dspark.loss import _targets, topk_tv
     from dspark.model import sample_anchors
     from dspark.recipe import build_trainer

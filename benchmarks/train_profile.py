@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 from synthetic_step import SyntheticStep, add_shape_args, build
 
-from dspark.colocated import TOKENS_PER_CALL
+from dspark.data.colocated import TOKENS_PER_CALL
 from dspark.flops import TargetShape, peak_flops, step_flops
 from dspark.model import DSparkDrafter
 
@@ -108,7 +108,7 @@ class PartTimer:
 class RandomTarget:
     """A random Llama decoder of the target's shape that computes the batch's context and final
     states from its token ids, in calls of at most ``TOKENS_PER_CALL`` tokens and out to the host,
-    as :class:`dspark.colocated.ColocatedTarget` does; they go back to the device as a batch does."""
+    as :class:`dspark.data.colocated.ColocatedTarget` does; they go back to the device as a batch does."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
         from transformers import LlamaConfig, LlamaModel

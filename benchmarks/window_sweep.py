@@ -94,8 +94,8 @@ def simulate(
 
 
 def _load(spec: str, heads: Any, device: str) -> tuple[str, torch.nn.Module, list[int], Optional[int]]:
-    from dspark.serving_format import load_drafter
-    from dspark.speculators_format import read_drafter_dir
+    from dspark.export.speculators_format import read_drafter_dir
+    from dspark.export.vllm_format import load_drafter
 
     name, _, rest = spec.partition("=")
     path, _, window = rest.partition("@")

@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 import torch
 
-from dspark.batching import DataPosition
 from dspark.checkpoint_run import changed_run_error, checkpoint_config_differences, provenance, run_differences
 from dspark.checkpoint_tags import (
     LATEST_FILE,
@@ -48,6 +47,7 @@ from dspark.core.files import (
     is_disk_full,
     reporting_disk_full,
 )
+from dspark.data.batching import DataPosition
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ SHARED_FROM_TARGET = ("embed_tokens.", "lm_head.", "target_lm_head.", "target_no
 """Frozen, the target's own: never part of the drafter's weights. A reduced draft vocabulary's
 ``lm_head`` is the target's rows at ``d2t`` (rebuilt from the target and the map, which is kept)."""
 DRAFT_MAP = "d2t"
-"""The draft vocabulary's map (:mod:`dspark.draft_vocab`): an int64 buffer kept with the weights."""
+"""The draft vocabulary's map (:mod:`dspark.data.draft_vocab`): an int64 buffer kept with the weights."""
 
 
 @dataclass
@@ -125,7 +125,7 @@ def check_weights(weights: dict[str, torch.Tensor], cfg: DSparkConfig, dims: Dra
         if k in want and t.is_floating_point() and not torch.isfinite(t).all()
     ]
     if DRAFT_MAP in want and DRAFT_MAP in weights and tuple(weights[DRAFT_MAP].shape) == want[DRAFT_MAP]:
-        from dspark.draft_vocab import map_problem
+        from dspark.data.draft_vocab import map_problem
 
         problem = map_problem(weights[DRAFT_MAP], dims.vocab_size)
         if problem:

@@ -19,11 +19,11 @@ gradient 1/(1 - TV) times TV's, large exactly where acceptance is small and TV's
 (a fresh drafter, a hard position). Its 1 - TV is floored at ``LK_FLOOR``.
 
 With the target's distribution cached as its top k (``topk_ids``/``topk_probs``,
-:mod:`dspark.target_topk`), the target logits are not computed at all and TV is taken on the
+:mod:`dspark.data.target_topk`), the target logits are not computed at all and TV is taken on the
 stored support (:func:`topk_tv`) and KL on the top k and one tail bin (:func:`topk_kl`); the
 greedy match compares with the cached argmax.
 
-With a reduced draft vocabulary D (``drafter.draft_vocab_size``, :mod:`dspark.draft_vocab`) the
+With a reduced draft vocabulary D (``drafter.draft_vocab_size``, :mod:`dspark.data.draft_vocab`) the
 draft distribution p_d lives on D and is 0 on every other target token, exactly as vLLM serves it
 (its draft logits are scattered into the target vocabulary with -inf elsewhere before sampling).
 The target keeps its full distribution; its mass outside D, m_out = sum_{v not in D} p_t(v), is

@@ -15,7 +15,7 @@ mirrored here so training = serving):
 * a block sees context positions < a and all of its own tokens (non-causal), nothing else.
 * draft logits = lm_head(norm(h_k)) + W2(W1[x_{k-1}]) (Markov bias, teacher-forced in training;
   x_{k-1} is the anchor for k=1); confidence = sigmoid(w . [h_k ; W1[x_{k-1}]] + b).
-* a reduced draft vocabulary (``drafter.draft_vocab_size`` = N < V, :mod:`dspark.draft_vocab`):
+* a reduced draft vocabulary (``drafter.draft_vocab_size`` = N < V, :mod:`dspark.data.draft_vocab`):
   the draft logits run over the N kept tokens (draft ids); ``lm_head`` is then the draft's own
   [N, H] (the target's rows of the kept tokens, frozen like the full head: speculators freezes
   its reduced head too, ``speculators/model.py``), ``markov_w1`` stays over the target vocabulary
@@ -130,7 +130,7 @@ class DSparkDrafter(nn.Module):
     """Trainable backbone + heads; the target's embedding, final norm and LM head are frozen
     buffers-as-parameters (requires_grad=False) shared with the target.
 
-    With ``cfg.draft_vocab_size`` set, ``d2t`` ([Vd] int64 offsets, :mod:`dspark.draft_vocab`) is
+    With ``cfg.draft_vocab_size`` set, ``d2t`` ([Vd] int64 offsets, :mod:`dspark.data.draft_vocab`) is
     required and kept as the persistent buffer ``d2t`` (so every checkpoint and export carries the
     map); ``lm_head`` is the frozen [Vd, H] rows of the target's head for the kept tokens, and
     ``target_lm_head`` the target's full head (the target distribution)."""
@@ -187,13 +187,15 @@ class DSparkDrafter(nn.Module):
             self.d2t = self.draft_to_target = self.target_to_draft = None
             return dims.vocab_size
         if d2t is None:
-            raise ValueError(f"drafter.draft_vocab_size={cfg.draft_vocab_size} needs its d2t map (dspark.draft_vocab)")
+            raise ValueError(
+                f"drafter.draft_vocab_size={cfg.draft_vocab_size} needs its d2t map (dspark.data.draft_vocab)"
+            )
         if tuple(d2t.shape) != (cfg.draft_vocab_size,):
             raise ValueError(
                 f"d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}] (drafter.draft_vocab_size)"
             )
         if d2t.device.type != "meta":
-            from dspark.draft_vocab import map_problem
+            from dspark.data.draft_vocab import map_problem
 
             problem = map_problem(d2t, dims.vocab_size)
             if problem:

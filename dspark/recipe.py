@@ -20,19 +20,16 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from dspark.batching import Batch, RankBatches
 from dspark.checkpoint import Checkpointer, TrainState
-from dspark.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
 from dspark.core.config import TORCH_DTYPES, ConfigError, LossSettings, RunConfig, TargetConfig, load_config
 from dspark.core.files import file_sha256, text_sha256
 from dspark.core.shard_format import DatasetError
 from dspark.core.stream import SequenceSource, StreamMeta
 from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
-from dspark.distributed import init_distributed
-from dspark.loss import LossOutput, dspark_loss
-from dspark.model import DSparkDrafter, resolve_dims
-from dspark.online import (
+from dspark.data.batching import Batch, RankBatches
+from dspark.data.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
+from dspark.data.online import (
     OnlineBatches,
     SequenceList,
     check_source,
@@ -40,8 +37,11 @@ from dspark.online import (
     shared_val_rows,
     stream_meta,
 )
-from dspark.shards import ShardDataset, ShardSequence, check_dataset, require_dataset
-from dspark.target_topk import SequenceTopK, TargetTopK, head_fingerprint, sequence_topk
+from dspark.data.shards import ShardDataset, ShardSequence, check_dataset, require_dataset
+from dspark.data.target_topk import SequenceTopK, TargetTopK, head_fingerprint, sequence_topk
+from dspark.distributed import init_distributed
+from dspark.loss import LossOutput, dspark_loss
+from dspark.model import DSparkDrafter, resolve_dims
 from dspark.trainer import Trainer, TrainParts
 
 log = logging.getLogger(__name__)
@@ -360,10 +360,10 @@ def online_batches(
 def draft_map(cfg: RunConfig, heads: TargetHeads, train_ds: Any, checkpointer: Checkpointer) -> torch.Tensor:
     """``drafter.draft_vocab_size``'s ``d2t``: the one of the tag this run resumes (so a resumed run
     drafts over the vocabulary it trained, whatever the data says now), else built from the
-    training split's supervised tokens (:mod:`dspark.draft_vocab`, counts cached beside the shards)."""
+    training split's supervised tokens (:mod:`dspark.data.draft_vocab`, counts cached beside the shards)."""
     from dspark.checkpoint_tags import CheckpointError
     from dspark.checkpoint_weights import saved_draft_map
-    from dspark.draft_vocab import draft_vocab_map
+    from dspark.data.draft_vocab import draft_vocab_map
 
     size = int(cfg.drafter.draft_vocab_size)  # type: ignore[arg-type]
     if size > heads.vocab_size:
@@ -446,8 +446,8 @@ def init_from_drafter(model: DSparkDrafter, cfg: RunConfig, path: Path) -> None:
     """``train.init_from``: the weights of a trained drafter (our export, or a speculators DSpark
     checkpoint), after checking that it is this config's drafter: sizes, context layers, block and
     heads. One :class:`ConfigError` naming the first difference."""
-    from dspark.serving_format import CONFIG_FILE, load_weights_problem
-    from dspark.speculators_format import read_drafter_dir
+    from dspark.export.speculators_format import read_drafter_dir
+    from dspark.export.vllm_format import CONFIG_FILE, load_weights_problem
 
     path = path.expanduser()
     if not (path / CONFIG_FILE).is_file():

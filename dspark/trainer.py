@@ -21,26 +21,26 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from dspark.batching import Batch, DataPosition, collate
 from dspark.calibration import calibration_sums, expected_calibration_error
 from dspark.checkpoint import Checkpointer, TrainState
 from dspark.checkpoint_tags import tag_name
-from dspark.colocated import ColocatedDataset
 from dspark.core.config import TORCH_DTYPES, LossSettings, RunConfig
 from dspark.core.stream import SequenceSource
+from dspark.data.batching import Batch, DataPosition, collate
+from dspark.data.colocated import ColocatedDataset
+from dspark.data.online import OnlineBatches
+from dspark.data.shards import ShardSequence
+from dspark.data.target_topk import supervised_tokens
 from dspark.flops import StepFlops, TargetShape, peak_flops, step_flops
 from dspark.loss import scalar_names
 from dspark.model import DSparkDrafter, sample_anchors
-from dspark.online import OnlineBatches
-from dspark.shards import ShardSequence
-from dspark.target_topk import supervised_tokens
 
 log = logging.getLogger(__name__)
 
 
 class Batches(Protocol):
-    """Where training batches come from (:class:`~dspark.batching.RankBatches` over shards,
-    :class:`~dspark.online.OnlineBatches` over the stream): the next micro batch of this rank,
+    """Where training batches come from (:class:`~dspark.data.batching.RankBatches` over shards,
+    :class:`~dspark.data.online.OnlineBatches` over the stream): the next micro batch of this rank,
     and the position a resumed run continues from."""
 
     pos: DataPosition

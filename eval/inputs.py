@@ -18,8 +18,8 @@ from dspark.core.config import RunConfig
 from dspark.core.errors import UserError
 from dspark.core.waits import WaitTimedOut
 from dspark.export import ExportSummary, export
-from dspark.export_validate import validate
-from dspark.serving_format import CONFIG_FILE, WEIGHTS_FILE, drafter_layouts
+from dspark.export.validate import validate
+from dspark.export.vllm_format import CONFIG_FILE, WEIGHTS_FILE, drafter_layouts
 from eval.eval_set import EvalPrompt, eval_set_sha256, load_eval_set, save_eval_set
 from eval.prompts import build_eval_set
 
@@ -54,7 +54,7 @@ def read_checkpoint(cfg: RunConfig, path: Path) -> TrainingCheckpoint:
     the sizes)."""
     if not is_drafter_dir(path):
         return load_training_checkpoint(path)
-    from dspark.speculators_format import read_drafter_dir
+    from dspark.export.speculators_format import read_drafter_dir
 
     d = read_drafter_dir(path)
     run_config = {

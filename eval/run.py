@@ -22,14 +22,14 @@ from dspark.checkpoint_tags import latest_tag
 from dspark.core.config import ConfigError, RunConfig, config_fingerprint, eval_fields, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import atomic_write_json, read_json
-from dspark.core.serving import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_method
+from dspark.core.serving_methods import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_method
 from dspark.export import ExportSummary
-from dspark.serving_format import load_drafter, read_export
+from dspark.export.vllm_format import load_drafter, read_export
 from eval.acceptance import AcceptanceCounts, per_bin_summary
 from eval.checks import quality_checks
 from eval.eval_set import eval_set_sha256
 from eval.inputs import checkpoint_file, claim_out_dir, engine_kwargs, eval_set, export_all, vllm_max_model_len
-from eval.llama_serve import llama_cpp_results, llama_cpp_wanted
+from eval.llama_cpp_rows import llama_cpp_results, llama_cpp_wanted
 from eval.results import (
     Check,
     DrafterResult,
@@ -41,7 +41,7 @@ from eval.results import (
     nan_to_none,
     outputs_equal,
 )
-from eval.serve import ServeSpec, run_in_subprocess
+from eval.vllm_rows import ServeSpec, run_in_subprocess
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dspark.core.config import load_or_exit
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.target import resolve_target
 from eval.inputs import engine_kwargs, export_path, vllm_max_model_len, wait_for_export
-from eval.serve import main as serve_main
+from eval.vllm_rows import main as serve_main
 
 log = logging.getLogger(__name__)
 

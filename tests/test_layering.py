@@ -2,6 +2,9 @@
 
     dspark.core  ->  data_tools (stage 1) | dspark (stage 2)  ->  eval (stage 3)  ->  train.py
 
+Stage 2 has two wings: dspark.data (what the trainer reads) stands on the core alone; dspark.export
+(checkpoint -> the served formats) reads the rest of stage 2.
+
 Each layer imports only the layers left of it (and itself); nothing imports train.py; there is no
 import cycle between modules, counting imports inside functions too. DeepSpeed stays out of the
 core, extraction and eval; outside extraction (which runs inside vLLM) vLLM is imported only in
@@ -21,9 +24,11 @@ PACKAGES = ("dspark", "data_tools", "eval")
 LAYERS = {  # layer -> the layers it may import
     "core": {"core"},
     "data_tools": {"core", "data_tools"},
-    "dspark": {"core", "dspark"},
-    "eval": {"core", "dspark", "eval"},
-    "entry": {"core", "data_tools", "dspark", "eval"},
+    "data": {"core", "data"},  # dspark/data/: stage 2's data wing
+    "dspark": {"core", "data", "dspark", "export"},  # recipe's train.init_from reads an export
+    "export": {"core", "data", "dspark", "export"},  # dspark/export/: stage 2's export wing
+    "eval": {"core", "data", "dspark", "export", "eval"},
+    "entry": {"core", "data_tools", "data", "dspark", "export", "eval"},
 }
 NEVER = {  # layer -> third-party packages it must not import anywhere
     "core": {"deepspeed"},
@@ -35,8 +40,9 @@ NEVER = {  # layer -> third-party packages it must not import anywhere
 def layer_of(module: str) -> str:
     if module == "train":
         return "entry"
-    if module == "dspark.core" or module.startswith("dspark.core."):
-        return "core"
+    for package, layer in (("dspark.core", "core"), ("dspark.data", "data"), ("dspark.export", "export")):
+        if module == package or module.startswith(package + "."):
+            return layer
     return module.split(".")[0]
 
 

@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 
 RECORD_SUFFIX = ".record.json"
 TOPK_DIR = ".target_topk"
-"""Under a dataset: the target's top-k caches (:mod:`dspark.target_topk`)."""
+"""Under a dataset: the target's top-k caches (:mod:`dspark.data.target_topk`)."""
 COUNTS_DIR = ".draft_vocab"
-"""Under a dataset: the draft vocabulary's token counts (:mod:`dspark.draft_vocab`)."""
+"""Under a dataset: the draft vocabulary's token counts (:mod:`dspark.data.draft_vocab`)."""
 
 
 def record_path(path: Path) -> Path:

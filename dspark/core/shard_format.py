@@ -1,5 +1,5 @@
 """The hidden-state shard format, declared once. ``data_tools.shard_writer`` writes it,
-``dspark.shards`` reads it, ``data_tools.verify`` checks it.
+``dspark.data.shards`` reads it, ``data_tools.verify`` checks it.
 
 Layout of a dataset directory::
 

@@ -1,7 +1,7 @@
 """Online training's hand-off: finished sequences from an extraction engine to the trainer.
 
 The producer (``data_tools.online``: a vLLM engine on the same capture path as offline
-extraction) and the consumer (``dspark.online``: the trainer's rolling window) meet here, in
+extraction) and the consumer (``dspark.data.online``: the trainer's rolling window) meet here, in
 the core, so that neither imports the other (tests/test_layering.py).
 
 A sequence travels as the row offline extraction would write to a shard (``seq_id``,

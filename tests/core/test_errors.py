@@ -8,7 +8,7 @@ from dspark.core.config import ConfigError
 from dspark.core.errors import UserError, exit_on_user_error
 from dspark.core.shard_format import DatasetError
 from dspark.core.target import TargetError
-from dspark.serving_format import ExportError
+from dspark.export.vllm_format import ExportError
 from eval.eval_set import EvalPromptError
 
 

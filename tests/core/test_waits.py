@@ -15,7 +15,7 @@ from dspark.core.waits import WaitTimedOut, run_child
 
 REPO = Path(__file__).resolve().parents[2]
 
-# a child that starts a grandchild (as eval.serve starts vLLM's engine core), then waits forever
+# a child that starts a grandchild (as eval.vllm_rows starts vLLM's engine core), then waits forever
 PARENT_OF_SLEEPER = (
     "import subprocess, sys, time; "
     "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
@@ -60,9 +60,9 @@ def test_a_child_in_bound_gives_its_exit_status_and_log(tmp_path):
 
 
 def test_the_vllm_child_of_eval_is_bounded_by_eval_vllm_timeout_s(tmp_path, monkeypatch):
-    from eval.serve import ServeSpec, run_in_subprocess
+    from eval.vllm_rows import ServeSpec, run_in_subprocess
 
-    fake = tmp_path / "python"  # what eval.serve's child is started with: it never finishes
+    fake = tmp_path / "python"  # what eval.vllm_rows's child is started with: it never finishes
     fake.write_text(f'#!/bin/sh\nexec {sys.executable} -c "{PARENT_OF_SLEEPER}" {tmp_path / "g.pid"}\n')
     fake.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(fake))

@@ -10,7 +10,7 @@ from data_tools.convert import convert, main
 from data_tools.verify import main as verify
 from dspark.core import fp8
 from dspark.core.shard_format import Manifest
-from dspark.shards import ShardDataset
+from dspark.data.shards import ShardDataset
 from tests.dspark.test_shards import make_dataset
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dspark.core.shard_format import Manifest
-from dspark.shards import ShardDataset
+from dspark.data.shards import ShardDataset
 from tests.toy import SHORT_QUESTIONS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -207,7 +207,7 @@ def test_transformers_answers_match_vllms_and_colocated_states_equal_its_capture
     its greedy answers equal vLLM's token for token (printed; docs/benchmarks.md records it), and
     data.mode=colocated's states of vLLM's sequences within the tolerance data_tools.verify uses."""
     from data_tools.verify import default_limit
-    from dspark.colocated import ColocatedTarget
+    from dspark.data.colocated import ColocatedTarget
 
     tokens = tmp_path / "tokens"
     _run(_cmd(prompts, tokens, "data.engine=transformers", "data.mode=colocated", "train.target_topk=0"))

@@ -17,7 +17,7 @@ import torch
 
 from data_tools.online import default_work_dir
 from data_tools.prompts import dedupe_and_split, load_source
-from dspark.online import PROMPT_LOG, read_prompt_log
+from dspark.data.online import PROMPT_LOG, read_prompt_log
 from tests.toy import SHORT_QUESTIONS
 
 REPO = Path(__file__).resolve().parents[2]

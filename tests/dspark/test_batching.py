@@ -2,8 +2,8 @@
 
 import torch
 
-from dspark.batching import collate
-from dspark.shards import ShardSequence
+from dspark.data.batching import collate
+from dspark.data.shards import ShardSequence
 
 
 def seq(seq_id: str, t: int, answer: int) -> ShardSequence:

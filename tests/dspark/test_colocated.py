@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.colocated import ColocatedDataset, ColocatedTarget
 from dspark.core.config import ConfigError
 from dspark.core.layer_ids import reference_hidden_states
 from dspark.core.shard_format import DatasetError, Manifest
 from dspark.core.target import load_target_heads
+from dspark.data.colocated import ColocatedDataset, ColocatedTarget
+from dspark.data.shards import ShardDataset
 from dspark.recipe import build_trainer
-from dspark.shards import ShardDataset
 from tests.toy import TINY_LAYERS, overrides, torchrun
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspark.core.config import ConfigError, DSparkConfig, LossSettings
-from dspark.draft_vocab import build_d2t, map_problem, t2d_mask, target_ids, token_counts
+from dspark.data.draft_vocab import build_d2t, map_problem, t2d_mask, target_ids, token_counts
 from dspark.loss import dspark_loss, topk_tv
 from tests.toy import tiny_drafter, tiny_drafter_config
 
@@ -265,8 +265,8 @@ def test_a_reduced_export_loads_in_vllms_loader_with_its_head_and_map(tmp_path):
     from dspark.checkpoint_weights import TrainingCheckpoint
     from dspark.core.target import load_target_heads
     from dspark.export import export
-    from dspark.export_validate import validate
-    from dspark.serving_format import load_drafter, read_export
+    from dspark.export.validate import validate
+    from dspark.export.vllm_format import load_drafter, read_export
     from tests.dspark.test_export_bytes import DIMS, fixed_weights
     from tests.dspark.test_speculators_format import tiny_verifier
 
@@ -301,8 +301,8 @@ def test_a_reduced_export_loads_in_vllms_loader_with_its_head_and_map(tmp_path):
     assert torch.equal(exp.weights["d2t"], d2t) and "lm_head.weight" not in exp.weights
     model = load_drafter(exp, heads)
     assert torch.equal(model.lm_head.weight, served["lm_head.weight"]) and torch.equal(model.d2t, d2t)
-    from dspark.serving_format import ExportError
-    from dspark.speculators_format import write_speculators
+    from dspark.export.speculators_format import write_speculators
+    from dspark.export.vllm_format import ExportError
 
     with pytest.raises(ExportError, match=r"config.json: draft_vocab_size is 40, expected the full vocabulary \(96\)"):
         write_speculators(tmp_path / "out", tmp_path / "theirs")
@@ -317,11 +317,11 @@ def test_training_builds_the_map_from_the_answers_and_a_resumed_run_keeps_it(
     from safetensors.torch import load_file, save_file
 
     from dspark.core.target import load_target_heads
-    from dspark.draft_vocab import CACHE_DIR
+    from dspark.data.draft_vocab import CACHE_DIR
+    from dspark.data.shards import ShardDataset
     from dspark.export import export
+    from dspark.export.vllm_format import read_export
     from dspark.recipe import build_trainer
-    from dspark.serving_format import read_export
-    from dspark.shards import ShardDataset
     from tests.toy import overrides
 
     target, data = tiny_target_and_shards

@@ -152,8 +152,8 @@ def test_confidence_head_on_the_state_alone_is_served_over_state_and_markov_with
     from safetensors.torch import load_file
 
     from dspark.core.families import get_family
+    from dspark.export.vllm_format import read_export
     from dspark.model import DSparkDrafter
-    from dspark.serving_format import read_export
 
     target = tmp_path / "target"
     target.mkdir()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.serving_format import ExportError, read_export
+from dspark.export.vllm_format import ExportError, read_export
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import pytest
 
 from dspark.core.files import DirectoryInUseError, atomic_path
 from dspark.export import export
-from dspark.serving_format import ExportError
+from dspark.export.vllm_format import ExportError
 from tests.dspark.test_export_bytes import TARGET_CONFIG, checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

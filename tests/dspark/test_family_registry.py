@@ -76,7 +76,7 @@ from dspark.core.compose import compose_run
 from dspark.core.config import ConfigError, DSparkConfig
 from dspark.export import export
 from dspark.model import DSparkDrafter, resolve_dims, trainable_parameter_shapes
-from dspark.serving_format import read_export
+from dspark.export.vllm_format import read_export
 
 out = {}
 cfg = compose_run(["+experiment=smollm2_cpu_smoke", "drafter=toy", "drafter.toy_ffn_mult=3"])
@@ -167,7 +167,7 @@ def test_a_family_config_without_the_shared_fields_is_refused_at_export(tmp_path
 
     from dspark.core.families import qwen3
     from dspark.export import export
-    from dspark.serving_format import ExportError
+    from dspark.export.vllm_format import ExportError
     from tests.dspark.test_export_bytes import TARGET_CONFIG, checkpoint
 
     written = qwen3.Qwen3Family.config_json

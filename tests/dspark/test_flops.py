@@ -23,7 +23,7 @@ VOCAB, HIDDEN, CTX_LAYERS = 64, 32, 2
 
 def counted_step(cfg, *, recompute: bool, topk: bool, batch: int = 2, tokens: int = 24, anchors: int = 3):
     """(FLOPs FlopCounterMode counts in one forward + loss + backward, the formula's count)."""
-    from dspark.draft_vocab import build_d2t
+    from dspark.data.draft_vocab import build_d2t
 
     d2t = build_d2t(torch.arange(VOCAB) % 5, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
     model = tiny_drafter(cfg, vocab_size=VOCAB, num_context_layers=CTX_LAYERS, d2t=d2t)

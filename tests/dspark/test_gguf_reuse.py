@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dspark import gguf
 from dspark.core.derived import NotDerivedError
+from dspark.export import gguf
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from dspark.checkpoint_weights import load_training_checkpoint
 from dspark.core.config import ConfigError
 from dspark.core.target import load_target_heads
 from dspark.export import export
+from dspark.export.vllm_format import ExportError, load_drafter, read_export
 from dspark.recipe import build_trainer
-from dspark.serving_format import ExportError, load_drafter, read_export
 from eval.reference import DraftRunner
 from tests.conftest import compose_raw
 from tests.toy import TINY_K3_TEXT, TINY_LAYERS, build_tiny_k3_target, overrides
@@ -100,7 +100,7 @@ def test_the_k3_preset_trains_exports_and_vllms_k3_class_loads_it(k3_dir, tiny_t
     assert not {"fc.weight", "hidden_norm.weight", "norm.weight"} & served
     assert "layers.1.self_attn.kv_a_proj_with_mqa.weight" in served
 
-    from dspark.export_validate import validate
+    from dspark.export.validate import validate
 
     rep = validate(tmp_path / "export")  # against the K3-shaped target recorded in export.json
     assert rep.architecture == "K3DSparkModel" and rep.vllm_aux_layer_ids == TINY_LAYERS
@@ -175,7 +175,7 @@ def test_family_fields_and_layouts_are_checked(tiny_trained_drafter, tmp_path):
     ):
         load(["drafter=k3_mla", "train.init_from_target_layers=[0,1,2,3,4]"])
     from dspark.core.config import DSparkConfig
-    from dspark.serving_format import check_layout
+    from dspark.export.vllm_format import check_layout
 
     with pytest.raises(
         ExportError, match=r"layout 'dflash': drafter.family='k3_mla' is served by vLLM's K3DSparkModel"

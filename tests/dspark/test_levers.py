@@ -4,12 +4,12 @@ anchors and the CE schedule (their trainer wiring is in test_trainer.py)."""
 import pytest
 import torch
 
-from dspark.batching import collate
 from dspark.core.config import LossSettings, TrainConfig
+from dspark.data.batching import collate
+from dspark.data.shards import ShardSequence
+from dspark.data.target_topk import SequenceTopK, cached_positions
 from dspark.loss import dspark_loss, topk_kl, topk_tv
 from dspark.model import copy_continuations, sample_anchors
-from dspark.shards import ShardSequence
-from dspark.target_topk import SequenceTopK, cached_positions
 from tests.toy import tiny_drafter, tiny_drafter_config
 
 

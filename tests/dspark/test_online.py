@@ -8,15 +8,15 @@ import time
 import pytest
 import torch
 
-from dspark.batching import DataPosition
 from dspark.core.config import ConfigError
 from dspark.core.shard_format import encode_hidden_states
 from dspark.core.stream import BlockProducer, BoundedBuffer, StreamClosed, StreamMeta, producer_blocks
 from dspark.core.stream_remote import RemoteSource, stream_to_trainer
 from dspark.core.target import load_target_heads
-from dspark.online import PROMPT_LOG, OnlineBatches, read_prompt_log, stream_meta
+from dspark.data.batching import DataPosition
+from dspark.data.online import PROMPT_LOG, OnlineBatches, read_prompt_log, stream_meta
+from dspark.data.shards import ShardDataset
 from dspark.recipe import build_trainer
-from dspark.shards import ShardDataset
 from tests.dspark.test_trainer import make_trainer, overrides, tiny  # noqa: F401 - tiny: the module fixture
 from tests.toy import torchrun
 
@@ -162,10 +162,10 @@ def test_resume_from_the_cursor_enters_the_same_prompts_and_cuts_the_log(tmp_pat
 def test_streamed_fp8_rows_stay_fp8_until_the_batch_is_on_the_device(store_dtype):
     """fp8 is also the wire format: a streamed row keeps a byte per value in the window and the
     batch dequantizes where it lands, to the same numbers as dequantizing on arrival."""
-    from dspark.batching import collate
     from dspark.core.shard_format import decode_hidden_states
-    from dspark.online import row_to_sequence
-    from dspark.shards import ShardSequence
+    from dspark.data.batching import collate
+    from dspark.data.online import row_to_sequence
+    from dspark.data.shards import ShardSequence
 
     g = torch.Generator().manual_seed(3)
     rows = [
@@ -365,7 +365,7 @@ import logging
 import sys
 from dspark.core.stream import BlockProducer, StreamMeta
 from dspark.core.stream_remote import stream_to_trainer
-from dspark.shards import ShardDataset
+from dspark.data.shards import ShardDataset
 
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 data, port, rank, producers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

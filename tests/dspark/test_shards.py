@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from data_tools.shard_writer import finalize, write_shard
-from dspark.batching import collate
 from dspark.core import fp8
 from dspark.core.shard_format import DatasetError, Manifest, encode_hidden_states
-from dspark.shards import ShardDataset, open_dataset, require_dataset
+from dspark.data.batching import collate
+from dspark.data.shards import ShardDataset, open_dataset, require_dataset
 from tests.toy import toy_manifest
 
 
@@ -109,7 +109,7 @@ def test_fp8_kept_to_the_device_gives_the_host_readers_batches_bit_for_bit(tmp_p
 
 
 def test_target_topk_reads_fp8_kept_states_like_dequantized_ones(tmp_path):
-    from dspark.target_topk import sequence_topk
+    from dspark.data.target_topk import sequence_topk
 
     make_dataset(tmp_path, dtype="float8_e4m3", rows=(3,), hidden=16)
     head = torch.randn(16, 50, generator=torch.Generator().manual_seed(1))

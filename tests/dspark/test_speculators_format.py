@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from dspark.checkpoint_tags import CheckpointError
 from dspark.checkpoint_weights import load_training_checkpoint
 from dspark.export import export
-from dspark.serving_format import ExportError, read_export
-from dspark.speculators_format import read_speculators, speculators_config, write_speculators
+from dspark.export.speculators_format import read_speculators, speculators_config, write_speculators
+from dspark.export.vllm_format import ExportError, read_export
 from tests.conftest import need_speculators
 from tests.dspark.test_export_bytes import DIMS, TARGET_CONFIG, checkpoint
 
@@ -229,7 +229,7 @@ def test_vllms_own_loader_accepts_the_speculators_conversion(tiny_trained_drafte
     """vLLM 0.32 reads speculators' DSpark format itself (its speculators config path maps
     DSparkDraftModel to Qwen3DSparkModel and aux_hidden_state_layer_ids to target_layer_ids): our
     validation on the conversion passes through that path, with the same layers and weights."""
-    from dspark.export_validate import validate
+    from dspark.export.validate import validate
 
     target, _, ckpt = tiny_trained_drafter
     export(ckpt, tmp_path / "ours", target_dir=target)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dspark.export import export
-from dspark.serving_format import load_drafter
-from dspark.speculators_format import read_speculators, write_speculators
+from dspark.export.speculators_format import read_speculators, write_speculators
+from dspark.export.vllm_format import load_drafter
 from tests.conftest import need_speculators
 from tests.dspark.test_export_bytes import TARGET_CONFIG, checkpoint
 from tests.dspark.test_speculators_format import tiny_verifier

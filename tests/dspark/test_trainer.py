@@ -419,8 +419,8 @@ def test_bad_override_gets_hydras_error_not_a_traceback():
 
 def test_export_from_zero0_and_zero3_checkpoints_gives_the_trained_weights(compose_config, tiny, tmp_path):
     from dspark.export import export
-    from dspark.export_validate import validate
-    from dspark.serving_format import read_export
+    from dspark.export.validate import validate
+    from dspark.export.vllm_format import read_export
 
     target, _ = tiny
     z0 = make_trainer(
@@ -454,7 +454,7 @@ def test_export_from_zero0_and_zero3_checkpoints_gives_the_trained_weights(compo
 def test_export_refuses_bad_checkpoints_and_exports(compose_config, tiny, tmp_path):
     from dspark.checkpoint_tags import CheckpointError
     from dspark.export import export
-    from dspark.serving_format import ExportError, read_export
+    from dspark.export.vllm_format import ExportError, read_export
 
     target, _ = tiny
     make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
@@ -489,8 +489,8 @@ def test_export_refuses_bad_checkpoints_and_exports(compose_config, tiny, tmp_pa
 
 def test_validate_refuses_an_export_for_another_target(compose_config, tiny, tmp_path, smollm2_dir):
     from dspark.export import export
-    from dspark.export_validate import check_target, validate
-    from dspark.serving_format import ExportError, read_export
+    from dspark.export.validate import check_target, validate
+    from dspark.export.vllm_format import ExportError, read_export
 
     make_trainer(compose_config, tiny, tmp_path, "train.max_steps=1", "train.save_every=1").train()
     export(tmp_path / "ckpt", tmp_path / "e")

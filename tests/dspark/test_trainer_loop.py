@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.batching import Batch, DataPosition
 from dspark.checkpoint import TrainState
 from dspark.core.config import LossSettings
+from dspark.data.batching import Batch, DataPosition
 from dspark.loss import LossOutput, scalar_names
 from dspark.recipe import loss_settings
 from dspark.trainer import Trainer, TrainParts

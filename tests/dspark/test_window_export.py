@@ -12,8 +12,8 @@ import torch
 
 from dspark.core.config import ConfigError, DSparkConfig
 from dspark.export import export
-from dspark.serving_format import ExportError, read_export
-from dspark.speculators_format import read_speculators, write_speculators
+from dspark.export.speculators_format import read_speculators, write_speculators
+from dspark.export.vllm_format import ExportError, read_export
 from tests.conftest import need_speculators
 from tests.dspark.test_export_bytes import checkpoint
 from tests.dspark.test_speculators_format import tiny_verifier
@@ -125,7 +125,7 @@ def test_speculators_own_model_builds_the_window_and_masks_by_the_anchor(windowe
 
 
 def test_vllms_loader_builds_every_layer_sliding_and_non_causal(windowed):
-    from dspark.export_validate import validate
+    from dspark.export.validate import validate
 
     export_dir, target = windowed
     rep = validate(export_dir, target_dir=target, num_speculative_tokens=4)

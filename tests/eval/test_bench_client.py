@@ -1,7 +1,7 @@
 """vLLM's benchmark client against a server that, as llama-server b11434 does, answers a streamed
 completion with ``Keep-Alive`` and then drops the connection instead of answering a next request
 on it: without ``--new-connection-per-request`` every request after the first fails; with it,
-every request is answered (eval/bench_client.py's docstring). And the client as a child process:
+every request is answered (eval/serve_bench/client.py's docstring). And the client as a child process:
 bounded, ended with its whole tree, its failure reported with its log."""
 
 from __future__ import annotations
@@ -81,14 +81,14 @@ class DroppingServer:
 def test_a_server_that_drops_kept_alive_connections_fails_requests_unless_each_has_its_own(
     new_connection, tmp_path, tiny_target_and_shards
 ):
-    from eval.bench_client import NEW_CONNECTION_PER_REQUEST
+    from eval.serve_bench.client import NEW_CONNECTION_PER_REQUEST
 
     target, _ = tiny_target_and_shards
     traffic = tmp_path / "traffic.jsonl"
     traffic.write_text("".join(json.dumps({"prompt": f"hello {i}", "output_tokens": 3}) + "\n" for i in range(4)))
     server = DroppingServer()
     out = tmp_path / "result.json"
-    argv = [sys.executable, "-m", "eval.bench_client", str(out)]
+    argv = [sys.executable, "-m", "eval.serve_bench.client", str(out)]
     argv += [NEW_CONNECTION_PER_REQUEST] if new_connection else []
     argv += ["--backend", "vllm", "--base-url", server.url, "--model", str(target), "--dataset-name", "custom"]
     argv += ["--dataset-path", str(traffic), "--num-prompts", "4", "--custom-output-len", "-1"]
@@ -111,7 +111,7 @@ def test_a_server_that_drops_kept_alive_connections_fails_requests_unless_each_h
 
 
 def _fake_client(tmp_path: Path, body: str) -> str:
-    """An executable that run_client starts in place of ``python -m eval.bench_client ...``."""
+    """An executable that run_client starts in place of ``python -m eval.serve_bench.client ...``."""
     fake = tmp_path / "fake-python"
     fake.write_text("#!/bin/sh\n" + body)
     fake.chmod(0o755)
@@ -123,7 +123,7 @@ def test_a_client_past_its_bound_is_ended_with_the_processes_it_started(tmp_path
     serve_bench.level_timeout_s it and its own children are killed, and the error is as before."""
     import psutil
 
-    from eval.bench_client import run_client
+    from eval.serve_bench.client import run_client
 
     pidfile = tmp_path / "child.pid"
     monkeypatch.setattr(sys, "executable", _fake_client(tmp_path, f"sleep 600 &\necho $! > {pidfile}\nsleep 600\n"))
@@ -142,7 +142,7 @@ def test_a_client_past_its_bound_is_ended_with_the_processes_it_started(tmp_path
 
 
 def test_a_client_that_fails_is_reported_with_its_status_and_log(tmp_path, monkeypatch):
-    from eval.bench_client import run_client
+    from eval.serve_bench.client import run_client
 
     monkeypatch.setattr(sys, "executable", _fake_client(tmp_path, "echo 'ValueError: no such model'\nexit 3\n"))
     out = tmp_path / "level.json"

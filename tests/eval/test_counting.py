@@ -146,7 +146,7 @@ RECORDED = {
 
 
 class RecordedLLM:
-    """vllm.LLM as eval.serve uses it: generate one prompt, cumulative metrics from the record."""
+    """vllm.LLM as eval.vllm_rows uses it: generate one prompt, cumulative metrics from the record."""
 
     def __init__(self, record: dict[str, dict]):
         self.by_first_token = {i: r for i, r in enumerate(record.values())}
@@ -183,7 +183,7 @@ class RecordedLLM:
 
 
 def test_vllm_counter_path_counts_every_step(tmp_path, monkeypatch):
-    import eval.serve as serve_mod
+    import eval.vllm_rows as serve_mod
 
     prompts = [EvalPrompt(pid, 1024, [i] + [7] * 99, 100, "test", "", None, []) for i, pid in enumerate(RECORDED)]
     save_eval_set(prompts, tmp_path / "set.jsonl")
@@ -203,7 +203,7 @@ def test_vllm_counter_path_counts_every_step(tmp_path, monkeypatch):
 
 
 def test_vllm_counter_path_refuses_a_step_count_the_outputs_contradict(tmp_path, monkeypatch):
-    import eval.serve as serve_mod
+    import eval.vllm_rows as serve_mod
 
     bad = {"p0": {**RECORDED["p0"], "steps": 40}}  # fewer steps than 96 tokens with 45 accepted allow
     save_eval_set([EvalPrompt("p0", 1024, [0] * 100, 100, "test", "", None, [])], tmp_path / "set.jsonl")

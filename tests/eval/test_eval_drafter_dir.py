@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dspark.export import export
-from dspark.speculators_format import write_speculators
+from dspark.export.speculators_format import write_speculators
 from tests.toy import overrides
 
 

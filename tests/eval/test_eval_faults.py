@@ -3,7 +3,7 @@ uninterrupted eval, and no half-written file (a part, results.json) is ever take
 
 The eval runs a tiny drafter (conftest.py tiny_trained_drafter: 2 steps on the tiny target) in
 the reference loop, and one vLLM method (``ngram``) through the real child-process path of
-``eval.serve.run_in_subprocess``; the child is a stub that writes counters computed from the
+``eval.vllm_rows.run_in_subprocess``; the child is a stub that writes counters computed from the
 prompts (vLLM itself on this tiny target would take minutes per engine; serving is tested in
 test_vllm_parity.py)."""
 
@@ -30,7 +30,7 @@ import json, os, sys, time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, os.getcwd())  # this checkout's code (the child runs in the repository, as eval.serve's does)
+sys.path.insert(0, os.getcwd())  # this checkout's code (the child runs in the repository, as eval.vllm_rows's does)
 argv = sys.argv[3:] if sys.argv[1:3] == ["-m", "eval.serve"] else sys.exit(f"not eval.serve: {sys.argv}")
 args = dict(zip(argv[0::2], argv[1::2]))
 out, gamma = Path(args["--out"]), int(args["--gamma"])
@@ -69,7 +69,7 @@ from pathlib import Path
 
 repo, target, point, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")  # as Hydra's main does
-sys.executable = os.environ["STUB_PYTHON"]  # the vLLM child eval.serve starts: the stub
+sys.executable = os.environ["STUB_PYTHON"]  # the vLLM child eval.vllm_rows starts: the stub
 import eval.reference, eval.report, eval.run
 from dspark.core.files import atomic_path
 
@@ -109,12 +109,12 @@ eval.run.run_eval(cfg, load_target_heads(Path(target)), Path(target))
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_trained_drafter):
     """The tiny target and the session's drafter trained on it for 2 steps (a checkpoint to
-    evaluate; the eval only reads it), and the stub that eval.serve's child is started as."""
+    evaluate; the eval only reads it), and the stub that eval.vllm_rows's child is started as."""
     target, data, ckpt = tiny_trained_drafter
     root = tmp_path_factory.mktemp("evalfaults")
     stub = root / "stub_serve.py"
     stub.write_text(STUB_SERVE)
-    python = root / "python"  # what eval.serve's child is started with: the stub, in this venv
+    python = root / "python"  # what eval.vllm_rows's child is started with: the stub, in this venv
     python.write_text(f'#!/bin/sh\nexec {sys.executable} {stub} "$@"\n')
     python.chmod(0o755)
     return target, data, ckpt, python

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from dspark.core.config import DSparkConfig
-from dspark.core.llama_server import (
+from dspark.core.llama_cpp.server import (
     Counters,
     ServerSpec,
     prompt_chunks,
@@ -29,8 +29,8 @@ from dspark.core.llama_server import (
     speculation_problem,
     steps_problem,
 )
-from dspark.core.serving import LLAMA_CPP_BY_NAME, LLAMA_CPP_METHODS
-from dspark.gguf import llama_cpp_problem
+from dspark.core.serving_methods import LLAMA_CPP_BY_NAME, LLAMA_CPP_METHODS
+from dspark.export.gguf import llama_cpp_problem
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def test_the_counters_are_read_from_llama_servers_metrics():
 def test_counters_are_read_once_no_request_is_in_flight():
     """A request's figures fold in as its slot is released: counters_after waits for the gauge to
     fall to 0 even when the tokens it was told to expect already show (the count may be low)."""
-    from dspark.core.llama_server import counters_after
+    from dspark.core.llama_cpp.server import counters_after
 
     busy = _Metrics(METRICS.replace("requests_processing 0", "requests_processing 1"))
     idle = _Metrics(METRICS)
@@ -200,7 +200,7 @@ def _gguf(path: Path, file_type: int | None) -> Path:
 
 def test_an_f32_target_is_served_with_f32_caches_for_target_and_drafter(tmp_path):
     """Issue #49: parity with the f32 reference loop needs f32 caches, not llama.cpp's f16 default."""
-    from dspark.core.llama_server import kv_cache_type_for, server_spec
+    from dspark.core.llama_cpp.server import kv_cache_type_for, server_spec
 
     f32, f16, unknown = _gguf(tmp_path / "a.gguf", 0), _gguf(tmp_path / "b.gguf", 1), _gguf(tmp_path / "c.gguf", None)
     assert kv_cache_type_for(f32) == "f32" and kv_cache_type_for(f16) is None and kv_cache_type_for(unknown) is None
@@ -227,7 +227,7 @@ def test_what_llama_cpp_cannot_serve_is_refused_in_one_line():
 
 def test_the_auto_target_gguf_is_the_embedded_file_else_f16(tmp_path):
     """One rule for ``eval.llama_cpp_target=auto`` and ``dspark.export --gguf`` (issue #50)."""
-    from dspark.gguf import target_gguf_type
+    from dspark.export.gguf import target_gguf_type
 
     assert target_gguf_type("auto", tmp_path / "t.gguf") == "embedded"
     assert target_gguf_type("auto", None) == "f16"
@@ -255,7 +255,7 @@ def test_llama_cpp_refuses_a_family_by_its_flag_not_its_name(monkeypatch):
 @pytest.fixture(scope="session")
 def llama_cpp():
     """The build scripts/setup.sh made; CI (DSPARK_REQUIRE_LLAMA_CPP=1) fails without it."""
-    from dspark.core.llama_cpp import cache_dir, find
+    from dspark.core.llama_cpp.build import cache_dir, find
 
     tree = find()
     if tree is None:
@@ -271,7 +271,7 @@ def tiny_pair(tmp_path_factory, llama_cpp, tiny_trained_drafter):
     """(target GGUF f32, drafter GGUF f32, export dir, target dir): the tiny target and its 2-step
     drafter, exported and converted by llama.cpp's own converter."""
     from dspark.export import export
-    from dspark.gguf import convert_export, target_gguf
+    from dspark.export.gguf import convert_export, target_gguf
 
     target_dir, _, ckpt = tiny_trained_drafter
     root = tmp_path_factory.mktemp("llama_cpp")
@@ -341,7 +341,7 @@ def _assert_served_as_reference(served: list, prompts: list, exp_dir: Path, targ
     from transformers import AutoModelForCausalLM
 
     from dspark.core.target import load_target_heads
-    from dspark.serving_format import load_drafter, read_export
+    from dspark.export.vllm_format import load_drafter, read_export
     from eval.reference import DecodeConfig, DraftRunner, TargetRunner, speculative_generate
 
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
@@ -369,8 +369,8 @@ def test_every_method_gives_the_targets_greedy_tokens_and_llama_cpp_accepts_what
     from transformers import AutoModelForCausalLM
 
     from dspark.core.target import load_target_heads
-    from dspark.serving_format import load_drafter, read_export
-    from eval.llama_serve import LlamaCppServing, serve_prompts
+    from dspark.export.vllm_format import load_drafter, read_export
+    from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
     from eval.reference import DecodeConfig, DraftRunner, TargetRunner, plain_generate, speculative_generate
 
     target, draft, exp_dir, target_dir = tiny_pair
@@ -427,9 +427,9 @@ def test_a_markov_off_drafter_with_a_confidence_head_is_served_and_accepts_what_
 
     from dspark.checkpoint_weights import load_training_checkpoint
     from dspark.export import export
-    from dspark.gguf import check_pair, convert_export
-    from dspark.serving_format import read_export
-    from eval.llama_serve import LlamaCppServing, serve_prompts
+    from dspark.export.gguf import check_pair, convert_export
+    from dspark.export.vllm_format import read_export
+    from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
 
     target, _, _, target_dir = tiny_pair
     ckpt = load_training_checkpoint(_ckpt_of(tiny_pair))
@@ -462,8 +462,8 @@ def test_a_windowed_drafter_is_converted_served_and_accepts_what_the_reference_d
 
     from dspark.checkpoint_weights import load_training_checkpoint
     from dspark.export import export
-    from dspark.gguf import convert_export, gguf_fields
-    from eval.llama_serve import LlamaCppServing, serve_prompts
+    from dspark.export.gguf import convert_export, gguf_fields
+    from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
 
     target, _, _, target_dir = tiny_pair
     ckpt = load_training_checkpoint(_ckpt_of(tiny_pair))
@@ -498,10 +498,10 @@ def test_a_reduced_draft_vocabulary_is_served_through_d2t_and_accepts_what_the_r
 
     from dspark.checkpoint_weights import load_training_checkpoint
     from dspark.core.target import load_target_heads
-    from dspark.draft_vocab import build_d2t, target_ids
+    from dspark.data.draft_vocab import build_d2t, target_ids
     from dspark.export import export
-    from dspark.gguf import check_pair, convert_export, gguf_fields
-    from eval.llama_serve import LlamaCppServing, serve_prompts
+    from dspark.export.gguf import check_pair, convert_export, gguf_fields
+    from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
 
     target, _, _, target_dir = tiny_pair
     ckpt = load_training_checkpoint(_ckpt_of(tiny_pair))
@@ -539,8 +539,8 @@ def test_the_serving_benchmark_drives_llama_server_with_vllms_client_and_counts_
     import json
 
     from dspark.core.config import ServeBenchConfig
-    from eval.serve_bench import BenchSetup, bench_config
-    from eval.server import Configuration
+    from eval.serve_bench.server import Configuration
+    from eval.serve_bench.stage import BenchSetup, bench_config
 
     target, draft, _, target_dir = tiny_pair
     traffic = tmp_path / "traffic.jsonl"
@@ -579,8 +579,8 @@ def test_the_serving_benchmark_drives_llama_server_with_vllms_client_and_counts_
 
 @pytest.mark.slow
 def test_a_server_that_does_not_come_up_is_one_error_naming_its_log_and_nothing_is_left(tmp_path, llama_cpp):
-    from dspark.core.servers import ServerStartError
-    from eval.llama_serve import LlamaCppServing, serve_prompts
+    from dspark.core.server_lifecycle import ServerStartError
+    from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
 
     bad = tmp_path / "target.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
@@ -593,7 +593,7 @@ def test_a_server_that_does_not_come_up_is_one_error_naming_its_log_and_nothing_
 
 
 def _fake_sdist(path: Path, cmakelists: str) -> Path:
-    from dspark.core.llama_cpp import SDIST_FILE
+    from dspark.core.llama_cpp.build import SDIST_FILE
 
     name = SDIST_FILE.removesuffix(".tar.gz")
     with tarfile.open(path, "w:gz") as tar:
@@ -605,7 +605,7 @@ def _fake_sdist(path: Path, cmakelists: str) -> Path:
 
 
 def test_a_failed_build_names_its_log_and_leaves_nothing_that_looks_built(tmp_path, monkeypatch):
-    import dspark.core.llama_cpp as lc
+    import dspark.core.llama_cpp.build as lc
 
     sdist = _fake_sdist(
         tmp_path / "sdist.tar.gz", 'cmake_minimum_required(VERSION 3.14)\nmessage(FATAL_ERROR "boom")\n'
@@ -623,7 +623,7 @@ def test_a_failed_build_names_its_log_and_leaves_nothing_that_looks_built(tmp_pa
 
 
 def test_a_sdist_that_is_not_the_pinned_one_is_refused(tmp_path, monkeypatch):
-    import dspark.core.llama_cpp as lc
+    import dspark.core.llama_cpp.build as lc
 
     sdist = _fake_sdist(tmp_path / "sdist.tar.gz", "project(x)\n")
     monkeypatch.setenv(lc.SDIST_ENV, str(sdist))
@@ -635,7 +635,7 @@ def test_the_sdist_is_fetched_through_pips_own_index_settings(tmp_path, monkeypa
     """Issue #49: the sdist came from a hard-coded registry URL, so a user's mirror, proxy or
     private index (pip.conf, PIP_INDEX_URL) did not apply. Here pip's index is a local directory
     that only pip's settings name; the fetch finds the file there and checks its sha256."""
-    import dspark.core.llama_cpp as lc
+    import dspark.core.llama_cpp.build as lc
 
     index = tmp_path / "simple"
     (index / lc.SDIST).mkdir(parents=True)
@@ -681,8 +681,8 @@ def test_the_quantized_files_run_on_the_portable_build(tmp_path, llama_cpp, tiny
     """The wheel's Q4_1 target and a q8_0 drafter: the build for every x86-64 machine runs them
     (a -march=native build died with SIGILL on both, issue #36) with a CPU variant it chose."""
     from dspark.core.target import embedded_gguf_path
-    from dspark.gguf import check_pair, convert_export
-    from eval.llama_serve import LlamaCppServing, serve_prompts
+    from dspark.export.gguf import check_pair, convert_export
+    from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
 
     target, _, exp_dir, target_dir = tiny_pair
     q8 = convert_export(llama_cpp, exp_dir, target_dir, "q8_0")

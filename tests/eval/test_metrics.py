@@ -7,11 +7,11 @@ from dataclasses import asdict
 import pytest
 
 from eval.acceptance import ACCEPTANCE_METRICS, AcceptanceCounts, per_bin_summary
-from eval.bench_client import METRICS
-from eval.bench_report import TABLE_COLUMNS, render_markdown, table_rows, wandb_scalars
 from eval.intervals import STATS
 from eval.report import _wandb_scalars, metric_text, write_report
 from eval.results import DrafterResult, EvalConditions, EvalResults
+from eval.serve_bench.client import METRICS
+from eval.serve_bench.report import TABLE_COLUMNS, render_markdown, table_rows, wandb_scalars
 
 GAMMA = 3
 # accepted tokens per step, None: a step without a draft. 6 steps, 4 drafts, 6 accepted: every

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.serve import main
+from eval.vllm_rows import main
 
 
 def model_dir(path: Path) -> Path:

@@ -16,17 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eval.bench_client import METRICS, client_argv, level_record
-from eval.bench_report import TABLE_COLUMNS, assemble, table_rows, wandb_scalars, write_outputs
-from eval.serve_bench import (
-    BenchSetup,
-    ServeBenchError,
-    TrafficFileError,
-    load_traffic,
-    resolve_configs,
-    server_max_model_len,
-)
-from eval.server import (
+from eval.serve_bench.client import METRICS, client_argv, level_record
+from eval.serve_bench.report import TABLE_COLUMNS, assemble, table_rows, wandb_scalars, write_outputs
+from eval.serve_bench.server import (
     Configuration,
     PortInUseError,
     Server,
@@ -36,6 +28,14 @@ from eval.server import (
     port_in_use,
     running_server,
     server_command,
+)
+from eval.serve_bench.stage import (
+    BenchSetup,
+    ServeBenchError,
+    TrafficFileError,
+    load_traffic,
+    resolve_configs,
+    server_max_model_len,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -338,8 +338,8 @@ def test_the_json_has_every_metric_the_counters_and_the_speedup(tmp_path):
 def test_llama_cpp_rows_count_from_its_counters_and_their_speedup_is_over_llama_cpp_none(tmp_path):
     """llama-server's /metrics counters go through the same counting as vLLM's, and each engine's
     rows are compared with no speculation on the same engine."""
-    from dspark.core.llama_server import Counters
-    from eval.serve_bench import llama_cpp_level_fields
+    from dspark.core.llama_cpp.server import Counters
+    from eval.serve_bench.stage import llama_cpp_level_fields
 
     mem = {"peak_rss_gib": 1.0, "peak_gpu_gib": None}
     d = Counters(drafts=10, draft_tokens=40, accepted=12, predicted=48, accepted_per_pos=[6, 4, 2, 0])
@@ -368,8 +368,8 @@ def test_llama_cpp_rows_count_from_its_counters_and_their_speedup_is_over_llama_
 def test_llama_cpp_levels_count_the_servers_tokens_not_the_clients_retokenized_text(tmp_path):
     """vLLM's client re-tokenizes llama-server's text (it misses the usage beside the last chunk's
     choices) and undercounts: steps, throughput and TPOT come from the server's own token count."""
-    from dspark.core.llama_server import Counters
-    from eval.serve_bench import llama_cpp_level_fields
+    from dspark.core.llama_cpp.server import Counters
+    from eval.serve_bench.stage import llama_cpp_level_fields
 
     mem = {"peak_rss_gib": 1.0, "peak_gpu_gib": None}
     # the client saw 44 tokens of the 48 generated; 12 accepted in 10 drafts over 4 requests
@@ -484,7 +484,7 @@ def test_the_configurations_of_one_multi_node_job_share_their_conditions(tmp_pat
 DRIVER = """
 import sys, time
 from pathlib import Path
-from eval.server import running_server
+from eval.serve_bench.server import running_server
 port, log = int(sys.argv[1]), Path(sys.argv[2])
 cmd = [sys.executable, "-c", sys.argv[3], str(port)]
 with running_server(cmd, host="127.0.0.1", port=port, log_path=log, timeout_s=60, env={"PATH": "/usr/bin:/bin"},

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eval.bench_client import METRICS
+from eval.serve_bench.client import METRICS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.shards import ShardDataset
+from dspark.data.shards import ShardDataset
 from eval.eval_set import EvalPrompt, save_eval_set
 from tests.toy import SHORT_QUESTIONS
 

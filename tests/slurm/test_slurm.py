@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dspark.core.shard_format import Manifest
-from dspark.online import PROMPT_LOG, read_prompt_log
+from dspark.data.online import PROMPT_LOG, read_prompt_log
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "slurm"

@@ -36,7 +36,7 @@ class ExtractEngineConfig:
 class OnlineConfig:
     """``data.mode=online``: the extraction engine hands finished sequences to the trainer through
     a bounded buffer; the trainer samples micro-batches from a rolling window of the most recent
-    ones (``dspark/online.py``, ``data_tools/online.py``). Host memory for states is bounded by
+    ones (``dspark/data/online.py``, ``data_tools/online.py``). Host memory for states is bounded by
     ``buffer_size + window_size + data.batch_size`` sequences."""
 
     buffer_size: int = 64

@@ -10,14 +10,14 @@ from typing import Any, Optional
 from omegaconf import II
 
 from dspark.core.config.checks import _at_least, _check, _choice, _compute_dtype
-from dspark.core.serving import BASELINES, LLAMA_CPP_BY_NAME
+from dspark.core.serving_methods import BASELINES, LLAMA_CPP_BY_NAME
 
 EVAL_SOURCES = ("offline", "aa_lcr", "fixed_passage")
 SERVE_EXPORT = ("auto", "never")
 LLAMA_CPP_USE = ("auto", "always", "never")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 """What the converter writes (``--outtype``) that llama.cpp's CPU backend serves here: the drafter
-GGUF's types (``eval.llama_cpp_draft_type``, :mod:`dspark.gguf`) and a converted target's."""
+GGUF's types (``eval.llama_cpp_draft_type``, :mod:`dspark.export.gguf`) and a converted target's."""
 LLAMA_CPP_TARGETS = ("auto", "embedded", *GGUF_TYPES)
 REFERENCE_PROPOSERS = ("dspark", "ngram-then-dspark", "ngram")
 
@@ -111,7 +111,7 @@ class EvalConfig:
     llama_cpp_methods: list[str] = field(
         default_factory=lambda: ["none", "dspark", "ngram-then-dspark"], metadata=_LLAMA_CPP
     )
-    """The llama.cpp rows (``dspark.core.serving.LLAMA_CPP_METHODS``); dflash is served where the
+    """The llama.cpp rows (``dspark.core.serving_methods.LLAMA_CPP_METHODS``); dflash is served where the
     export has that layout, and a Markov-off ablation beside ours as dspark. The default is what a
     CPU user chooses between: no speculation (every speedup is over it), our drafter and the chain.
     ``ngram`` and ``dflash`` are opt-in (issue #49: each row is one more server over every prompt,

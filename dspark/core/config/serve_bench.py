@@ -9,7 +9,7 @@ from typing import Optional
 from omegaconf import II
 
 from dspark.core.config.checks import _at_least, _check, _choice
-from dspark.core.serving import BENCH_CONFIGS
+from dspark.core.serving_methods import BENCH_CONFIGS
 
 
 @dataclass

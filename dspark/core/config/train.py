@@ -9,7 +9,7 @@ from typing import Optional
 from dspark.core.config.checks import _at_least, _check, _choice, _compute_dtype, _dir_name
 
 SUPERVISE = ("answer", "all")
-"""``train.supervise``: the tokens the loss supervises, and the positions :mod:`dspark.target_topk` caches."""
+"""``train.supervise``: the tokens the loss supervises, and the positions :mod:`dspark.data.target_topk` caches."""
 FINAL_NORM_INITS = ("target", "ones")
 MARKOV_INITS = ("zeros", "speculators")
 

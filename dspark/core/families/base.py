@@ -54,7 +54,7 @@ class NoFields:
 class DrafterFamily:
     name: str = ""
     architectures: dict[str, str] = {}
-    """Export layout (:data:`dspark.core.serving.LAYOUTS`) -> ``architectures[0]`` of its
+    """Export layout (:data:`dspark.core.serving_methods.LAYOUTS`) -> ``architectures[0]`` of its
     config.json. A layout a family lacks cannot be exported for it."""
     serving_prefixes: tuple[tuple[str, str], ...] = ()
     """(our name prefix, the served checkpoint's name prefix) for the shared modules a family's
@@ -78,10 +78,10 @@ class DrafterFamily:
     served_by_llama_cpp: bool = False
     """Whether the pinned llama.cpp build (:mod:`dspark.core.llama_cpp`) converts and serves the
     family's export (its converter has a class for the family's architectures); False: the GGUF
-    export and the eval's llama.cpp rows refuse it (:func:`dspark.gguf.llama_cpp_problem`)."""
+    export and the eval's llama.cpp rows refuse it (:func:`dspark.export.gguf.llama_cpp_problem`)."""
     speculators_layers: Optional[str] = None
     """The ``transformer_layer_config.model_type`` of speculators' DSpark whose draft layers are this
-    family's (:mod:`dspark.speculators_format` converts the family's ``dspark`` export to it and
+    family's (:mod:`dspark.export.speculators_format` converts the family's ``dspark`` export to it and
     reads such a checkpoint back as this family); None: speculators' DSpark cannot hold the family."""
     inits_from_target_layers: bool = True
     """Whether the family's decoder layers have a target decoder layer's shape (GQA attention and

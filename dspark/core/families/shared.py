@@ -49,7 +49,7 @@ class SharedDrafterFields:
     """Feed the Markov embedding W1[x_{k-1}] into the confidence head."""
     draft_vocab_size: Optional[int] = None
     """The draft's own vocabulary: the N target tokens most frequent among the training split's
-    supervised next tokens (:mod:`dspark.draft_vocab`, as speculators builds its ``d2t``), with its
+    supervised next tokens (:mod:`dspark.data.draft_vocab`, as speculators builds its ``d2t``), with its
     own frozen LM head (the target's rows of those tokens) and a Markov output over them; vLLM's
     ``Qwen3DSparkModel`` serves it through ``d2t``. A token outside it is never drafted. None: the
     target's full vocabulary. An int in [1, the target's vocab_size]; ``qwen3`` family only (vLLM's

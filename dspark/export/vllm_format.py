@@ -18,7 +18,7 @@ The ``k3_mla`` family has the ``dspark`` layout only: ``architectures: ["K3DSpar
 Files: ``config.json`` (what vLLM reads), ``model.safetensors`` (weights without a ``model.``
 prefix and without the embedding, LM head and target norm, which vLLM shares from the target),
 ``export.json`` (where the export came from). A reduced draft vocabulary (``draft_vocab_size`` N
-below the target's V, :mod:`dspark.draft_vocab`) adds what vLLM's ``Qwen3DSparkForCausalLM`` and
+below the target's V, :mod:`dspark.data.draft_vocab`) adds what vLLM's ``Qwen3DSparkForCausalLM`` and
 ``DFlashQwen3ForCausalLM`` then require: ``lm_head.weight`` [N, H] (the target's rows of the kept
 tokens: the head cannot be shared) and ``d2t`` [N] int64 offsets (``target = draft + d2t[draft]``);
 ``markov_head.markov_w2`` is [N, r]. With N = V the map is the identity and the export is the full
@@ -50,8 +50,8 @@ from dspark.core.families.base import (
 )
 from dspark.core.files import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
-from dspark.core.serving import LAYOUTS
-from dspark.draft_vocab import target_ids
+from dspark.core.serving_methods import LAYOUTS
+from dspark.data.draft_vocab import target_ids
 from dspark.model import DrafterDims
 
 log = logging.getLogger(__name__)

@@ -17,12 +17,12 @@ from matplotlib.figure import Figure
 
 from dspark.core.config import RunConfig
 from dspark.core.files import atomic_write_json, atomic_write_text
-from dspark.core.serving import BENCH_CONFIGS, LLAMA_CPP_PREFIX
+from dspark.core.serving_methods import BENCH_CONFIGS, LLAMA_CPP_PREFIX
 from dspark.core.wandb_run import init_wandb
 from eval.acceptance import ACCEPTANCE_METRICS, TAU, TOKENS_PER_STEP
-from eval.bench_client import METRICS
 from eval.report import fmt, metric_text
 from eval.results import nan_to_none
+from eval.serve_bench.client import METRICS
 
 log = logging.getLogger(__name__)
 

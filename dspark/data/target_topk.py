@@ -101,12 +101,12 @@ def sequence_topk(
 
 
 class TargetTopK:
-    """Top-k target distributions for every sequence of a :class:`~dspark.shards.ShardDataset`
+    """Top-k target distributions for every sequence of a :class:`~dspark.data.shards.ShardDataset`
     split, computed on first use and cached on disk per shard."""
 
     def __init__(
         self,
-        ds,  # noqa: ANN001 - dspark.shards.ShardDataset (imported lazily: shards imports this module's users)
+        ds,  # noqa: ANN001 - dspark.data.shards.ShardDataset (imported lazily: shards imports this module's users)
         *,
         k: int,
         rule: str,

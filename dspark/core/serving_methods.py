@@ -1,5 +1,5 @@
 """The serving methods, declared once: what vLLM can serve a target with, which export layout
-(:mod:`dspark.serving_format`) its draft model is, and whether it needs a GPU.
+(:mod:`dspark.export.vllm_format`) its draft model is, and whether it needs a GPU.
 
 Read by the config's choices (``serve_bench.configs``), the export (``--layout``, the
 architecture written into config.json), the export check, the eval's vLLM runs, ``python -m

@@ -8,7 +8,7 @@ concurrent request, its counters read from its ``/metrics`` around each level an
 outside them, speedups over ``llama.cpp-none``) a real OpenAI-compatible server (``python -m
 vllm.entrypoints.openai.api_server``, the eval's engine arguments; or llama-server) is started
 on a free port, waited for (``/health``) and always stopped;
-vLLM's own benchmark client (``vllm bench serve``, through :mod:`eval.bench_client`) drives it at
+vLLM's own benchmark client (``vllm bench serve``, through :mod:`eval.serve_bench.client`) drives it at
 each level of ``serve_bench.concurrency`` over the eval set or your traffic file. Per
 configuration and level: output tokens/s, requests/s, TTFT p50/p95/p99, TPOT and ITL p50/p95,
 end-to-end latency, the spec-decode counters of the server's ``/metrics`` (drafts, accepted
@@ -49,16 +49,21 @@ from typing import Any, Optional
 import torch
 
 from dspark.core.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
-from dspark.core.errors import UserError, exit_on_user_error, run_hydra_command, task_started
+from dspark.core.errors import CONF_DIR, UserError, exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import atomic_write_json, file_sha256, read_jsonl, write_jsonl
-from dspark.core.llama_server import Counters, complete, counters_after, llama_server, read_counters, server_spec
-from dspark.core.servers import Server
-from dspark.core.serving import BY_NAME, LLAMA_CPP_PREFIX, OURS, export_method, llama_cpp_method, speculative_config
+from dspark.core.llama_cpp.server import Counters, complete, counters_after, llama_server, read_counters, server_spec
+from dspark.core.server_lifecycle import Server
+from dspark.core.serving_methods import (
+    BY_NAME,
+    LLAMA_CPP_PREFIX,
+    OURS,
+    export_method,
+    llama_cpp_method,
+    speculative_config,
+)
 from dspark.core.target import prepare_target, resolve_target
 from dspark.core.vllm_engine import run_headless_workers
 from eval.acceptance import TAU, TOKENS_PER_STEP
-from eval.bench_client import NEW_CONNECTION_PER_REQUEST, Level, client_argv, level_record, run_client
-from eval.bench_report import BenchOutcome, assemble, merged_configs, write_outputs
 from eval.inputs import (
     claim_out_dir,
     engine_kwargs,
@@ -70,7 +75,9 @@ from eval.inputs import (
     wait_for_export,
 )
 from eval.results import nan_to_none
-from eval.server import (
+from eval.serve_bench.client import NEW_CONNECTION_PER_REQUEST, Level, client_argv, level_record, run_client
+from eval.serve_bench.report import BenchOutcome, assemble, merged_configs, write_outputs
+from eval.serve_bench.server import (
     START_TIMEOUT_SETTING,
     Configuration,
     MemorySampler,
@@ -99,7 +106,7 @@ class TrafficFileError(ServeBenchError):
 
 def resolve_configs(cfg: RunConfig, target_dir: Path, *, gpu: bool) -> list[Configuration]:
     """``serve_bench.configs`` as servers: a method by name, and ``ours`` served as
-    :func:`~dspark.core.serving.export_method` says (``dspark`` on GPUs, the ``dflash`` export on
+    :func:`~dspark.core.serving_methods.export_method` says (``dspark`` on GPUs, the ``dflash`` export on
     CPU; left out, with a log line, when the drafter has no dflash layout)."""
     out = []
     for name in cfg.serve_bench.configs:
@@ -126,8 +133,8 @@ def resolve_configs(cfg: RunConfig, target_dir: Path, *, gpu: bool) -> list[Conf
 def llama_cpp_configuration(cfg: RunConfig, target_dir: Path, name: str) -> Configuration:
     """``llama.cpp-METHOD``: llama-server with that method; a drafter's export converted to GGUF
     by llama.cpp's own converter (``eval.llama_cpp_draft_type``), as the eval serves it."""
-    from dspark.core.llama_cpp import ensure_built
-    from dspark.gguf import convert_export
+    from dspark.core.llama_cpp.build import ensure_built
+    from dspark.export.gguf import convert_export
 
     m = llama_cpp_method(name)
     draft = None
@@ -349,7 +356,7 @@ def start_server(
 
 def llama_cpp_level_fields(d: Counters, raw: dict[str, Any], speculative: bool) -> dict[str, Any]:
     """llama-server's counters over one level, folded into vLLM's client result (``raw``) so that
-    :func:`~eval.bench_client.level_record` counts llama.cpp's levels as vLLM's.
+    :func:`~eval.serve_bench.client.level_record` counts llama.cpp's levels as vLLM's.
 
     The output tokens are the server's own count (``tokens_predicted_total``). vLLM's client reads a
     streamed completion's ``usage`` only from a chunk without ``choices``, and llama-server's
@@ -483,8 +490,8 @@ def run_serve_bench(cfg: RunConfig, heads: Any, target_dir: Path) -> BenchOutcom
     make_out_dir(out_dir)
     llama = None
     if any(c.engine == "llama.cpp" for c in configs):
-        from dspark.core.llama_cpp import ensure_built
-        from eval.llama_serve import target_gguf_for
+        from dspark.core.llama_cpp.build import ensure_built
+        from eval.llama_cpp_rows import target_gguf_for
 
         tree = ensure_built()
         llama = (tree, target_gguf_for(cfg, tree, target_dir))
@@ -559,7 +566,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def _main(raw: DictConfig) -> None:
         task_started()
         with exit_on_user_error():
@@ -573,7 +580,3 @@ def main() -> None:
             print(f"serve_bench: {outcome.summary_line()}\nreport {outcome.markdown}")
 
     run_hydra_command(_main)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """llama.cpp's ``llama-server`` serving a target GGUF, with or without a drafter GGUF: its command
 line, its counters and one completion, for the export check (one block drafted) and the eval's
-llama.cpp rows alike. The server's life is :mod:`dspark.core.servers`' (the vLLM servers' too).
+llama.cpp rows alike. The server's life is :mod:`dspark.core.server_lifecycle`' (the vLLM servers' too).
 
 Counting, from llama.cpp b11434's own ``/metrics`` (``--metrics``; folded in when a request ends):
 
@@ -11,7 +11,7 @@ Counting, from llama.cpp b11434's own ``/metrics`` (``--metrics``; folded in whe
 - ``llamacpp:n_decode_total``: every target ``llama_decode`` call, the prompt's chunks
   (``ceil(prompt / n_batch)``) included. At one request at a time, decode-phase target forwards =
   its delta minus the prompt's chunks: the steps, drafted or not. ``generated - 1 - accepted`` is
-  kept beside it as the check :func:`steps_problem` makes, as ``eval.serve`` does for vLLM.
+  kept beside it as the check :func:`steps_problem` makes, as ``eval.vllm_rows`` does for vLLM.
 
 A speculative set-up error does not stop llama-server (it logs ``failed to initialize
 speculative decoding context`` and serves without speculation), so :func:`speculation_problem`
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.core.llama_cpp import LlamaCpp
-from dspark.core.servers import Server, ServerError, running_server
-from dspark.core.serving import LLAMA_CPP_NGRAM, LLAMA_CPP_NGRAM_N, LlamaCppMethod
+from dspark.core.llama_cpp.build import LlamaCpp
+from dspark.core.server_lifecycle import Server, ServerError, running_server
+from dspark.core.serving_methods import LLAMA_CPP_NGRAM, LLAMA_CPP_NGRAM_N, LlamaCppMethod
 
 PREFIX = "llamacpp:"
 DRAFTS, DRAFT_TOKENS, ACCEPTED = (

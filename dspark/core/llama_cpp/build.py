@@ -355,7 +355,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps({"root": str(found.root), "server": str(found.server), "converter": str(found.converter),
                           "build_log": str(found.build_log), **found.info()}, indent=1))  # fmt: skip
         return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

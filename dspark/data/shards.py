@@ -32,7 +32,7 @@ from dspark.core.shard_format import (
     read_shard,
     split_scaled,
 )
-from dspark.target_topk import SequenceTopK
+from dspark.data.target_topk import SequenceTopK
 
 
 @dataclass
@@ -44,7 +44,7 @@ class ShardSequence:
     loss_mask: torch.Tensor  # [T] bool, True on answer tokens
     hidden_states: torch.Tensor  # [T-1, L, H]; row t = state after input_ids[:t+1]; read-only view
     target_topk: Optional[SequenceTopK] = None
-    """The target's cached top-k distribution (:mod:`dspark.target_topk`), when attached."""
+    """The target's cached top-k distribution (:mod:`dspark.data.target_topk`), when attached."""
     scales: Optional[torch.Tensor] = None
     """[T-1, L] fp32 when ``hidden_states`` holds fp8 values still to be dequantized (a reader
     opened with ``keep_fp8``): state = value * scale, :func:`dspark.core.fp8.dequantize`."""
@@ -120,7 +120,7 @@ class ShardDataset:
         self.n_layers = len(self.manifest.layer_ids)
         self.hidden_size = self.manifest.hidden_size
         self.target_topk: Optional[list[SequenceTopK]] = None
-        """Set by the trainer (:class:`dspark.target_topk.TargetTopK`): attached to every sequence read."""
+        """Set by the trainer (:class:`dspark.data.target_topk.TargetTopK`): attached to every sequence read."""
 
     def _open(self, info: ShardInfo) -> list[pa.RecordBatch]:
         """The shard's memory-mapped Arrow cache, built once from the Parquet file after that file's
@@ -175,7 +175,7 @@ class ShardDataset:
 
     def tokens(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [T] int64, loss_mask [T] bool) of a sequence, its states not decoded (what
-        counting tokens reads: :mod:`dspark.draft_vocab`)."""
+        counting tokens reads: :mod:`dspark.data.draft_vocab`)."""
         batch, row = self._locate(index)
         ids = batch.column("input_ids")[row].values.to_numpy(zero_copy_only=True)
         mask = batch.column("loss_mask")[row].values.to_numpy(zero_copy_only=True)

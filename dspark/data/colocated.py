@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dspark.shards import ShardDataset, ShardSequence
+from dspark.data.shards import ShardDataset, ShardSequence
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class ColocatedTarget:
 
 class ColocatedDataset:
     """A dataset split whose states the target computes as sequences are read (the interface of
-    :class:`~dspark.shards.ShardDataset` that the trainer uses)."""
+    :class:`~dspark.data.shards.ShardDataset` that the trainer uses)."""
 
     def __init__(self, base: ShardDataset, target: ColocatedTarget):
         self.base, self.target = base, target

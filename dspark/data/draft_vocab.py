@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.core import derived
-from dspark.target_topk import supervised_tokens
+from dspark.data.target_topk import supervised_tokens
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ CACHE_DIR = derived.COUNTS_DIR
 
 def token_counts(ds: Any, *, vocab_size: int, rule: str) -> torch.Tensor:
     """[V] int64: how often each token is a supervised next token (``rule``, as the loss
-    supervises it) in ``ds`` (a :class:`~dspark.shards.ShardDataset` split, or anything with its
+    supervises it) in ``ds`` (a :class:`~dspark.data.shards.ShardDataset` split, or anything with its
     ``tokens(index)`` and length). The states are not read."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for i in range(len(ds)):

@@ -4,8 +4,8 @@
     python -m dspark.export validate DIR        # vLLM's own config classes and weight loader
     python -m dspark.export export CKPT --out DIR --gguf   # + the drafter GGUF llama.cpp serves (CPU)
 
-What is written is declared in :mod:`dspark.serving_format`; what is read, in
-:mod:`dspark.checkpoint_weights`; the vLLM check is :mod:`dspark.export_validate`.
+What is written is declared in :mod:`dspark.export.vllm_format`; what is read, in
+:mod:`dspark.checkpoint_weights`; the vLLM check is :mod:`dspark.export.validate`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -35,10 +34,10 @@ from dspark.core.files import (
     reporting_disk_full,
 )
 from dspark.core.layer_ids import CONVENTION
-from dspark.core.serving import BY_LAYOUT, LAYOUTS
+from dspark.core.serving_methods import BY_LAYOUT, LAYOUTS
 from dspark.core.target_dir import read_text_config
-from dspark.gguf import GGUF_TYPES
-from dspark.serving_format import (
+from dspark.export.gguf import GGUF_TYPES
+from dspark.export.vllm_format import (
     CONFIG_FILE,
     EXPORT_FORMAT_VERSION,
     PROVENANCE_FILE,
@@ -251,7 +250,7 @@ def _summary(
 
 def _export_gguf(args: argparse.Namespace) -> None:
     """``--gguf``: the drafter GGUF beside ``--out``, checked in llama.cpp unless ``--no-validate``."""
-    from dspark.gguf import export_gguf
+    from dspark.export.gguf import export_gguf
 
     prov = json.loads((Path(args.out) / PROVENANCE_FILE).read_text())
     target_dir = Path(args.target_dir or prov["target"]["path"])
@@ -315,18 +314,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             )
             print(summary.render())
             if not args.no_validate:
-                from dspark.export_validate import validate
+                from dspark.export.validate import validate
 
                 print(validate(args.out, target_dir=args.target_dir).render())
             if args.gguf:
                 _export_gguf(args)
         elif args.cmd == "speculators":
-            from dspark.speculators_format import write_speculators
+            from dspark.export.speculators_format import write_speculators
 
             out = write_speculators(args.export_dir, args.out, args.verifier)
             print(f"speculators: {out} (config.json for speculators' DSparkDraftModel, the same model.safetensors)")
         else:
-            from dspark.export_validate import validate
+            from dspark.export.validate import validate
 
             print(
                 validate(
@@ -334,11 +333,3 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ).render()
             )
     return 0
-
-
-if __name__ == "__main__":
-    # Run the package's module, not this __main__ copy of it: under ``python -m`` a class defined
-    # here would be ``__main__.X``, another class than the ``dspark.export.X`` the library raises.
-    from dspark.export import main as package_main
-
-    sys.exit(package_main())

@@ -38,12 +38,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dspark.batching import Batch, DataPosition, collate
 from dspark.core.files import atomic_write_text
 from dspark.core.shard_format import DatasetError
 from dspark.core.stream import SequenceSource, StreamItem, StreamMeta
-from dspark.shards import ShardSequence, decode_states
-from dspark.target_topk import SequenceTopK
+from dspark.data.batching import Batch, DataPosition, collate
+from dspark.data.shards import ShardSequence, decode_states
+from dspark.data.target_topk import SequenceTopK
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ PROMPT_LOG = "online_prompts.jsonl"
 def row_to_sequence(row: dict[str, Any], meta: StreamMeta, dtype: torch.dtype) -> ShardSequence:
     """A streamed row (a shard row's fields, by name) -> the :class:`ShardSequence` the trainer
     reads. fp8 rows stay fp8 (values and scales, a byte per value in the window) until the batch is
-    on the device (:meth:`dspark.batching.Batch.to`)."""
+    on the device (:meth:`dspark.data.batching.Batch.to`)."""
     states, scales = decode_states(
         row["hidden_states"],
         store_dtype=meta.store_dtype,

@@ -26,10 +26,10 @@ import torch
 
 from dspark.core.families import get_family
 from dspark.core.files import free_port
-from dspark.core.serving import BY_LAYOUT
+from dspark.core.serving_methods import BY_LAYOUT
 from dspark.core.target_dir import read_text_config
-from dspark.serving_format import ExportError
-from dspark.speculators_format import read_drafter_dir, verifier_dir
+from dspark.export.speculators_format import read_drafter_dir, verifier_dir
+from dspark.export.vllm_format import ExportError
 
 SHARED_IN_VLLM = ("model.embed_tokens.", "lm_head.", "model.mask_embedding", "draft_id_to_target_id")
 
@@ -295,7 +295,7 @@ def _check_draft_vocab_in_vllm(
         raise ExportError(f"{exp.path}: vLLM's {cls_name} did not load the exported d2t as its draft_id_to_target_id")
     draft_ids = torch.arange(len(d2t))
     served_ids = draft_ids + mapped.detach().cpu()[draft_ids]  # what map_draft_to_target / compute_logits use
-    from dspark.draft_vocab import target_ids
+    from dspark.data.draft_vocab import target_ids
 
     if not torch.equal(served_ids, target_ids(exp.weights["d2t"])):
         raise ExportError(f"{exp.path}: vLLM maps draft ids to other target ids than the drafter was trained with")

@@ -30,9 +30,9 @@ from dspark.core import derived
 from dspark.core.config import GGUF_TYPES, DSparkConfig
 from dspark.core.families import get_family, llama_cpp_families
 from dspark.core.files import file_sha256
-from dspark.core.llama_cpp import LlamaCpp, LlamaCppError
+from dspark.core.llama_cpp.build import LlamaCpp, LlamaCppError
 from dspark.core.waits import log_tail, run_child
-from dspark.serving_format import CONFIG_FILE, WEIGHTS_FILE, ExportError, read_export
+from dspark.export.vllm_format import CONFIG_FILE, WEIGHTS_FILE, ExportError, read_export
 
 log = logging.getLogger(__name__)
 
@@ -241,9 +241,9 @@ def check_pair(
 ) -> GgufCheck:
     """Serve ``draft`` beside ``target`` in llama-server and draft at least one block: a drafter
     llama.cpp cannot load, or one that does not fit the target, is a :class:`GgufError` naming why."""
-    from dspark.core.llama_server import complete, llama_server, read_counters, server_spec
-    from dspark.core.servers import ServerError, choose_port
-    from dspark.core.serving import LLAMA_CPP_BY_NAME
+    from dspark.core.llama_cpp.server import complete, llama_server, read_counters, server_spec
+    from dspark.core.server_lifecycle import ServerError, choose_port
+    from dspark.core.serving_methods import LLAMA_CPP_BY_NAME
 
     problem = pair_problem(target, draft)
     if problem:
@@ -286,7 +286,7 @@ def export_gguf(
     """The drafter GGUF of ``export_dir`` and, with ``check``, llama.cpp drafting with it beside
     ``target`` (default: ``embedded``, the wheel's own GGUF, else the target converted at f16).
     llama.cpp is built first if it is not (once per machine)."""
-    from dspark.core.llama_cpp import ensure_built
+    from dspark.core.llama_cpp.build import ensure_built
     from dspark.core.target import cache_root
 
     problem = export_problem(export_dir)

@@ -44,7 +44,7 @@ from dspark.core.families import DEFAULT_FAMILY, DrafterDims, get_family, specul
 from dspark.core.families.base import served_window
 from dspark.core.files import atomic_path, read_json, remove_stale_temporaries, replace_problem
 from dspark.core.shard_format import layer_ids_problem
-from dspark.serving_format import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, ExportedDrafter, ExportError
+from dspark.export.vllm_format import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, ExportedDrafter, ExportError
 
 SPECULATORS_VERSION = "0.9.0"
 """The speculators release whose format this writes (and whose loader the tests run, when installed)."""
@@ -192,7 +192,7 @@ def write_speculators(export_dir: Path, out_dir: Path, verifier: Optional[Path] 
 
 def read_speculators(path: Path) -> ExportedDrafter:
     """A speculators DSpark checkpoint (ours converted, or one speculators trained) as our
-    :class:`~dspark.serving_format.ExportedDrafter`: the drafter's config and sizes from its
+    :class:`~dspark.export.vllm_format.ExportedDrafter`: the drafter's config and sizes from its
     config.json, the context layers from ``aux_hidden_state_layer_ids`` (our numbering already),
     the weights by their (shared) names. The eval's reference loop and ``train.init_from`` take it
     as they take our export. What our drafter cannot be (another architecture, the fill-in layout,
@@ -315,7 +315,7 @@ def is_speculators(path: Path) -> bool:
 
 def read_drafter_dir(path: Path) -> ExportedDrafter:
     """Our export or a speculators DSpark checkpoint, whichever ``path`` holds."""
-    from dspark.serving_format import read_export
+    from dspark.export.vllm_format import read_export
 
     return read_speculators(path) if is_speculators(path) else read_export(path)
 

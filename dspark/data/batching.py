@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from dspark.core import fp8
-from dspark.shards import ShardDataset, ShardSequence
+from dspark.data.shards import ShardDataset, ShardSequence
 
 
 @dataclass
