@@ -3,7 +3,7 @@
 W&B run.
 
 The headline of every method is tokens per target step over every verification step
-(:mod:`eval.results`), with vLLM's tau over the drafted steps and the share of drafted steps
+(:mod:`eval.acceptance`), with vLLM's tau over the drafted steps and the share of drafted steps
 beside it, and a 95 % bootstrap interval over prompts beside each tokens-per-step and pos-1
 figure. A check whose interval crosses its line says "inside the noise" instead of pass or fail
 (:mod:`eval.checks`). The speedup table is the model of :mod:`eval.results`.
@@ -63,7 +63,7 @@ def pct(x: float | None) -> str:
 
 
 def metric_text(m: AcceptanceMetric, value: float | None) -> str:
-    """A figure of :data:`~eval.results.ACCEPTANCE_METRICS` for a table, in its own format."""
+    """A figure of :data:`~eval.acceptance.ACCEPTANCE_METRICS` for a table, in its own format."""
     return pct(value) if m.share else fmt(value)
 
 
@@ -201,7 +201,7 @@ def _conditions_section(c: EvalConditions) -> list[str]:
 
 
 def _figures_row(d: DrafterResult, counts: dict[str, Any], bin: str | None) -> list[str]:
-    """Each of :data:`~eval.results.ACCEPTANCE_METRICS` (recomputed from the counters), its
+    """Each of :data:`~eval.acceptance.ACCEPTANCE_METRICS` (recomputed from the counters), its
     interval where it has one, then the steps counted."""
     c = AcceptanceCounts.from_dict(counts)
     summary = c.summary()
@@ -387,7 +387,7 @@ def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
 
 def _wandb_scalars(results: EvalResults, speedups: list[dict[str, Any]]) -> dict[str, float]:
     """Stable metric names (eval/<drafter>/...); NaNs are left out so summaries stay numeric.
-    Each of :data:`~eval.results.ACCEPTANCE_METRICS` under its name (a per-position one under each
+    Each of :data:`~eval.acceptance.ACCEPTANCE_METRICS` under its name (a per-position one under each
     position's, a per-bin one per context bin too); the headline's interval; the ECE; the speedups."""
     out: dict[str, float] = {}
     for d in results.drafters:

@@ -119,7 +119,7 @@ MARKDOWN_COLUMNS = [
     "peak mem GiB",
     "speedup vs none",
 ]
-"""serve_bench.md's columns: the client's figures, each of :data:`~eval.results.ACCEPTANCE_METRICS`
+"""serve_bench.md's columns: the client's figures, each of :data:`~eval.acceptance.ACCEPTANCE_METRICS`
 (position 1 of a per-position one), the peak memory, the speedup."""
 
 
@@ -238,7 +238,7 @@ def wandb_scalars(data: dict[str, Any]) -> dict[str, float]:
 
 SPEC_COLUMNS = tuple(a.name for a in ACCEPTANCE_METRICS if not a.per_position)
 """The acceptance figures of a level's spec in the W&B scalars and table: each of
-:data:`~eval.results.ACCEPTANCE_METRICS` but the per-position ones (one number per cell): tokens
+:data:`~eval.acceptance.ACCEPTANCE_METRICS` but the per-position ones (one number per cell): tokens
 per target step over all steps (the headline), tau over the drafted steps, the share drafted."""
 TABLE_COLUMNS = ["config", "concurrency", *METRICS, *SPEC_COLUMNS, "peak_rss_gib", "peak_gpu_gib"]
 
