@@ -57,7 +57,11 @@ def first_differences(results: dict) -> list[tuple[str, str, int, int, int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("eval_dir", type=Path, help="an eval's out_dir: results.json and eval_set.jsonl")
-    ap.add_argument("--llama-cpp-target", type=Path, help="the target GGUF to teacher-force through llama.cpp")
+    ap.add_argument(
+        "--llama-cpp-target",
+        help="the target GGUF to teacher-force through llama.cpp: a file, or f32/f16/bf16/q8_0 (converted once "
+        "from the eval's target directory into the cache, as eval.llama_cpp_target does)",
+    )
     ap.add_argument("--n-probs", type=int, default=8, help="llama.cpp's top tokens compared per position")
     args = ap.parse_args(argv)
     results = json.loads((args.eval_dir / "results.json").read_text())
@@ -96,18 +100,28 @@ def teacher_forced(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dspark.core.config import GGUF_TYPES
     from dspark.core.llama_cpp.build import ensure_built
     from dspark.core.llama_cpp.server import llama_server, next_token_logprobs, server_spec
     from dspark.core.server_lifecycle import choose_port
     from dspark.core.serving_methods import LLAMA_CPP_BY_NAME
 
+    if str(gguf) in GGUF_TYPES:
+        from dspark.core.target import cache_root
+        from dspark.export.gguf import target_gguf
+
+        gguf = target_gguf(ensure_built(), Path(results["conditions"]["target_path"]), str(gguf), cache=cache_root())
+    gguf = Path(gguf)
     ref = next(d for d in results["drafters"] if d["runner"] == "reference")
     texts = {p["prompt_id"]: (prompts[p["prompt_id"]], p["output_ids"]) for p in ref["per_prompt"]}
     ctx = max(len(a) + len(b) for a, b in texts.values()) + 8
     model = AutoModelForCausalLM.from_pretrained(results["conditions"]["target_path"], dtype=torch.float32).eval()
     spec = server_spec(gguf, LLAMA_CPP_BY_NAME["none"], 1, ctx)
     print(f"llama.cpp target {gguf}, caches {spec.kv_cache_type or 'f16 (default)'}; top {n_probs} per position")
-    print("| prompt | positions | max abs d log-prob | p99 | argmax differs at | margins there (torch / llama.cpp) |")
+    # a position is listed where the two argmaxes differ, or where a llama.cpp row of the eval parted from
+    # the reference text; the margin is (reference token - other token) on each side, so opposite signs
+    # are an argmax flip between the engines and equal signs are a token both engines chose
+    print("| prompt | positions | max abs d log-prob | p99 | flipped or parted at | margins (torch / llama.cpp) |")
     print("|---|---|---|---|---|---|")
     first = {(pid, k): (ours, theirs) for _, pid, k, ours, theirs in diffs}
     every: list[float] = []
@@ -116,7 +130,7 @@ def teacher_forced(
         ensure_built(),
         spec,
         host=host,
-        port=choose_port(host, 0),
+        port=choose_port(host, 0, setting="the port"),
         log_path=out_dir / "llama.cpp" / "teacher_forced.log",
         timeout_s=600,
         what="llama.cpp teacher forcing",
