@@ -164,7 +164,9 @@ def measured(out: Path) -> dict:
         for d in res["drafters"]
     ]
     cond = {k: v for k, v in res["conditions"].items() if k not in ("checkpoint", "export_dir", "extra")}
-    extra = {k: v for k, v in res["conditions"]["extra"].items() if k not in ("eval_seconds", "fingerprint")}
+    extra = {
+        k: v for k, v in res["conditions"]["extra"].items() if k not in ("eval_seconds", "part_seconds", "fingerprint")
+    }
     return {"drafters": drafters, "conditions": cond, "extra": extra, "checks": res.get("checks")}
 
 
