@@ -204,6 +204,8 @@ def test_an_f32_target_is_served_with_f32_caches_for_target_and_drafter(tmp_path
 
     f32, f16, unknown = _gguf(tmp_path / "a.gguf", 0), _gguf(tmp_path / "b.gguf", 1), _gguf(tmp_path / "c.gguf", None)
     assert kv_cache_type_for(f32) == "f32" and kv_cache_type_for(f16) is None and kv_cache_type_for(unknown) is None
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 64)  # llama-server, not the flag rule, refuses it
+    assert kv_cache_type_for(tmp_path / "bad.gguf") is None and kv_cache_type_for(tmp_path / "none.gguf") is None
     spec = server_spec(f32, LLAMA_CPP_BY_NAME["dspark"], 7, 512, draft_gguf=tmp_path / "d.gguf")
     assert spec.kv_cache_type == "f32"
     assert server_spec(f16, LLAMA_CPP_BY_NAME["none"], 7, 512).kv_cache_type is None

@@ -141,7 +141,10 @@ def kv_cache_type_for(target_gguf: Path) -> Optional[str]:
     llama.cpp's default f16 cache moved logits by more than a near-tie's margin); None otherwise."""
     from gguf import GGUFReader
 
-    field = GGUFReader(str(target_gguf)).fields.get("general.file_type")
+    try:
+        field = GGUFReader(str(target_gguf)).fields.get("general.file_type")
+    except (OSError, ValueError):  # not a GGUF gguf-py reads: llama-server says why, naming its log
+        return None
     return "f32" if field is not None and int(field.contents()) == ALL_F32 else None
 
 
