@@ -37,7 +37,6 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
     """Each stage's summary line ends with its wall clock, and the last line totals them: the
     measured duration of the main job, which the README quotes."""
     cfg = load_config(cfg)
-    t0 = time.perf_counter()
     clock = _StageClock()
     heads, target_dir = prepare_target(cfg)
     stages_run = ["target"]
@@ -97,7 +96,7 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
     if cfg.logging.wandb:
         lines.append(f"W&B      {Path(cfg.paths.output_dir) / 'wandb'} (offline runs: wandb sync <run dir>)")
     lines.append(f"time     {clock.total()}")
-    log.info("main job done in %.1f min:\n  %s", (time.perf_counter() - t0) / 60, "\n  ".join(lines))
+    log.info("main job done in %.1f min:\n  %s", clock.minutes(), "\n  ".join(lines))
     return PipelineResult(heads, cfg.drafter, stages_run)
 
 
@@ -114,9 +113,12 @@ class _StageClock:
         self.last = now
         return f"  [{self.stages[-1][1] / 60:.1f} min]"
 
+    def minutes(self) -> float:
+        return (time.perf_counter() - self.start) / 60
+
     def total(self) -> str:
         parts = " + ".join(f"{stage} {s / 60:.1f}" for stage, s in self.stages)
-        return f"{(time.perf_counter() - self.start) / 60:.1f} min of wall clock ({parts})"
+        return f"{self.minutes():.1f} min of wall clock ({parts})"
 
 
 def online_source(cfg: RunConfig, target_dir: Path):  # noqa: ANN201 - a SequenceSource, or None
