@@ -93,67 +93,84 @@ def test_logits_markov_bias_and_confidence_agree_on_the_same_weights(pair):
     torch.testing.assert_close(out.confidence_logits[0], their_conf.view(len(ANCHORS), block), rtol=0, atol=1e-5)
 
 
-def test_tv_kl_ce_and_confidence_bce_agree_at_matched_weights(pair):
-    """Where the definitions coincide: TV, KL (speculators' default ``kl_div``, our ``kl``) and the
-    confidence BCE (against the detached 1 - TV) per prediction, and CE when the data are the
-    target's greedy text (speculators' CE is against the target's argmax, ours against the
-    dataset's token); every prediction supervised and weighted alike, so speculators' masked mean
-    and our weighted mean are the same reduction
-    (their defaults differ: docs/speculators_notes.md, "Losses")."""
-    from speculators.losses import compound_loss, resolve_loss_config
-    from torch.nn.functional import binary_cross_entropy_with_logits
+def test_public_forward_loss_and_metrics_agree_with_ours_at_speculators_defaults(pair):
+    """Through speculators' public ``DSparkDraftModel.forward``: its anchors, Markov bias, confidence
+    head and its own ``compute_metrics``, at its defaults (position decay gamma 4, confidence alpha
+    1), on greedy data (speculators' CE is against the target's argmax, ours against the dataset's
+    token) with every prediction supervised. One definition differs and is accounted for, not
+    hidden: speculators divides the decayed sum by the number of predictions, ours by the sum of
+    the decay weights, so each of their terms is ours times the mean weight over a block
+    (docs/speculators_notes.md, "Losses and where they differ from ours by design"). Their loss
+    for each of ``tv``, ``kl_div`` and ``ce`` is that term plus the confidence BCE (each scaled
+    so); their greedy accepted length (``eal``) is our tau and their mean acceptance rate our mean
+    1 - TV. A change in speculators' forward, its anchor selection or its metrics shows here."""
+    from speculators.losses import resolve_loss_config
 
     from dspark.core.config import LossSettings
     from dspark.loss import dspark_loss
 
     theirs, ours, verifier = pair
-    block, a = ours.cfg.block_size, len(ANCHORS)
+    block, gamma = ours.cfg.block_size, 4.0
     gen = torch.Generator().manual_seed(4)
     states = torch.randn(1, T, 3 * 32, generator=gen)
     last = torch.randn(1, T, 32, generator=gen)
-    with torch.no_grad():
-        target_logits = verifier.lm_head(verifier.model.norm(last))
     ids = torch.randint(0, 96, (1, T), generator=gen)
-    ids[0, 1:] = target_logits[0, :-1].argmax(-1)  # greedy data: x_{t+1} is the target's argmax at t
-    loss_mask = torch.zeros(1, T)
-    loss_mask[0, ANCHORS] = 1
+    # Greedy data on which the first draft of every block is right, so tau and speculators' greedy
+    # accepted length are away from their bound of 1: position by position, the target's final state
+    # at t is set to point at the token our drafter's first slot predicts from anchor t (that slot
+    # reads only the anchor's token and the states before it), and that token is x_{t+1}.
+    head, norm_w = verifier.lm_head.weight.detach(), verifier.model.norm.weight.detach()
     with torch.no_grad():
-        hidden, logits, targets, _, idx = theirs._backbone_forward(
-            states, ids, loss_mask, last, torch.zeros(1, T, dtype=torch.long), max_anchors=a
-        )
-        prev = ids[0, idx].view(a, block)
-        prev_emb = theirs.markov_head.prev_embeddings(prev)
-        bias = theirs.markov_head.block_bias(
-            prev_token_ids=prev, hidden_states=hidden.view(a, block, -1), prev_emb=prev_emb
-        )
-        logits = (logits.view(a, block, -1) + bias).view(1, a * block, -1)
-        conf = theirs.confidence_head(torch.cat([hidden.view(a, block, -1), prev_emb], -1)).view(1, -1)
-        every = torch.ones(1, a * block)  # every prediction supervised, no position weights
-        pos = (torch.arange(a * block) % block)[None]
-        tv, _ = compound_loss(logits, targets, every, pos, loss_config=resolve_loss_config("tv", "eager"))
-        ce, _ = compound_loss(logits, targets, every, pos, loss_config=resolve_loss_config("ce", "eager"))
-        kl, _ = compound_loss(logits, targets, every, pos, loss_config=resolve_loss_config("kl_div", "eager"))
-        tv_fn = resolve_loss_config("tv", "eager")["tv"][0]
-        bce = binary_cross_entropy_with_logits(conf, 1.0 - tv_fn(logits, targets), reduction="none").mean()
+        for t in range(T - 1):
+            if 1 <= t < T - block:
+                out = ours(ids, states[:, : T - 1], torch.tensor([[t]]))
+                first = ours.lm_head(out.hidden)[0, 0, 0] + ours.markov_head.markov_w2(out.markov_embed)[0, 0, 0]
+                last[0, t] = head[first.argmax()] / norm_w  # RMS norm then the head: the argmax is that token
+            ids[0, t + 1] = verifier.lm_head(verifier.model.norm(last[:, t])).argmax(-1)
+        target_logits = verifier.lm_head(verifier.model.norm(last))
+    assert torch.equal(ids[0, 1:], target_logits[0, :-1].argmax(-1))  # greedy: x_{t+1} is the target's argmax at t
+    loss_mask = torch.ones(1, T)
+    loss_mask[0, 0] = 0  # anchors 1 .. T - block - 1 (none in the last block): every slot supervised
+    anchors = list(range(1, T - block))
 
-        out = ours(ids, states[:, : T - 1], torch.tensor([ANCHORS]))
+    def speculators_forward(spec: str) -> tuple[float, dict[str, float]]:
+        with torch.no_grad():
+            _, loss, metrics = theirs(
+                hidden_states=states,
+                input_ids=ids,
+                loss_mask=loss_mask,
+                verifier_last_hidden_states=last,
+                document_ids=torch.zeros(1, T, dtype=torch.long),
+                loss_config=resolve_loss_config(spec, "eager"),
+                tv_loss_fn=resolve_loss_config("tv", "eager")["tv"][0],
+                gamma=gamma,
+                max_anchors=len(anchors),
+                confidence_head_alpha=1.0,
+            )
+        return float(loss), {k: float(v) for k, v in metrics.items()}
+
+    with torch.no_grad():
+        out = ours(ids, states[:, : T - 1], torch.tensor([anchors]))
         mine = dspark_loss(
             ours,
             out,
             input_ids=ids,
             final_states=last[:, : T - 1],
-            anchor_positions=torch.tensor([ANCHORS]),
-            valid_anchors=torch.ones(1, a, dtype=torch.bool),
+            anchor_positions=torch.tensor([anchors]),
+            valid_anchors=torch.ones(1, len(anchors), dtype=torch.bool),
             loss_mask=torch.ones(1, T, dtype=torch.bool),
             lengths=torch.tensor([T]),
-            cfg=LossSettings(ce_weight=1.0, tv_weight=1.0, confidence_weight=1.0, position_decay=float("inf")),
+            cfg=LossSettings(ce_weight=1.0, tv_weight=1.0, kl_weight=1.0, confidence_weight=1.0, position_decay=gamma),
         )
-    assert 0.05 < float(tv) < 0.95 and float(ce) > 0.1 and float(kl) > 0.1 and float(bce) > 0.1  # away from bounds
-    pairs = (
-        ("tv", mine.tv, tv),
-        ("kl", mine.kl, kl),
-        ("ce", mine.ce, ce),
-        ("confidence_bce", mine.confidence_bce, bce),
-    )
-    for name, got, want in pairs:
-        assert abs(float(got) - float(want)) < 1e-5, (name, float(got), float(want))
+    mean_w = float(torch.exp(-torch.arange(block) / gamma).mean())  # their normaliser over ours
+    bce = mean_w * float(mine.confidence_bce)
+    for spec, term in (("tv", mine.tv), ("kl_div", mine.kl), ("ce", mine.ce)):
+        loss, metrics = speculators_forward(spec)
+        assert 0.05 < float(term) and float(mine.confidence_bce) > 0.1  # away from zero: the terms are measured
+        assert abs(loss - (mean_w * float(term) + bce)) < 1e-5, (spec, loss, mean_w * float(term) + bce)
+        assert abs(metrics["confidence_loss_sum"] - bce) < 1e-5, (spec, metrics["confidence_loss_sum"], bce)
+        assert metrics["eal_total"] == len(anchors)
+        assert abs(metrics["eal_sum"] / metrics["eal_total"] - mine.tau) < 1e-6, (metrics["eal_sum"], mine.tau)
+        rate = metrics["accept_rate_sum"] / metrics["accept_rate_total"]
+        assert abs(rate - float(mine.accept_prob_per_position.mean())) < 1e-5
+    assert 2.0 <= mine.tau < block + 1  # every first draft matches, not every later one: tau is away from its bounds
