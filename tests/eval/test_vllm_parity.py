@@ -99,17 +99,32 @@ def test_dflash_export_served_by_vllm_matches_the_reference_loop(tmp_path, smoll
         (tmp_path / "eval" / "smollm2-135m" / "markov0-fillin-noconf-L1-b4-i256" / "results.json").read_text()
     )
     by_name = {d["name"]: d for d in results["drafters"]}
-    ref, served = by_name["dspark"]["overall"], by_name["vllm-dflash-ours"]["overall"]
-    assert ref["tau"] > 1.5, ref  # the drafter really drafts (1.79 when this was written)
-    assert served["tau"] == pytest.approx(ref["tau"], rel=0.02), (served, ref)
-    assert served["num_drafts"] == pytest.approx(ref["num_drafts"], rel=0.02)
+    ref, served = by_name["dspark"], by_name["vllm-dflash-ours"]
+    assert ref["overall"]["tau"] > 1.5, ref["overall"]  # the drafter really drafts (1.79 when this was written)
+    # Greedy and lossless on both sides: where vLLM's text is the reference loop's, every step saw the
+    # same context, so the drafter drafted the same blocks and the target accepted the same tokens;
+    # count for count, not within a tolerance. A text may part only where vLLM's CPU kernels and
+    # torch's sum in another order and flip a near-tie of the target; at most one prompt may
+    # (10 of 10 equal, tau 1.642 on both sides, when this was written: 2026-12-05).
+    ref_pp = {str(p["prompt_id"]): p for p in ref["per_prompt"]}
+    pairs = [(p, ref_pp[str(p["prompt_id"])]) for p in served["per_prompt"]]
+    same = [(s, r) for s, r in pairs if s["output_ids"] == r["output_ids"]]
+    assert len(pairs) == len(ref_pp) >= 6 and len(same) >= len(pairs) - 1, [
+        (s["prompt_id"], s["output_ids"] == r["output_ids"]) for s, r in pairs
+    ]
+    keys = ("num_steps", "num_drafts", "num_accepted", "accepted_per_pos")
+    for s, r in same:
+        assert [s[k] for k in keys] == [r[k] for k in keys], (s["prompt_id"], [(s[k], r[k]) for k in keys])
     # vLLM's own lookup in the reference loop counts what the served ngram counts: every step,
-    # drafted or not (they agreed exactly when this was written)
-    ref_ngram, vllm_ngram = by_name["ngram-reference"]["overall"], by_name["ngram"]["overall"]
-    assert vllm_ngram["num_steps"] > vllm_ngram["num_drafts"] > 0  # some steps had no match
-    for key in ("num_steps", "num_drafts", "num_accepted"):
-        assert ref_ngram[key] == pytest.approx(vllm_ngram[key], rel=0.02), (key, ref_ngram, vllm_ngram)
-    assert ref_ngram["tokens_per_step"] == pytest.approx(vllm_ngram["tokens_per_step"], rel=0.02)
+    # drafted or not, and the same text
+    ref_ngram, vllm_ngram = by_name["ngram-reference"], by_name["ngram"]
+    assert vllm_ngram["overall"]["num_steps"] > vllm_ngram["overall"]["num_drafts"] > 0  # some steps had no match
+    ngram_ref_pp = {str(p["prompt_id"]): p for p in ref_ngram["per_prompt"]}
+    ngram_pairs = [(p, ngram_ref_pp[str(p["prompt_id"])]) for p in vllm_ngram["per_prompt"]]
+    ngram_same = [(s, r) for s, r in ngram_pairs if s["output_ids"] == r["output_ids"]]
+    assert len(ngram_pairs) == len(pairs) and len(ngram_same) >= len(ngram_pairs) - 1
+    for s, r in ngram_same:
+        assert [s[k] for k in keys] == [r[k] for k in keys], (s["prompt_id"], [(s[k], r[k]) for k in keys])
     # the export that vLLM served is the one the reference loop read
     cfg = json.loads(
         (
