@@ -161,6 +161,7 @@ def _train_without_data(tmp_path: Path, **env: str) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_a_user_error_in_a_stage_is_one_line_and_exit_status_2(tmp_path, smollm2_dir):
     out = _train_without_data(tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -173,6 +174,7 @@ def test_a_user_error_in_a_stage_is_one_line_and_exit_status_2(tmp_path, smollm2
     assert not (tmp_path / "checkpoints").exists()  # refused before anything was written
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_a_user_error_shows_its_traceback_with_hydra_full_error(tmp_path, smollm2_dir):
     out = _train_without_data(tmp_path, HYDRA_FULL_ERROR="1")
     assert out.returncode == 1

@@ -31,6 +31,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_a_child_past_its_bound_is_killed_with_its_children_and_named(tmp_path):
     log, pidfile = tmp_path / "child.log", tmp_path / "grandchild.pid"
     t0 = time.monotonic()
@@ -59,6 +60,7 @@ def test_a_child_in_bound_gives_its_exit_status_and_log(tmp_path):
     assert log.read_text() == "hi\n"
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_the_vllm_child_of_eval_is_bounded_by_eval_vllm_timeout_s(tmp_path, monkeypatch):
     from eval.vllm_rows import ServeSpec, run_in_subprocess
 

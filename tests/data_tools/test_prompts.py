@@ -274,6 +274,7 @@ def test_bundled_prompts_ignore_packages_put_on_sys_path_at_run_time(tmp_path, m
     assert [c.seq_id for c in bundled_conversations()] == before
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_extraction_refuses_a_missing_prompt_file_in_one_line_with_exit_status_2(tmp_path, smollm2_dir):
     out = subprocess.run(
         [

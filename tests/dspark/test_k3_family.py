@@ -121,6 +121,7 @@ def test_the_k3_preset_trains_exports_and_vllms_k3_class_loads_it(k3_dir, tiny_t
     assert len(tokens) == 4 and len(confs) == 4 and all(0 < c < 1 for c in confs)
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_k3_family_under_zero0_and_zero3_and_colocated_trains_alike(k3_dir, tiny_target_and_shards, tmp_path):
     """ZeRO-3 partitions the MLA parameters like any others, and the colocated target (here the
     tiny Llama the K3 directory stands in for) gives the shard run's losses."""

@@ -839,6 +839,7 @@ sys.exit(dspark.export.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_kill_9_mid_export_leaves_no_half_export_and_the_rerun_writes_the_same_bytes(
     compose_config, tiny, tmp_path, caplog
 ):
@@ -916,6 +917,7 @@ print("engine", type(engine).__name__)
     assert "group (0, 1)" in out.stdout and "engine DeepSpeedEngine" in out.stdout
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_a_rendezvous_nobody_joins_ends_within_train_dist_timeout_s_naming_it():
     """Rank 1 of 2 whose master never comes up: torch would retry; the bound ends it, naming the
     address, the world size and the setting."""

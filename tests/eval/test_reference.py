@@ -168,6 +168,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert 0.5 * (q - p).abs().sum() > 0.4  # the test would catch "always accept"
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_speculative_sampling_matches_exact_target_marginals():
     """End to end on a 6-token vocabulary: the marginal of generated tokens 2 and 3 over many
     sampled runs equals the exact target marginal (computed by enumeration)."""

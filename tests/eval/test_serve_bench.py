@@ -129,6 +129,7 @@ def _tree(pid: int) -> list[psutil.Process]:
     return [p, *p.children(recursive=True)]
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_a_server_never_healthy_is_stopped_and_its_log_named(tmp_path):
     log = tmp_path / "logs" / "server_ours.log"
     seen: list[psutil.Process] = []

@@ -241,6 +241,7 @@ def test_eval_renders_node0_driver_and_headless_workers(render):
     assert all(x["env"]["VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"] == "1" for x in r.launches)
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 @pytest.mark.parametrize("script", ["extract.sbatch", "eval.sbatch"])
 def test_the_job_result_is_node0s_not_the_headless_workers(render, script):
     """srun --wait stops the headless workers once node 0 is done; their status must not fail
@@ -290,6 +291,7 @@ def test_dspark_allow_cpu_skips_the_gpu_check(render):
     assert "DSPARK_ALLOW_CPU=1: no GPU check" in r.log and arg(r.node(0), "--nproc_per_node=") == "1"
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_tp16_on_two_nodes_is_refused_with_the_expected_shape(render):
     r = render("extract.sbatch", nodes=2)
     assert r.rc == 2 and not r.launches

@@ -115,6 +115,7 @@ def test_sbatch_test_only_accepts_every_script(slurm, tmp_path, script):
 # -- early environment checks and afterok, with jobs that fail in seconds ----------------------
 
 
+@pytest.mark.slow  # among the fast tier's longest: the full suite runs it, the fast tier stays under 5 min
 def test_failing_first_stage_means_dependents_never_run(slurm, tmp_path):
     # pipeline.sh composes the config with the real interpreter; only the jobs get the bad one
     ids = pipeline(slurm, tmp_path, "--cpu", "-s", "--export=ALL,PYTHON=/nonexistent/python")
