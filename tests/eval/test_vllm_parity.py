@@ -33,6 +33,23 @@ def _run(cmd: list[str], timeout: int = 1200) -> str:
     return log
 
 
+COUNTS = ("num_steps", "num_drafts", "num_accepted", "accepted_per_pos")
+
+
+def assert_counted_alike_where_texts_equal(served: dict, ref: dict) -> int:
+    """A served row against its reference-loop twin, prompt by prompt: at most one text may part,
+    and where the texts are equal every count is (``COUNTS``). Returns the number of prompts."""
+    ref_pp = {str(p["prompt_id"]): p for p in ref["per_prompt"]}
+    pairs = [(p, ref_pp[str(p["prompt_id"])]) for p in served["per_prompt"]]
+    same = [(s, r) for s, r in pairs if s["output_ids"] == r["output_ids"]]
+    assert len(pairs) == len(ref_pp) and len(same) >= len(pairs) - 1, [
+        (s["prompt_id"], s["output_ids"] == r["output_ids"]) for s, r in pairs
+    ]
+    for s, r in same:
+        assert [s[k] for k in COUNTS] == [r[k] for k in COUNTS], (s["prompt_id"], [(s[k], r[k]) for k in COUNTS])
+    return len(pairs)
+
+
 def test_dflash_export_served_by_vllm_matches_the_reference_loop(tmp_path, smollm2_dir):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
@@ -106,25 +123,13 @@ def test_dflash_export_served_by_vllm_matches_the_reference_loop(tmp_path, smoll
     # count for count, not within a tolerance. A text may part only where vLLM's CPU kernels and
     # torch's sum in another order and flip a near-tie of the target; at most one prompt may
     # (10 of 10 equal, tau 1.642 on both sides, when this was written: 2026-12-05).
-    ref_pp = {str(p["prompt_id"]): p for p in ref["per_prompt"]}
-    pairs = [(p, ref_pp[str(p["prompt_id"])]) for p in served["per_prompt"]]
-    same = [(s, r) for s, r in pairs if s["output_ids"] == r["output_ids"]]
-    assert len(pairs) == len(ref_pp) >= 6 and len(same) >= len(pairs) - 1, [
-        (s["prompt_id"], s["output_ids"] == r["output_ids"]) for s, r in pairs
-    ]
-    keys = ("num_steps", "num_drafts", "num_accepted", "accepted_per_pos")
-    for s, r in same:
-        assert [s[k] for k in keys] == [r[k] for k in keys], (s["prompt_id"], [(s[k], r[k]) for k in keys])
+    n = assert_counted_alike_where_texts_equal(served, ref)
+    assert n >= 6
     # vLLM's own lookup in the reference loop counts what the served ngram counts: every step,
     # drafted or not, and the same text
     ref_ngram, vllm_ngram = by_name["ngram-reference"], by_name["ngram"]
     assert vllm_ngram["overall"]["num_steps"] > vllm_ngram["overall"]["num_drafts"] > 0  # some steps had no match
-    ngram_ref_pp = {str(p["prompt_id"]): p for p in ref_ngram["per_prompt"]}
-    ngram_pairs = [(p, ngram_ref_pp[str(p["prompt_id"])]) for p in vllm_ngram["per_prompt"]]
-    ngram_same = [(s, r) for s, r in ngram_pairs if s["output_ids"] == r["output_ids"]]
-    assert len(ngram_pairs) == len(pairs) and len(ngram_same) >= len(ngram_pairs) - 1
-    for s, r in ngram_same:
-        assert [s[k] for k in keys] == [r[k] for k in keys], (s["prompt_id"], [(s[k], r[k]) for k in keys])
+    assert assert_counted_alike_where_texts_equal(vllm_ngram, ref_ngram) == n
     # the export that vLLM served is the one the reference loop read
     cfg = json.loads(
         (
