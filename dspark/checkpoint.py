@@ -116,6 +116,17 @@ _SIZE_MISMATCH = re.compile(
 )
 
 
+def load_with_frozen_from_the_target(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """DeepSpeed's ``custom_load_fn`` for a tag saved with ``exclude_frozen_parameters``: the tag
+    holds the trainable tensors and the buffers; the frozen ones (the target's embedding, norm and
+    LM head, which the drafter is built from) keep what the drafter was built with. The load stays
+    strict: a trainable tensor missing from the tag, one of another shape or one the drafter lacks
+    raises torch's ``Error(s) in loading state_dict`` (:func:`state_dict_mismatch`). Tags from before
+    hold the frozen tensors too and load the same way."""
+    frozen = {n: p for n, p in dst.named_parameters() if not p.requires_grad and n not in src}
+    dst.load_state_dict({**frozen, **src}, strict=True)
+
+
 def state_dict_mismatch(err: BaseException) -> Optional[str]:
     """torch's ``Error(s) in loading state_dict`` (what DeepSpeed's load of a tag into another
     drafter raises) summarized in one line: how many tensors differ in shape, are missing or are
@@ -183,7 +194,9 @@ class Checkpointer:
         is removed, and a full disk is said so (DeepSpeed's torch.save reports only
         ``unexpected pos ...``)."""
         try:
-            engine.save_checkpoint(str(self.directory), tag=tag, client_state=client, save_latest=False)
+            engine.save_checkpoint(
+                str(self.directory), tag=tag, client_state=client, save_latest=False, exclude_frozen_parameters=True
+            )
         except Exception as e:
             full = is_disk_full(e, self.directory)  # before the half tag, which filled the disk, is removed
             written = tag_bytes(self.directory / tag)
@@ -220,11 +233,13 @@ class Checkpointer:
 
     def _checkpoint_bytes(self, engine: Any) -> int:
         """About what a tag takes: the last complete one's size, or before there is one the
-        module's tensors plus AdamW's two moments (a lower bound: ZeRO adds fp32 master copies)."""
+        module's saved tensors (the frozen ones are not: :meth:`save`) plus AdamW's two moments (a
+        lower bound: ZeRO adds fp32 master copies)."""
         last = latest_tag(self.directory)
         if last is not None and last.is_dir():
             return tag_bytes(last)
-        module = {t.data_ptr(): t.numel() * t.element_size() for t in engine.module.state_dict().values()}
+        saved = engine.module_state_dict(exclude_frozen_parameters=True).values()
+        module = {t.data_ptr(): t.numel() * t.element_size() for t in saved}
         trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
         return sum(module.values()) + 2 * 4 * trainable
 
@@ -268,7 +283,7 @@ class Checkpointer:
         else:
             path, tag = tag_dir.parent, tag_dir.name
         try:
-            loaded, client = engine.load_checkpoint(str(path), tag=tag)
+            loaded, client = engine.load_checkpoint(str(path), tag=tag, custom_load_fn=load_with_frozen_from_the_target)
         except RuntimeError as e:
             differs = state_dict_mismatch(e)
             if differs is None:

@@ -116,6 +116,35 @@ def test_resume_continues_the_same_loss_curve(compose_config, tiny, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
+def test_a_tag_holds_no_frozen_tensor_and_a_resume_loads_the_rest_strictly(compose_config, tiny, tmp_path):
+    """The target's embedding, norm and LM head are frozen and rebuilt from the target, so a tag
+    does not hold them (DeepSpeed's exclude_frozen_parameters: at K3's vocabulary they would be GBs
+    a tag); a resume gets them from the target and every other tensor from the tag, strictly: a tag
+    short of a trainable tensor is refused, naming it."""
+    from dspark.checkpoint_tags import CheckpointError
+
+    run = ("train.max_steps=2", "train.save_every=2")
+    tr = make_trainer(compose_config, tiny, tmp_path, *run)
+    tr.train()
+    states_file = tmp_path / "ckpt" / "step00000002" / "mp_rank_00_model_states.pt"
+    states = torch.load(states_file, weights_only=False)
+    frozen = {n for n, p in tr.engine.module.named_parameters() if not p.requires_grad}
+    assert {"drafter.embed_tokens.weight", "drafter.lm_head.weight", "drafter.target_norm.weight"} <= frozen
+    assert set(states["module"]) == set(tr.engine.module.state_dict()) - frozen
+    resumed = make_trainer(compose_config, tiny, tmp_path, *run)
+    assert resumed.state.step == 2
+    heads = load_target_heads(tiny[0])
+    assert torch.equal(resumed.model.embed_tokens.weight, heads.embed_tokens)
+    assert torch.equal(resumed.model.lm_head.weight, heads.lm_head)
+    for name, p in tr.model.named_parameters():
+        assert torch.equal(dict(resumed.model.named_parameters())[name], p), name
+    resumed.close()  # releases the checkpoint directory
+    del states["module"]["drafter.fc.weight"]
+    torch.save(states, states_file)
+    with pytest.raises(CheckpointError, match=r"1 tensor\(s\) missing from the tag, e\.g\. drafter\.fc\.weight"):
+        make_trainer(compose_config, tiny, tmp_path, *run)
+
+
 def test_a_finished_run_with_changed_settings_or_dataset_is_refused_not_skipped(compose_config, tiny, tmp_path):
     """Issue #37: another lr, another dataset (even a bad path) printed "train up to date, skipped".
     A run is skipped only if nothing that shapes it changed; run-control keys may change."""
