@@ -5,7 +5,8 @@ n-gram chained before it; per context bin, decode tokens/s, the speedup over no 
 interval over the bin's prompts, paired), the draft pass per step and tokens per target step.
 
     python benchmarks/llama_cpp_window_cost.py --eval-set SET.jsonl --target-dir TARGET_DIR \\
-        --drafter full=EXPORT_A --drafter win512=EXPORT_B [--bins 1024 7936] [--per-bin 6] [--threads 2]
+        --drafter full=EXPORT_A --drafter win512=EXPORT_B [--bins 1024 7936] [--per-bin 6] [--threads 2] \\
+        [--methods dspark ngram-then-dspark]
 
 The target is the embedded SmolLM2's own Q4_1 GGUF (what a user runs), the drafters f32 GGUFs
 converted by llama.cpp's own converter, the KV cache llama-server's default (f16). Run it alone:
@@ -34,6 +35,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--gamma", type=int, default=7)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=["dspark", "ngram-then-dspark"],
+        choices=["dspark", "ngram-then-dspark"],
+        help="the rows served per drafter (none is always served: the speedup's base)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "llama_cpp_window_cost")
     args = ap.parse_args(argv)
 
@@ -68,7 +76,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for spec in args.drafter:
         name, _, export_dir = spec.partition("=")
         draft = convert_export(tree, Path(export_dir), args.target_dir, "f32")
-        for method in ("dspark", "ngram-then-dspark"):
+        for method in args.methods:
             rows[f"{method}:{name}"] = serve_prompts(
                 s, LLAMA_CPP_BY_NAME[method], draft, chosen, args.out / f"{method}-{name}.log"
             )
