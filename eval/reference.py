@@ -96,9 +96,9 @@ class TargetRunner:
         return int(self.cache.get_seq_length()) if self.cache is not None else 0
 
     @torch.no_grad()
-    def forward(self, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: Sequence[int], states: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        want_states = bool(self.layer_ids)  # plain decoding asks for none: a fair baseline
+        want_states = states and bool(self.layer_ids)  # plain decoding asks for none: a fair baseline
         out = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True, output_hidden_states=want_states)
         self.cache = out.past_key_values
         if not want_states:
@@ -111,15 +111,55 @@ class TargetRunner:
         if n > 0:
             self.cache.crop(-n)
 
+    def prefill(self, prompt: Sequence[int]) -> Prefill:
+        """A fresh cache holding ``prompt``: its last position's logits and every position's
+        context states, for every pass over the prompt (:meth:`rewind`)."""
+        self.reset()
+        logits, states = self.forward(prompt)
+        return Prefill(logits[-1], states, len(prompt))
+
+    def rewind(self, prefill: Prefill) -> None:
+        """Back to the cache :meth:`prefill` left (a pass appends to it and crops only what it
+        rejects): the prompt's cached keys and values are the prefill's own, bit for bit."""
+        if self.cache is None or self.length < prefill.length:
+            raise ValueError(f"rewind to {prefill.length} cached positions, but the cache holds {self.length}")
+        self.cache.crop(prefill.length)
+
+
+@dataclass
+class Prefill:
+    """The target's forward over one prompt (:meth:`TargetRunner.prefill`), computed once and shared
+    by every pass over that prompt (plain decoding, each drafter, the chain): the prompt's prefill
+    is most of a long prompt's cost, and no pass's decode timing includes it."""
+
+    logits: torch.Tensor  # [V], the last position's
+    states: torch.Tensor  # [len, C], the context layers' states (C = 0 without layers)
+    length: int
+
+
+def state_columns(runner_layers: Sequence[int], layers: Sequence[int], width: int) -> Optional[torch.Tensor]:
+    """The columns of a :class:`TargetRunner`'s states (its ``runner_layers``' states side by side,
+    ``width`` each) that hold ``layers``', in that order; None when they are all of them in order."""
+    runner_layers, layers = [int(i) for i in runner_layers], [int(i) for i in layers]
+    if layers == runner_layers:
+        return None
+    missing = [i for i in layers if i not in runner_layers]
+    if missing:
+        raise ValueError(f"layers {missing} are not among the target runner's {runner_layers}")
+    return torch.cat([torch.arange(j * width, (j + 1) * width) for j in map(runner_layers.index, layers)])
+
 
 class DraftRunner:
     """Our drafter over a growing context cache (what vLLM's drafter KV or latent cache holds), on
     the drafter's device."""
 
-    def __init__(self, drafter: torch.nn.Module):
+    def __init__(self, drafter: torch.nn.Module, columns: Optional[torch.Tensor] = None):
         self.drafter = drafter.eval()
         self.device = drafter.fc.weight.device
         self.cfg = drafter.cfg
+        self.columns = columns
+        """Which columns of the target runner's states are this drafter's context layers, when the
+        runner serves several drafters (:func:`state_columns`); None: all of them, in order."""
         self.kv: Optional[list[tuple[torch.Tensor, ...]]] = None  # per layer, the family's context cache
         self.length = 0
 
@@ -128,6 +168,8 @@ class DraftRunner:
 
     def extend(self, states: torch.Tensor) -> None:
         """Append target states [n, C] for the next n positions."""
+        if self.columns is not None:
+            states = states[:, self.columns.to(states.device)]
         pos = torch.arange(self.length, self.length + states.shape[0], device=self.device)[None]
         new = self.drafter.context_kv(states[None].to(self.device, self.drafter.fc.weight.dtype), pos)
         self.kv = self.drafter.extend_context(self.kv, new)
@@ -277,21 +319,23 @@ def speculative_generate(
     eos: set[int],
     gen: torch.Generator,
     lookup: Optional[PromptLookup] = None,
+    prefill: Optional[Prefill] = None,
 ) -> Generation:
     """One prompt. ``draft`` alone: our drafter every step; ``lookup`` alone: vLLM's ngram rule
     (a step without a match verifies the anchor alone); both: the lookup where it matches, the
-    drafter otherwise (its context still grows every step)."""
+    drafter otherwise (its context still grows every step). ``prefill``: this prompt's, shared with
+    other passes (``target`` made it); None: computed here."""
     if draft is None and lookup is None:
         raise ValueError("speculative_generate needs a drafter, a prompt lookup, or both")
     res = Generation([], AcceptanceCounts(cfg.gamma))
-    target.reset()
     if draft is not None:
         draft.reset()
     t0 = time.perf_counter()
-    logits, states = target.forward(prompt)
-    out = [_first_token(logits[-1], cfg.temperature, gen)]
+    prefill = _prefilled(target, prompt, prefill)
+    out = [_first_token(prefill.logits, cfg.temperature, gen)]
     if draft is not None:
-        draft.extend(states)
+        draft.extend(prefill.states)
+    logits = prefill.logits[None]
     res.prefill_s = time.perf_counter() - t0
     t_dec = time.perf_counter()
     while True:
@@ -325,23 +369,37 @@ def speculative_generate(
     return res
 
 
+def _prefilled(target: TargetRunner, prompt: Sequence[int], prefill: Optional[Prefill]) -> Prefill:
+    if prefill is None:  # TargetRunner.prefill, through the runner interface (reset, forward) alone
+        target.reset()
+        logits, states = target.forward(prompt)
+        return Prefill(logits[-1], states, len(prompt))
+    if prefill.length != len(prompt):
+        raise ValueError(f"a prefill of {prefill.length} tokens for a prompt of {len(prompt)}")
+    target.rewind(prefill)
+    return prefill
+
+
 def plain_generate(
-    target: TargetRunner, prompt: Sequence[int], cfg: DecodeConfig, eos: set[int], gen: torch.Generator
+    target: TargetRunner,
+    prompt: Sequence[int],
+    cfg: DecodeConfig,
+    eos: set[int],
+    gen: torch.Generator,
+    prefill: Optional[Prefill] = None,
 ) -> Generation:
-    """The same target decoding one token per forward: the baseline for tokens/s and the
-    losslessness check."""
+    """The same target decoding one token per forward (no context states asked for): the baseline
+    for tokens/s and the losslessness check. ``prefill`` as in :func:`speculative_generate`."""
     res = Generation([], AcceptanceCounts(cfg.gamma))
-    target.reset()
     t0 = time.perf_counter()
-    logits, _ = target.forward(prompt)
-    out = [_first_token(logits[-1], cfg.temperature, gen)]
+    out = [_first_token(_prefilled(target, prompt, prefill).logits, cfg.temperature, gen)]
     res.prefill_s = time.perf_counter() - t0
     t_dec = time.perf_counter()
     while True:
         out, done = _finish(out, cfg.max_new_tokens, eos)
         if done:
             break
-        logits, _ = target.forward([out[-1]])
+        logits, _ = target.forward([out[-1]], states=False)
         out.append(_first_token(logits[-1], cfg.temperature, gen))
     res.decode_s = time.perf_counter() - t_dec
     res.tokens = out

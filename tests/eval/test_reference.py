@@ -12,6 +12,7 @@ from eval.reference import (
     calibration,
     plain_generate,
     speculative_generate,
+    state_columns,
     verify,
 )
 from tests.toy import tiny_drafter, tiny_drafter_config, tiny_llama_target
@@ -98,6 +99,44 @@ def test_a_windowed_cached_block_equals_the_windowed_training_forward(sample_fro
     inside[a - w + 1 + (0 if sample_from_anchor else 1)] += 5.0
     assert torch.equal(cached(outside), got)
     assert not torch.allclose(cached(inside), got)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_passes_that_share_one_prefill_equal_passes_that_prefill_alone(temperature):
+    """The eval runs every pass over a prompt from one prefill (``TargetRunner.prefill``, rewound
+    before each pass) on a runner that holds every drafter's layers: each pass's tokens, counts and
+    confidences equal those of the same pass prefilling alone on its own runner, and the rewound
+    cache continues exactly as a fresh prefill does."""
+    target, drafter = tiny_pair(8)
+    cfg = DecodeConfig(gamma=4, max_new_tokens=24, temperature=temperature)
+    prompt = torch.randint(0, 8, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def gen(seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+
+    alone_t = TargetRunner(target, LAYERS)
+    alone = [speculative_generate(alone_t, DraftRunner(drafter), prompt, cfg, set(), gen(s)) for s in (0, 1)]
+    alone_plain = plain_generate(TargetRunner(target, []), prompt, cfg, set(), gen(0))
+
+    wide = [0, *LAYERS]  # another drafter's layer 0 too: this drafter reads its own columns
+    shared_t = TargetRunner(target, wide)
+    d = DraftRunner(drafter, columns=state_columns(wide, LAYERS, target.config.hidden_size))
+    prefill = shared_t.prefill(prompt)
+    shared_plain = plain_generate(shared_t, prompt, cfg, set(), gen(0), prefill=prefill)
+    shared = [speculative_generate(shared_t, d, prompt, cfg, set(), gen(s), prefill=prefill) for s in (0, 1)]
+
+    assert shared_plain.tokens == alone_plain.tokens
+    for a, b in zip(alone, shared):
+        assert b.tokens == a.tokens and b.confidence == a.confidence
+        assert b.counts == a.counts
+    assert sum(a.counts.num_accepted for a in alone) > 0  # the drafts mean something
+    shared_t.rewind(prefill)
+    fresh = TargetRunner(target, wide)
+    fresh.prefill(prompt)
+    assert torch.equal(shared_t.forward([5, 1])[0], fresh.forward([5, 1])[0])
+    assert state_columns(wide, wide, 32) is None
+    with pytest.raises(ValueError, match=r"layers \[3\] are not among the target runner's \[0, 1, 2\]"):
+        state_columns(wide, [3], 32)
 
 
 def test_a_windowed_drafter_stays_lossless_past_its_window():
