@@ -123,7 +123,7 @@ class TargetRunner:
         rejects): the prompt's cached keys and values are the prefill's own, bit for bit."""
         if self.cache is None or self.length < prefill.length:
             raise ValueError(f"rewind to {prefill.length} cached positions, but the cache holds {self.length}")
-        self.cache.crop(prefill.length)
+        self.drop_last(self.length - prefill.length)  # transformers deprecates crop(positive length)
 
 
 @dataclass
