@@ -110,7 +110,7 @@ def plot_tokens_per_step_per_bin(results: EvalResults, path: Path) -> None:
     c = results.conditions
     bins = [str(b) for b in c.context_bins]
     width = 0.8 / max(len(results.drafters), 1)
-    fig = Figure(figsize=(max(7.5, 1.8 * len(bins)), 4.2))
+    fig = Figure(figsize=(max(7.5, 1.8 * len(bins)) + 2.4, 4.2))  # + the legend beside
     ax = fig.add_subplot()
     for i, d in enumerate(results.drafters):
         xs = [j + (i - (len(results.drafters) - 1) / 2) * width for j in range(len(bins))]
@@ -129,10 +129,10 @@ def plot_tokens_per_step_per_bin(results: EvalResults, path: Path) -> None:
         ylim=(0, min(c.gamma + 1, max(2.0, 1.25 * top))),
         title=f"Tokens per target step per context bin\n{_conditions_line(c)}; bars: {CONFIDENCE:.0%} over prompts",
     )
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars, not over them
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
 def plot_calibration(results: EvalResults, path: Path) -> bool:
