@@ -80,7 +80,18 @@ class _ReferencePass:
     gens: list[Any] = field(default_factory=list)  # eval.reference.Generation, one per prompt
 
     @classmethod
-    def of(cls, name: str, export_dir: Optional[Path], heads: Any, device: Any, cfg: RunConfig, lookup: Any = None):
+    def of(
+        cls,
+        name: str,
+        export_dir: Optional[Path],
+        heads: Any,
+        device: Any,
+        cfg: RunConfig,
+        runners: dict[Path, Any],
+        lookup: Any = None,
+    ):
+        """``runners``: the drafters loaded so far, by export; a pass over the same export shares its
+        runner (each pass resets it per prompt), so the chain does not load a second copy."""
         from eval.reference import DecodeConfig, DraftRunner
 
         # beside llama.cpp's rows, the drafter's rows end an answer as llama.cpp does (their twins);
@@ -89,7 +100,9 @@ class _ReferencePass:
         draft, layers, method = None, [], "ngram"
         if export_dir is not None:  # its block holds eval.gamma drafts: export_all validated it at that many
             exp = read_export(export_dir)
-            draft, layers = DraftRunner(load_drafter(exp, heads).to(device)), list(exp.context_layer_ids)
+            if export_dir not in runners:
+                runners[export_dir] = DraftRunner(load_drafter(exp, heads).to(device))
+            draft, layers = runners[export_dir], list(exp.context_layer_ids)
             method = "dspark" if exp.drafter.sample_from_anchor else "dflash-layout"
             method = f"ngram-then-{method}" if lookup is not None else method
         return cls(name, export_dir, lookup, dcfg, draft, layers, method, torch.Generator().manual_seed(dcfg.seed))
@@ -338,10 +351,11 @@ def reference_results(
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
     names = {"ours": "dspark", "ablation": "markov-off"}
     wanted = cfg.eval.reference_proposers
-    passes = []
+    passes, runners = [], {}
     if "dspark" in wanted:
         passes += [
-            _ReferencePass.of(names[who], ex["dspark"].out_dir, heads, device, cfg) for who, ex in exports.items()
+            _ReferencePass.of(names[who], ex["dspark"].out_dir, heads, device, cfg, runners)
+            for who, ex in exports.items()
         ]
     chained = [r for r in wanted if r.startswith("ngram")]
     if chained:
@@ -351,7 +365,7 @@ def reference_results(
         for r in chained:
             export_dir = exports["ours"]["dspark"].out_dir if r == "ngram-then-dspark" else None
             name = r if export_dir is not None else "ngram-reference"
-            passes.append(_ReferencePass.of(name, export_dir, heads, device, cfg, lookup=lookup))
+            passes.append(_ReferencePass.of(name, export_dir, heads, device, cfg, runners, lookup=lookup))
     layers = list(dict.fromkeys(i for ps in passes for i in ps.layers))  # every drafter's, in first-seen order
     tr = TargetRunner(model, layers)
     width = int(model.config.get_text_config().hidden_size)
