@@ -111,15 +111,8 @@ class TargetRunner:
         if n > 0:
             self.cache.crop(-n)
 
-    def prefill(self, prompt: Sequence[int]) -> Prefill:
-        """A fresh cache holding ``prompt``: its last position's logits and every position's
-        context states, for every pass over the prompt (:meth:`rewind`)."""
-        self.reset()
-        logits, states = self.forward(prompt)
-        return Prefill(logits[-1], states, len(prompt))
-
     def rewind(self, prefill: Prefill) -> None:
-        """Back to the cache :meth:`prefill` left (a pass appends to it and crops only what it
+        """Back to the cache :func:`prefill_prompt` left (a pass appends to it and crops only what it
         rejects): the prompt's cached keys and values are the prefill's own, bit for bit."""
         if self.cache is None or self.length < prefill.length:
             raise ValueError(f"rewind to {prefill.length} cached positions, but the cache holds {self.length}")
@@ -128,7 +121,7 @@ class TargetRunner:
 
 @dataclass
 class Prefill:
-    """The target's forward over one prompt (:meth:`TargetRunner.prefill`), computed once and shared
+    """The target's forward over one prompt (:func:`prefill_prompt`), computed once and shared
     by every pass over that prompt (plain decoding, each drafter, the chain): the prompt's prefill
     is most of a long prompt's cost, and no pass's decode timing includes it."""
 
@@ -369,11 +362,18 @@ def speculative_generate(
     return res
 
 
+def prefill_prompt(target: TargetRunner, prompt: Sequence[int]) -> Prefill:
+    """A fresh cache holding ``prompt`` (the runner interface alone: reset, forward): its last
+    position's logits and every position's context states, for every pass over the prompt
+    (:meth:`TargetRunner.rewind`)."""
+    target.reset()
+    logits, states = target.forward(prompt)
+    return Prefill(logits[-1], states, len(prompt))
+
+
 def _prefilled(target: TargetRunner, prompt: Sequence[int], prefill: Optional[Prefill]) -> Prefill:
-    if prefill is None:  # TargetRunner.prefill, through the runner interface (reset, forward) alone
-        target.reset()
-        logits, states = target.forward(prompt)
-        return Prefill(logits[-1], states, len(prompt))
+    if prefill is None:
+        return prefill_prompt(target, prompt)
     if prefill.length != len(prompt):
         raise ValueError(f"a prefill of {prefill.length} tokens for a prompt of {len(prompt)}")
     target.rewind(prefill)

@@ -345,7 +345,14 @@ def reference_results(
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from eval.reference import DecodeConfig, TargetRunner, plain_generate, speculative_generate, state_columns
+    from eval.reference import (
+        DecodeConfig,
+        TargetRunner,
+        plain_generate,
+        prefill_prompt,
+        speculative_generate,
+        state_columns,
+    )
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # fp32 on either: the numbers vLLM's CPU run has
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device).eval()
@@ -377,7 +384,7 @@ def reference_results(
     with tqdm(total=len(prompts) * len(todo), desc="reference loop", unit="pass") as bar:
         for p in prompts:
             ids = p.prompt_token_ids
-            prefill = tr.prefill(ids)
+            prefill = prefill_prompt(tr, ids)
             for name, ps in todo:
                 bar.set_postfix_str(f"prompt {p.prompt_id}, {name}")
                 if ps is None:  # plain decoding: a fresh generator per prompt, as ever

@@ -11,6 +11,7 @@ from eval.reference import (
     TargetRunner,
     calibration,
     plain_generate,
+    prefill_prompt,
     speculative_generate,
     state_columns,
     verify,
@@ -103,7 +104,7 @@ def test_a_windowed_cached_block_equals_the_windowed_training_forward(sample_fro
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_passes_that_share_one_prefill_equal_passes_that_prefill_alone(temperature):
-    """The eval runs every pass over a prompt from one prefill (``TargetRunner.prefill``, rewound
+    """The eval runs every pass over a prompt from one prefill (``prefill_prompt``, rewound
     before each pass) on a runner that holds every drafter's layers: each pass's tokens, counts and
     confidences equal those of the same pass prefilling alone on its own runner, and the rewound
     cache continues exactly as a fresh prefill does."""
@@ -121,7 +122,7 @@ def test_passes_that_share_one_prefill_equal_passes_that_prefill_alone(temperatu
     wide = [0, *LAYERS]  # another drafter's layer 0 too: this drafter reads its own columns
     shared_t = TargetRunner(target, wide)
     d = DraftRunner(drafter, columns=state_columns(wide, LAYERS, target.config.hidden_size))
-    prefill = shared_t.prefill(prompt)
+    prefill = prefill_prompt(shared_t, prompt)
     shared_plain = plain_generate(shared_t, prompt, cfg, set(), gen(0), prefill=prefill)
     shared = [speculative_generate(shared_t, d, prompt, cfg, set(), gen(s), prefill=prefill) for s in (0, 1)]
 
@@ -132,7 +133,7 @@ def test_passes_that_share_one_prefill_equal_passes_that_prefill_alone(temperatu
     assert sum(a.counts.num_accepted for a in alone) > 0  # the drafts mean something
     shared_t.rewind(prefill)
     fresh = TargetRunner(target, wide)
-    fresh.prefill(prompt)
+    prefill_prompt(fresh, prompt)
     assert torch.equal(shared_t.forward([5, 1])[0], fresh.forward([5, 1])[0])
     assert state_columns(wide, wide, 32) is None
     with pytest.raises(ValueError, match=r"layers \[3\] are not among the target runner's \[0, 1, 2\]"):
