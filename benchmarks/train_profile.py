@@ -31,6 +31,7 @@ import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -39,6 +40,8 @@ from synthetic_step import SyntheticStep, add_shape_args, build
 from dspark.data.colocated import TOKENS_PER_CALL
 from dspark.flops import TargetShape, peak_flops, step_flops
 from dspark.model import DSparkDrafter
+from dspark.optim import build_optimizer
+from dspark.precision import resolve_autocast
 
 CTX, LAYERS = "context projection (fc + hidden_norm)", "decoder layers (+ final norm)"
 DRAFT_HEAD, TARGET = "draft LM head (with grad)", "target distribution (final norm + LM head, no grad)"
@@ -161,6 +164,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fused-adamw", action="store_true", help="torch's fused AdamW kernel (CPU and CUDA)")
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter's forward (no parts)")
+    p.add_argument("--autocast", choices=("off", "bfloat16"), default="off", help="train.autocast (fp32 weights)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw", help="train.optimizer")
     p.add_argument(
         "--colocated-target", action="store_true", help="data.mode=colocated: a target forward computes the states"
     )
@@ -176,8 +181,19 @@ def main() -> None:
     syn = build(args).to(device, dtype)
     model = syn.model
     target = RandomTarget(args, device, dtype) if args.colocated_target else None
-    params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=args.fused_adamw or None)
+    opt = build_optimizer(
+        model,
+        SimpleNamespace(
+            optimizer=args.optimizer,
+            lr=1e-4,
+            weight_decay=0.0,
+            muon_lr=0.02,
+            muon_momentum=0.95,
+            muon_weight_decay=0.1,
+            fused_optimizer=args.fused_adamw,
+        ),
+    )
+    autocast = resolve_autocast(args.autocast, device, args.dtype)
     if args.compile:
         model.compile()
     warmup = 2 if args.compile else 1
@@ -194,7 +210,8 @@ def main() -> None:
         if timer is not None:
             timer.time.clear()
             timer.phase = "forward"
-        res = syn.loss()
+        with autocast.context():
+            res = syn.loss()
         sync()
         t2 = time.perf_counter()
         if timer is not None:
@@ -244,6 +261,7 @@ def main() -> None:
         f"{args.batch} x {args.seq} tokens, {args.anchors} anchors, {args.device} {args.dtype}, "
         f"{args.threads} threads, target {'top-' + str(args.topk) if args.topk else 'full'}, "
         f"recompute {not args.no_recompute}, fused AdamW {args.fused_adamw}, compile {args.compile}, "
+        f"autocast {autocast.label}, optimizer {args.optimizer}, "
         f"colocated target {args.colocated_target}" + (f", peak memory {peak_mem:.1f} GiB" if peak_mem else "")
     )
     print(

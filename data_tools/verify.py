@@ -21,6 +21,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -30,13 +31,16 @@ from dspark.core.layer_ids import reference_hidden_states
 from dspark.core.shard_format import (
     MANIFEST,
     SPLITS,
+    TOPK_NAME,
     DatasetError,
     Manifest,
     ShardInfo,
+    arrow_cache_source,
     cache_path,
     decode_hidden_states,
     read_shard,
     stale_caches,
+    topk_source,
 )
 
 
@@ -107,11 +111,20 @@ def damaged_caches(directory: Path, manifest: Manifest) -> list[tuple[Path, str]
     """Every derived file the dataset holds for this manifest (the shards' Arrow caches, the
     target's top-k caches, the token counts), hashed in full against the record of its build
     (:mod:`dspark.core.derived`): (path, why) for each that training would not reuse."""
-    wanted = [cache_path(directory, info) for info in manifest.shards]
-    others = [p for d in (derived.TOPK_DIR, derived.COUNTS_DIR) for p in sorted((directory / d).rglob("*.safetensors"))]
+    checks: list[tuple[Path, Optional[str]]] = [
+        (cache_path(directory, info), arrow_cache_source(info)) for info in manifest.shards
+    ]
+    checks = [(p, src) for p, src in checks if p.is_file()]
+    by_name = {(info.split, info.name, info.sha256[:12]): info for info in manifest.shards}
+    for path in sorted((directory / derived.TOPK_DIR).rglob("*.safetensors")):
+        m = TOPK_NAME.match(path.name)  # bound to the shard its name says it was built from
+        info = by_name.get((path.parent.name, m["shard"], m["sha"])) if m else None
+        src = topk_source(info, k=int(m["k"]), rule=m["rule"], head_id=m["head"]) if m and info else None
+        checks.append((path, src))
+    checks += [(p, None) for p in sorted((directory / derived.COUNTS_DIR).rglob("*.safetensors"))]
     out = []
-    for path in [p for p in wanted if p.is_file()] + others:
-        why = derived.problem(path, full=True)
+    for path, src in checks:
+        why = derived.problem(path, full=True, source=src)
         if why:
             out.append((path, why))
     return out

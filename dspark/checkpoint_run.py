@@ -59,11 +59,17 @@ RUN_CONTROL = {
         "checkpoint_dir",
         "fused_optimizer",  # the same AdamW, one kernel or per tensor
         "recompute_vocab_chunks",  # memory, not numbers
+        "compile",  # the same graph, compiled
     ),
 }
 """``train`` fields that say how a run is driven, not what it trains: they may change between a
 run and its rerun. Every other ``train`` field shapes the result."""
-ADDED_LATER = {("train", "kl_weight"): 0.0, ("train", "markov_init"): "zeros"}
+ADDED_LATER = {
+    ("train", "kl_weight"): 0.0,
+    ("train", "markov_init"): "zeros",
+    ("train", "autocast"): "off",
+    ("train", "optimizer"): "adamw",
+}
 """What a run recorded before a shaping field existed trained with (a missing key is otherwise
 taken as unchanged): a run of the old loss is not resumed as a KL run."""
 SHAPING_DATA = ("mode", "train_sequences", "val_fraction")
@@ -101,6 +107,13 @@ def run_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:
         new = now[group] if k is None else now[group][k]
         if old != new:
             diffs.append(f"{group if k is None else f'{group}.{k}'}: checkpoint {old!r}, now {new!r}")
+    stage = (((saved.get("deepspeed") or {}).get("zero_optimization")) or {}).get("stage")
+    if stage is not None and stage != now["deepspeed"]["zero_optimization"]["stage"]:
+        # DeepSpeed writes each ZeRO stage's optimizer state in its own files (ZeRO 0 one, ZeRO 1-3
+        # one per rank): another stage cannot read them
+        diffs.append(
+            f"deepspeed.zero_optimization.stage: checkpoint {stage!r}, now {now['deepspeed']['zero_optimization']['stage']!r}"
+        )
     if "dataset" in record:  # tags written before it was recorded are judged by their config alone
         old, new = record["dataset"].get("manifest_sha256"), dataset_identity(cfg).get("manifest_sha256")
         if old != new:

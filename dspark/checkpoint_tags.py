@@ -38,6 +38,31 @@ class CheckpointInUseError(CheckpointError):
     """Another live run holds the checkpoint directory."""
 
 
+OURS = (OWNER_FILE, LOCK_FILE, LATEST_FILE)
+"""Files every training run writes into its checkpoint directory first (the lock and its owner) or
+with its first tag (``latest``): a directory holding one is an earlier run's."""
+
+
+def claim_checkpoint_dir(checkpoint_dir: Path) -> None:
+    """Refuse ``train.checkpoint_dir`` unless it is missing, empty, or an earlier run's (one of
+    :data:`OURS`): a run writes its tags, ``latest``, ``validation.jsonl`` and its lock there, and a
+    user's files of those names would be replaced."""
+    if not checkpoint_dir.exists() and not checkpoint_dir.is_symlink():
+        return
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(
+            f"train.checkpoint_dir={checkpoint_dir}: a file, expected a directory for the run's checkpoints or nothing"
+        )
+    entries = sorted(p.name for p in checkpoint_dir.iterdir())
+    if not entries or any(e in entries for e in OURS):
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise CheckpointError(
+        f"train.checkpoint_dir={checkpoint_dir}: holds {shown}, which no training run wrote (no {OWNER_FILE}); "
+        "refusing to write checkpoints into it: set train.checkpoint_dir to a new or empty directory"
+    )
+
+
 def lock_checkpoint_dir(checkpoint_dir: Path) -> Any:
     """Hold ``checkpoint_dir`` for this run (an OS file lock, released when the process ends, so
     a killed run leaves no stale lock). A second run pointed at it (a requeued job and a manual
@@ -45,6 +70,7 @@ def lock_checkpoint_dir(checkpoint_dir: Path) -> Any:
     from filelock import FileLock, Timeout
 
     checkpoint_dir = Path(checkpoint_dir).expanduser()
+    claim_checkpoint_dir(checkpoint_dir)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(checkpoint_dir / LOCK_FILE))
     try:

@@ -42,6 +42,8 @@ from dspark.data.target_topk import SequenceTopK, TargetTopK, head_fingerprint, 
 from dspark.distributed import init_distributed
 from dspark.loss import LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims
+from dspark.optim import build_optimizer
+from dspark.precision import resolve_autocast
 from dspark.trainer import Trainer, TrainParts
 
 log = logging.getLogger(__name__)
@@ -115,9 +117,7 @@ def _build_parts(
         attach_target_topk(train_ds, drafter, cfg, heads, final_index, rank=rank, world=world)
     model = DrafterWithLoss(drafter)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95), fused=t.fused_optimizer or None
-    )
+    optimizer = build_optimizer(model, t)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup=t.warmup_steps, total=t.max_steps, min_ratio=t.min_lr_ratio)
     )
@@ -142,15 +142,20 @@ def _build_parts(
             max_len=t.max_seq_len,
             position=state.data,
         )
+    autocast = resolve_autocast(t.autocast, torch.device(engine.device), t.dtype)
+    log.info("precision: %s weights, %s (%s)", t.dtype, autocast.label, autocast.reason)
+    if t.compile:
+        model.compile()  # DeepSpeed's engine calls it: forward and loss in one graph
     logger = init_wandb(cfg, Path(cfg.paths.output_dir), job_type="train") if rank == 0 else None
     log.info(
-        "drafter: %.2fM trainable parameters, %s train / %d val sequences, %d rank(s), ZeRO %d, %s",
+        "drafter: %.2fM trainable parameters, %s train / %d val sequences, %d rank(s), ZeRO %d, %s, %s",
         drafter.num_trainable_parameters() / 1e6,
         "streamed" if online else len(train_ds),
         len(val_ds or []),
         world,
         cfg.deepspeed.zero_optimization.stage,
         t.dtype,
+        "Muon + AdamW" if t.optimizer == "muon" else "AdamW",
     )
     return TrainParts(
         cfg=cfg,
@@ -167,6 +172,7 @@ def _build_parts(
         rank=rank,
         world=world,
         source=source,
+        autocast=autocast,
     )
 
 

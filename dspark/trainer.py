@@ -8,6 +8,7 @@ parallelism, ZeRO, precision, gradient accumulation and clipping; this module ow
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import signal
@@ -34,6 +35,7 @@ from dspark.data.target_topk import supervised_tokens
 from dspark.flops import StepFlops, TargetShape, peak_flops, step_flops
 from dspark.loss import scalar_names
 from dspark.model import DSparkDrafter, sample_anchors
+from dspark.precision import Autocast
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,9 @@ class TrainParts:
     world: int = 1
     source: Optional[SequenceSource] = None
     """An online run's stream, closed with the trainer."""
+    autocast: Optional[Autocast] = None
+    """``train.autocast`` resolved on the device (:func:`dspark.precision.resolve_autocast`): what
+    training steps run their forward and loss under; validation runs without it. None: none."""
 
 
 def peak_memory_gb() -> float:
@@ -196,7 +201,8 @@ class Trainer:
             )
             batch = batch.to(self.engine.device, self.dtype)
             timing["data_s"] += time.perf_counter() - td
-            out = self.engine(batch, anchors.to(self.engine.device), valid.to(self.engine.device), loss)
+            with self.parts.autocast.context() if self.parts.autocast else contextlib.nullcontext():
+                out = self.engine(batch, anchors.to(self.engine.device), valid.to(self.engine.device), loss)
             if not torch.isfinite(out.loss):
                 raise FloatingPointError(
                     f"non-finite loss {out.loss.item()} at step {self.state.step + 1}, sequences {batch.seq_ids}"

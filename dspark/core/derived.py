@@ -2,8 +2,11 @@
 top-k cache, the draft vocabulary's token counts), each checked before reuse as its source is.
 
 When a derived file is built, its size and SHA-256 are recorded beside it (``NAME.record.json``),
-together with the (size, mtime) at which its hash was last confirmed. Before reuse:
+together with the (size, mtime) at which its hash was last confirmed and the identity of what it
+was built from (``source``: the source shard's SHA-256 and the builder, say), so that a
+self-consistent file and record copied from another source are not taken for this one. Before reuse:
 
+- a record whose source is not this one's: rebuilt (the warning names both);
 - no record (a file from before records existed, or a build killed before its record), or a size
   other than the recorded one: rebuilt;
 - the same size and mtime as when last confirmed: reused with no read (a stat, the rerun's cost);
@@ -65,7 +68,8 @@ def problem(path: Path, *, full: bool = False, source: Optional[str] = None) -> 
     except (OSError, ValueError, KeyError, TypeError):
         return f"no intact record of its build ({record_path(path).name})"
     if source is not None and record.get("source") != source:
-        return "built from other inputs than these"
+        built_from = record.get("source")
+        return f"built from {built_from if built_from else 'inputs its record does not name'}, not from {source}"
     st = path.stat()
     if st.st_size != size:
         return f"{st.st_size} bytes, its build recorded {size}"

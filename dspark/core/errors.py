@@ -65,6 +65,17 @@ def task_started() -> None:
     _started.append(True)
 
 
+def check_path_env() -> None:
+    """Refuse a ``DSPARK_*`` directory variable that is set but empty, the filesystem root, or holds
+    a control character (:func:`dspark.core.config.logging_paths.path_env_problem`): one line,
+    before anything is created under it."""
+    from dspark.core.config.logging_paths import path_env_problem
+
+    problem = path_env_problem()
+    if problem:
+        raise UserError(problem)
+
+
 def run_hydra_command(main: Callable[[], Any]) -> None:
     """Run a ``@hydra.main`` command so that every config error exits with :data:`USER_ERROR_EXIT`
     and one ``error:`` line: a composition error (a key without ``+`` that the schema lacks, a
@@ -74,6 +85,8 @@ def run_hydra_command(main: Callable[[], Any]) -> None:
     (:func:`task_started`), its exit 1 becomes 2 too; an exit 1 after it started stays 1. With
     :data:`DEBUG_ENV` set, Hydra composes and reports alone (its traceback)."""
     _started.clear()
+    with exit_on_user_error():  # before Hydra creates its run directory under paths.output_dir
+        check_path_env()
     if not debug_requested():
         with exit_on_user_error():
             check_composition(sys.argv[1:])

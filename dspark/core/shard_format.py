@@ -381,6 +381,33 @@ def cache_path(directory: Path, info: ShardInfo) -> Path:
     return Path(directory) / CACHE_DIR / info.split / f"{info.name}-{info.sha256[:16]}.verified.arrow"
 
 
+def shard_source(info: ShardInfo) -> str:
+    """A shard's identity, as the records of the files derived from it name it
+    (:mod:`dspark.core.derived`'s ``source``): its path in the dataset and its SHA-256."""
+    return f"{info.path} sha256 {info.sha256}"
+
+
+ARROW_CACHE_BUILDER = "Arrow IPC cache of the verified shard, record batches of 16 rows"
+
+
+def arrow_cache_source(info: ShardInfo) -> str:
+    """What a shard's Arrow cache must have been built from: the shard and the builder."""
+    return f"{shard_source(info)}; {ARROW_CACHE_BUILDER}"
+
+
+def topk_source(info: ShardInfo, *, k: int, rule: str, head_id: str) -> str:
+    """A target top-k cache's source (:mod:`dspark.data.target_topk`): the shard, and the target head
+    and positions its top k came from."""
+    return f"{shard_source(info)}; target top-{k} at the {rule} positions, head {head_id}"
+
+
+TOPK_NAME = re.compile(
+    r"^(?P<shard>.+)-(?P<sha>[0-9a-f]{12})-k(?P<k>[0-9]+)-(?P<rule>[a-z]+)-(?P<head>.+)\.safetensors$"
+)
+"""A top-k cache's file name (``TargetTopK.path``: NAME-SHA12-kK-RULE-HEAD.safetensors), read back by
+``data_tools.verify`` to find the shard it must be bound to."""
+
+
 def stale_caches(directory: Path, manifest: Manifest) -> list[Path]:
     """Arrow caches under the dataset that no shard of ``manifest`` would read: another version of a
     shard, or a cache built before shards were verified (``NAME-SHA12.arrow``)."""

@@ -58,16 +58,16 @@ def cached_token_counts(ds: Any, *, vocab_size: int, rule: str) -> torch.Tensor:
     """:func:`token_counts`, computed on first use and cached beside the dataset's shards
     (written atomically: concurrent ranks write the same bytes, a killed count leaves nothing)."""
     shards = getattr(ds, "base", ds).shards  # a ColocatedDataset reads its base's shards
-    key = hashlib.sha256(repr([(s.name, s.sha256) for s in shards] + [rule, len(ds), vocab_size]).encode()).hexdigest()[
-        :12
-    ]
-    path = Path(ds.directory) / CACHE_DIR / f"{ds.split}-{rule}-{len(ds)}-{key}.safetensors"
+    source = hashlib.sha256(repr([(s.name, s.sha256) for s in shards] + [rule, len(ds), vocab_size]).encode())
+    key = source.hexdigest()
+    path = Path(ds.directory) / CACHE_DIR / f"{ds.split}-{rule}-{len(ds)}-{key[:12]}.safetensors"
+    source_name = f"the {ds.split} split's {len(shards)} shards (sha256 of their names and hashes {key})"
 
     def build(tmp: Path) -> None:
         counts = token_counts(ds, vocab_size=vocab_size, rule=rule)
         save_file({"counts": counts}, str(tmp), metadata={"rule": rule, "sequences": str(len(ds))})
 
-    return load_file(str(derived.reuse_or_build(path, build, what="token-count cache")))["counts"]
+    return load_file(str(derived.reuse_or_build(path, build, what="token-count cache", source=source_name)))["counts"]
 
 
 def build_d2t(counts: torch.Tensor, size: int) -> torch.Tensor:

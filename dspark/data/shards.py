@@ -27,6 +27,7 @@ from dspark.core.shard_format import (
     DatasetError,
     Manifest,
     ShardInfo,
+    arrow_cache_source,
     cache_path,
     decode_hidden_states,
     read_shard,
@@ -134,7 +135,9 @@ class ShardDataset:
             with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
                 writer.write_table(table, max_chunksize=16)
 
-        cache = derived.reuse_or_build(cache_path(self.directory, info), build, what="Arrow cache")
+        cache = derived.reuse_or_build(
+            cache_path(self.directory, info), build, what="Arrow cache", source=arrow_cache_source(info)
+        )
         try:
             reader = pa.ipc.open_file(pa.memory_map(str(cache), "r"))
             return [reader.get_batch(i) for i in range(reader.num_record_batches)]

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from dspark.core import derived, fp8
 from dspark.core.config import SUPERVISE
-from dspark.core.shard_format import ShardInfo
+from dspark.core.shard_format import ShardInfo, topk_source
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +124,16 @@ class TargetTopK:
         self.rows_per_call = rows_per_call
         self.root = Path(ds.directory) / derived.TOPK_DIR / ds.split
         # each rank computes every world_size-th missing shard; the caller synchronises, then loads
-        missing = [s for s in ds.shards if derived.problem(self.path(s)) is not None]  # checked as a derived file
+        # checked as a derived file, bound to its shard (a pair copied from another shard is rebuilt)
+        missing = [s for s in ds.shards if derived.problem(self.path(s), source=self.source(s)) is not None]
         for info in tqdm(
             missing[rank::world_size], desc=f"target top-{k} ({ds.split})", unit="shard", disable=rank != 0
         ):
             self._compute(info)
+
+    def source(self, info: ShardInfo) -> str:
+        """What a shard's cache must have been built from (its record's ``source``)."""
+        return topk_source(info, k=self.k, rule=self.rule, head_id=self.head_id)
 
     def path(self, info: ShardInfo) -> Path:
         return self.root / f"{info.name}-{info.sha256[:12]}-k{self.k}-{self.rule}-{self.head_id}.safetensors"
@@ -160,7 +165,7 @@ class TargetTopK:
             meta = {"k": str(self.k), "rule": self.rule, "shard_sha256": info.sha256}
             save_file(tensors, str(tmp), metadata=meta)
 
-        derived.reuse_or_build(self.path(info), build, what="target top-k cache")
+        derived.reuse_or_build(self.path(info), build, what="target top-k cache", source=self.source(info))
 
     def load(self) -> list[SequenceTopK]:
         """Every sequence's cache, in dataset order (raises if a shard's file is missing)."""

@@ -306,6 +306,66 @@ def test_a_damaged_arrow_cache_is_rebuilt_from_its_shard_with_a_warning(tmp_path
     assert not [r for r in caplog.records if "rebuilding" in r.getMessage()]
 
 
+def test_a_cache_and_record_copied_from_another_shard_are_rebuilt_and_verify_drops_them(tmp_path, caplog, capsys):
+    """Issue #58 item 1: the validation shard's cache and record over train shard 0's names trained
+    rc 0 with no warning (val loss 17.97 -> 27.64), and verify said OK: a record vouched for its
+    cache's bytes, not for the shard it was built from."""
+    from data_tools.verify import main as verify
+
+    written = make_dataset(tmp_path)
+    ShardDataset(tmp_path)
+    ShardDataset(tmp_path, split="val")
+    (cache,) = (tmp_path / ".arrow_cache" / "train").glob("shard-00000-*.arrow")
+    (other,) = (tmp_path / ".arrow_cache" / "val").glob("*.arrow")
+    good = cache.read_bytes()
+
+    def swap() -> None:
+        for suffix in ("", ".record.json"):
+            shutil.copyfile(other.parent / (other.name + suffix), cache.parent / (cache.name + suffix))
+
+    swap()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        ds = ShardDataset(tmp_path)
+    (warning,) = [r.getMessage() for r in caplog.records if "rebuilding" in r.getMessage()]
+    assert "built from val/shard-" in warning and ", not from train/shard-00000.parquet sha256 " in warning
+    assert cache.read_bytes() == good
+    assert all(torch.equal(ds[i].hidden_states, written[ds[i].seq_id][1]) for i in range(len(ds)))
+    swap()
+    assert verify([str(tmp_path), "--recompute", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"dropped {cache}: built from val/shard-" in out and not cache.exists()
+
+
+def test_a_topk_cache_moved_onto_another_shards_name_is_rebuilt_for_that_shard(tmp_path, caplog, capsys):
+    """Issue #58 item 2: shard 1's top-k file and record moved onto shard 0's names were accepted, and
+    all of shard 0's cached positions were another sequence's."""
+    from data_tools.verify import main as verify
+    from dspark.data.target_topk import TargetTopK
+
+    make_dataset(tmp_path, rows=(3, 2), hidden=8)
+    ds = ShardDataset(tmp_path)
+    head = torch.randn(8, 11, generator=torch.Generator().manual_seed(0))
+
+    def topk() -> TargetTopK:
+        return TargetTopK(ds, k=4, rule="all", target_logits=lambda h: h @ head, head_id="h0", final_index=2)
+
+    good = topk().load()
+    zero, one = (topk().path(info) for info in ds.shards)
+    for suffix in ("", ".record.json"):
+        shutil.copyfile(one.parent / (one.name + suffix), zero.parent / (zero.name + suffix))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        again = topk().load()
+    (warning,) = [r.getMessage() for r in caplog.records if "rebuilding" in r.getMessage()]
+    assert "built from train/shard-00001.parquet" in warning and "not from train/shard-00000.parquet" in warning
+    assert len(again) == len(good) and all(torch.equal(a.positions, b.positions) for a, b in zip(again, good))
+    for suffix in ("", ".record.json"):
+        shutil.copyfile(one.parent / (one.name + suffix), zero.parent / (zero.name + suffix))
+    assert verify([str(tmp_path), "--recompute", "0"]) == 0
+    assert f"dropped {zero}: built from train/shard-00001.parquet" in capsys.readouterr().out
+
+
 def test_a_cache_without_a_record_is_rebuilt_and_one_confirmed_is_not_hashed_again(tmp_path, monkeypatch):
     from dspark.core import derived
 

@@ -8,6 +8,10 @@ from typing import Optional
 
 from dspark.core.config.checks import _at_least, _check, _choice, _compute_dtype, _dir_name
 
+AUTOCAST_CHOICES = ("auto", "bfloat16", "off")
+"""``train.autocast`` (:mod:`dspark.precision` resolves ``auto`` on the device)."""
+OPTIMIZERS = ("adamw", "muon")
+"""``train.optimizer`` (:mod:`dspark.optim` builds them)."""
 SUPERVISE = ("answer", "all")
 """``train.supervise``: the tokens the loss supervises, and the positions :mod:`dspark.data.target_topk` caches."""
 FINAL_NORM_INITS = ("target", "ones")
@@ -88,7 +92,23 @@ class TrainConfig(LossSettings):
     deepspeed group."""
 
     dtype: str = "float32"
-    """bfloat16 on GPUs; this CPU has no native bf16."""
+    """The weights' dtype: bfloat16 on GPUs, float32 on CPU (where ``autocast`` gives bf16 products)."""
+    autocast: str = "off"
+    """Mixed precision over fp32 weights (:mod:`dspark.precision`): ``auto`` (bf16 products where the
+    CPU has ``avx512_bf16`` or ``amx_bf16``, or the GPU supports bf16; fp32 elsewhere: an AVX2-only
+    CPU emulates bf16 about 50x slower), ``bfloat16`` (always) or ``off``. Weights, optimizer state,
+    checkpoints, exports and validation stay fp32; the first training log line says what was chosen."""
+    optimizer: str = "adamw"
+    """``adamw``, or ``muon``: torch's Muon over the hidden matrices and AdamW over the rest, as
+    speculators 0.9 splits them (:mod:`dspark.optim`)."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (speculators' default; ``match_rms_adamw`` scaling), on the same
+    warmup-cosine schedule as ``lr``."""
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
+    compile: bool = False
+    """``torch.compile`` the drafter's forward (inductor; on CPU it compiles C++ with the machine's
+    compiler on the first steps)."""
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
     max_steps: int = 1000
@@ -147,6 +167,8 @@ class TrainConfig(LossSettings):
 
     def __post_init__(self) -> None:
         _compute_dtype("train.dtype", self.dtype)
+        _choice("train.autocast", self.autocast, AUTOCAST_CHOICES)
+        _choice("train.optimizer", self.optimizer, OPTIMIZERS)
         _choice("train.supervise", self.supervise, SUPERVISE)
         _choice("train.final_norm_init", self.final_norm_init, FINAL_NORM_INITS)
         _choice("train.markov_init", self.markov_init, MARKOV_INITS)
@@ -165,7 +187,8 @@ class TrainConfig(LossSettings):
         _at_least("train.max_seq_len", self.max_seq_len, 2)
         _at_least("train.dist_timeout_s", self.dist_timeout_s, 1)
         super().__post_init__()
-        for key in ("lr", "weight_decay", "warmup_steps", "grad_clip"):
+        for key in ("lr", "weight_decay", "warmup_steps", "grad_clip", "muon_lr", "muon_weight_decay"):
             _at_least(f"train.{key}", getattr(self, key), 0)
+        _check(0 <= self.muon_momentum < 1, "train.muon_momentum", self.muon_momentum, "expected a number in [0, 1)")
         _check(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "expected a fraction in [0, 1]")
         _dir_name("train.run_name", self.run_name, "the run's directories under checkpoints/, exports/ and eval/")

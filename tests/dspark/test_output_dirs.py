@@ -1,0 +1,110 @@
+"""issue #58: nothing a user owns is written over, nothing is created at the filesystem root, and a
+resume that cannot read its checkpoint's files says why in one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark.checkpoint_tags import CheckpointError
+from dspark.core.config.logging_paths import path_env_problem
+from dspark.core.target import load_target_heads
+from dspark.recipe import build_trainer
+from tests.toy import overrides
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def tiny(tiny_target_and_shards):
+    return tiny_target_and_shards
+
+
+def test_a_checkpoint_dir_holding_a_users_files_is_refused_and_left_as_it_was(compose_config, tiny, tmp_path):
+    """Item 3: a 1-step run replaced the user's validation.jsonl and wrote its tag, latest, .lock and
+    .owner.json beside their notes.txt."""
+    target, data = tiny
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "validation.jsonl").write_text("my numbers\n")
+    (mine / "notes.txt").write_text("my notes\n")
+    cfg = compose_config(*overrides(target, data, tmp_path, f"train.checkpoint_dir={mine}", "train.max_steps=1"))
+    with pytest.raises(CheckpointError) as err:
+        build_trainer(cfg, load_target_heads(target))
+    assert str(err.value) == (
+        f"train.checkpoint_dir={mine}: holds notes.txt, validation.jsonl, which no training run wrote (no "
+        ".owner.json); refusing to write checkpoints into it: set train.checkpoint_dir to a new or empty directory"
+    )
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "validation.jsonl"]
+    assert (mine / "validation.jsonl").read_text() == "my numbers\n"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    cfg = compose_config(*overrides(target, data, tmp_path, f"train.checkpoint_dir={afile}", "train.max_steps=1"))
+    with pytest.raises(CheckpointError, match="a file, expected a directory for the run's checkpoints or nothing"):
+        build_trainer(cfg, load_target_heads(target))
+
+
+def test_an_earlier_runs_checkpoint_dir_and_an_empty_one_are_written(compose_config, tiny, tmp_path):
+    target, data = tiny
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg = compose_config(*overrides(target, data, tmp_path, f"train.checkpoint_dir={empty}", "train.max_steps=2"))
+    build_trainer(cfg, load_target_heads(target)).train()
+    assert (empty / "latest").is_file()
+    cfg = compose_config(*overrides(target, data, tmp_path, f"train.checkpoint_dir={empty}", "train.max_steps=3"))
+    assert build_trainer(cfg, load_target_heads(target)).train().step == 3  # resumed, not refused
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"DSPARK_OUTPUT_DIR": ""}, "DSPARK_OUTPUT_DIR is set but empty"),
+        ({"DSPARK_CACHE": "  "}, "DSPARK_CACHE is set but empty"),
+        ({"DSPARK_OUTPUT_DIR": "/"}, "DSPARK_OUTPUT_DIR='/': the filesystem root"),
+        ({"DSPARK_OUTPUT_DIR": "out\nput"}, "a control character"),
+        ({"DSPARK_OUTPUT_DIR": "outputs", "DSPARK_CACHE": "/tmp/c"}, None),
+        ({}, None),
+    ],
+)
+def test_directory_variables_that_would_place_outputs_at_the_root_are_named(env, says):
+    problem = path_env_problem(env)
+    assert problem is None if says is None else says in problem
+
+
+def test_train_py_with_an_empty_output_dir_variable_exits_2_in_one_line_and_creates_nothing(tmp_path):
+    """Item 4: ``DSPARK_OUTPUT_DIR=`` put every output at the root; Hydra created /runs/... first."""
+    env = {**os.environ, "DSPARK_OUTPUT_DIR": "", "WANDB_MODE": "disabled"}
+    before = set(os.listdir("/"))
+    r = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "+experiment=smollm2_cpu_demo", "stages=[train]"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: DSPARK_OUTPUT_DIR is set but empty: the directories under it would start at the filesystem root "
+        "(/data, /checkpoints, /runs) or the working directory; unset it (the default applies) or set it to a "
+        "directory"
+    ]
+    assert set(os.listdir("/")) == before and list(tmp_path.iterdir()) == []
+
+
+def test_a_resume_under_another_zero_stage_is_refused_naming_it(tmp_path):
+    """Item 10: a ZeRO-0 checkpoint resumed with deepspeed=zero1 ended in FileNotFoundError
+    (zero_pp_rank_0_mp_rank_00_optim_states.pt): DeepSpeed keeps each stage's optimizer state apart."""
+    from dspark.checkpoint_run import run_differences
+    from dspark.checkpoint_tags import RUN_FILE
+    from dspark.core.config import RunConfig
+    from dspark.core.config.deepspeed import DeepSpeedConfig, ZeroConfig
+
+    saved = RunConfig()
+    (tmp_path / RUN_FILE).write_text(json.dumps({"config": saved.to_dict()}))
+    assert run_differences(tmp_path, RunConfig()) == []
+    zero1 = RunConfig(deepspeed=DeepSpeedConfig(zero_optimization=ZeroConfig(stage=1)))
+    assert run_differences(tmp_path, zero1) == ["deepspeed.zero_optimization.stage: checkpoint 0, now 1"]
