@@ -152,7 +152,7 @@ def llama_cpp_wanted(cfg: Any) -> bool:
     """``eval.llama_cpp``: auto = no GPU here (vLLM serves dspark there) and llama.cpp is built."""
     import torch
 
-    from dspark.core.llama_cpp.build import find
+    from dspark.core.llama_cpp.build import BUILT_MARKER, cache_dir
 
     use = cfg.eval.llama_cpp
     if use == "never" or not cfg.eval.llama_cpp_methods:
@@ -161,7 +161,7 @@ def llama_cpp_wanted(cfg: Any) -> bool:
         return True
     if torch.cuda.is_available():
         return False
-    if find() is None:
+    if not (cache_dir() / BUILT_MARKER).is_file():  # built, if damaged: ensure_built builds it again
         log.info(
             "llama.cpp is not built here: no llama.cpp rows (build it once: python -m dspark.core.llama_cpp build; "
             "or eval.llama_cpp=always)"

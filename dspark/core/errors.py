@@ -15,6 +15,7 @@ as one such line (:func:`check_composition`).
 from __future__ import annotations
 
 import difflib
+import errno
 import os
 import re
 import sys
@@ -55,6 +56,37 @@ def exit_on_user_error() -> Iterator[None]:
             raise
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT) from None
+    except OSError as err:
+        line = user_os_error(err)
+        if line is None or debug_requested():
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(USER_ERROR_EXIT) from None
+
+
+USER_OS_ERRORS = {
+    errno.ENAMETOOLONG: "a name longer than the filesystem allows (255 bytes a name); pick a shorter one",
+    errno.EACCES: "permission denied; pick a directory you can write, or change its permissions",
+    errno.EPERM: "operation not permitted; pick a directory you can write",
+    errno.EROFS: "a read-only filesystem; pick a writable directory",
+    errno.ENOTDIR: "a file where a directory belongs in this path; pick another path",
+    errno.EISDIR: "a directory where a file belongs; pick a file",
+    errno.ELOOP: "too many symbolic links in this path (a link loop?)",
+    errno.ENOEXEC: "not an executable this machine can run (damaged or for another machine)",
+}
+"""OS errors a user's paths cause (a setting, an argument), each with what to do: one ``error:``
+line naming the path instead of a traceback."""
+
+
+def user_os_error(err: OSError) -> Optional[str]:
+    """``err`` as one line naming its path and the way out, or None for an OS error a user's path
+    did not cause (a full disk has its own message, :mod:`dspark.core.files`)."""
+    hint = USER_OS_ERRORS.get(err.errno or -1)
+    if hint is None:
+        return None
+    where = err.filename if err.filename is not None else "?"
+    shown = str(where) if len(str(where)) <= 120 else f"{str(where)[:100]}... ({len(str(where))} characters)"
+    return f"{shown}: {hint} ({os.strerror(err.errno)})"
 
 
 _started: list[bool] = []

@@ -40,3 +40,19 @@ def test_a_bug_is_not_a_user_error(no_debug):
     with pytest.raises(KeyError), exit_on_user_error():
         raise KeyError("a bug keeps its traceback")
     assert not issubclass(KeyError, UserError)
+
+
+def test_an_os_error_a_users_path_causes_is_one_line_naming_the_path(tmp_path, capsys):
+    """Issue #58 item 8: export --out with a 300-character name ended in an OSError traceback."""
+    from dspark.core.errors import USER_ERROR_EXIT, exit_on_user_error
+
+    long = tmp_path / ("x" * 300)
+    with pytest.raises(SystemExit) as done:
+        with exit_on_user_error():
+            long.mkdir()
+    assert done.value.code == USER_ERROR_EXIT
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {str(long)[:100]}... (") and "a name longer than the filesystem allows" in line
+    with pytest.raises(FileNotFoundError):  # not one a path a user gave causes: the traceback stays
+        with exit_on_user_error():
+            (tmp_path / "missing" / "file").read_text()

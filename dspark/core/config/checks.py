@@ -11,6 +11,8 @@ import torch
 from dspark.core import fp8
 from dspark.core.errors import UserError
 
+NAME_MAX = 255
+"""The longest file name (bytes) of the filesystems a run writes to (ext4, xfs, Lustre)."""
 DTYPES = ("float32", "bfloat16", "float16")
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 """Config dtype names (target, train, export, shard storage) -> torch dtypes."""
@@ -48,6 +50,19 @@ def _dir_name(key: str, value: Any, becomes: str) -> None:
             key,
             value,
             f"expected a directory name (not empty, no '/', not '.' or '..', no leading '.'): it names {becomes}",
+        )
+        _check(
+            not any(ord(c) < 32 or ord(c) == 127 for c in value),
+            key,
+            value,
+            f"a control character (a newline, a tab) in a directory name: it names {becomes}",
+        )
+        _check(
+            len(value.encode()) <= NAME_MAX - 32,
+            key,
+            value if len(value) <= 40 else f"{value[:40]}... ({len(value.encode())} bytes)",
+            f"expected a directory name of at most {NAME_MAX - 32} bytes (the filesystem's limit is {NAME_MAX}, and "
+            f"the run adds suffixes): it names {becomes}",
         )
 
 

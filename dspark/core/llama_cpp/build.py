@@ -47,7 +47,7 @@ from typing import Iterator, Optional
 
 from dspark.core.config import default_cache_dir
 from dspark.core.errors import UserError, exit_on_user_error
-from dspark.core.files import atomic_path, file_sha256
+from dspark.core.files import atomic_path, atomic_write_text, file_sha256
 from dspark.core.waits import WaitTimedOut, log_tail, run_child
 
 log = logging.getLogger(__name__)
@@ -143,20 +143,69 @@ def cache_dir(cache: Optional[Path] = None) -> Path:
     return base / "llama.cpp" / f"{BUILD}-{build_key()}"
 
 
+REBUILD = ".venv/bin/python -m dspark.core.llama_cpp build"
+
+
+def binaries(tree: LlamaCpp) -> dict[str, list]:
+    """Every file the build put in its ``bin`` directory (the server, ggml's CPU variants), as
+    ``{name: [bytes, sha256]}``: what its marker records and each use checks."""
+    return {
+        p.name: [p.stat().st_size, file_sha256(p)]
+        for p in sorted(tree.bin_dir.iterdir())
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+def damage(tree: LlamaCpp) -> Optional[str]:
+    """Why the build at ``tree`` cannot be used (None: it can): its marker unreadable, or a program
+    or library other than the build wrote (missing, truncated, emptied, altered). A build from
+    before the marker recorded its files has them recorded now, as found."""
+    try:
+        info = tree.info()
+    except (OSError, ValueError) as e:
+        return f"{tree.root / BUILT_MARKER}: unreadable ({e})"
+    recorded = info.get("binaries") if isinstance(info, dict) else None
+    if not isinstance(recorded, dict):
+        if tree.server.is_file() and tree.server.stat().st_size > 0:
+            info["binaries"] = binaries(tree)
+            atomic_write_text(tree.root / BUILT_MARKER, json.dumps(info, indent=1) + "\n")
+            return None
+        return f"{tree.server}: missing or empty"
+    for name, (size, sha) in sorted(recorded.items()):
+        path = tree.bin_dir / name
+        if not path.is_file():
+            return f"{path}: missing"
+        found = path.stat().st_size
+        if found != size:
+            return f"{path}: {found} bytes, its build wrote {size}"
+    for name, (size, sha) in sorted(recorded.items()):
+        path = tree.bin_dir / name
+        if file_sha256(path) != sha:
+            return f"{path}: altered since its build (sha256 differs)"
+    return None
+
+
 def find(cache: Optional[Path] = None) -> Optional[LlamaCpp]:
-    """The complete build in the cache, or None (nothing is built)."""
+    """The complete, intact build in the cache, or None (nothing is built, or it is damaged:
+    :func:`require` says which file)."""
     root = cache_dir(cache)
-    return LlamaCpp(root) if (root / BUILT_MARKER).is_file() else None
+    if not (root / BUILT_MARKER).is_file():
+        return None
+    tree = LlamaCpp(root)
+    return tree if damage(tree) is None else None
 
 
 def require(cache: Optional[Path] = None) -> LlamaCpp:
-    """The complete build, or :class:`LlamaCppError` saying how to make it."""
+    """The complete build, or :class:`LlamaCppError` saying how to make it (or remake it)."""
     found = find(cache)
     if found is None:
-        raise LlamaCppError(
-            f"llama.cpp is not built in {cache_dir(cache)}; build it once (about 10 min on 2 cores): "
-            ".venv/bin/python -m dspark.core.llama_cpp build"
-        )
+        root = cache_dir(cache)
+        if (root / BUILT_MARKER).is_file():
+            raise LlamaCppError(
+                f"the llama.cpp build in {root} is damaged ({damage(LlamaCpp(root))}); rebuild it (about 10 min on "
+                f"2 cores): {REBUILD}"
+            )
+        raise LlamaCppError(f"llama.cpp is not built in {root}; build it once (about 10 min on 2 cores): {REBUILD}")
     return found
 
 
@@ -165,12 +214,16 @@ def ensure_built(cache: Optional[Path] = None, *, jobs: Optional[int] = None) ->
     from filelock import FileLock
 
     root = cache_dir(cache)
-    if (root / BUILT_MARKER).is_file():
+    if find(cache) is not None:
         return LlamaCpp(root)
     root.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root) + ".lock"):
         if (root / BUILT_MARKER).is_file():
-            return LlamaCpp(root)
+            why = damage(LlamaCpp(root))
+            if why is None:
+                return LlamaCpp(root)
+            log.warning("llama.cpp: the build in %s is damaged (%s); building it again from its sdist", root, why)
+            shutil.rmtree(root)
         missing = [t for t in ("cmake", "ninja", "c++") if shutil.which(t) is None]
         if missing:
             raise LlamaCppBuildError(
@@ -191,6 +244,7 @@ def ensure_built(cache: Optional[Path] = None, *, jobs: Optional[int] = None) ->
                 "seconds": round(time.monotonic() - t0, 1),
                 "jobs": jobs or os.cpu_count(),
             }
+            info["binaries"] = binaries(LlamaCpp(tmp))
             (tmp / BUILT_MARKER).write_text(json.dumps(info, indent=1) + "\n")
         log_path.unlink(missing_ok=True)
         log.info("llama.cpp %s built in %.0f s: %s", BUILD, time.monotonic() - t0, root)
