@@ -108,12 +108,11 @@ def run_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:
         if old != new:
             diffs.append(f"{group if k is None else f'{group}.{k}'}: checkpoint {old!r}, now {new!r}")
     stage = (((saved.get("deepspeed") or {}).get("zero_optimization")) or {}).get("stage")
-    if stage is not None and stage != now["deepspeed"]["zero_optimization"]["stage"]:
+    stage_now = now["deepspeed"]["zero_optimization"]["stage"]
+    if stage is not None and stage != stage_now:
         # DeepSpeed writes each ZeRO stage's optimizer state in its own files (ZeRO 0 one, ZeRO 1-3
         # one per rank): another stage cannot read them
-        diffs.append(
-            f"deepspeed.zero_optimization.stage: checkpoint {stage!r}, now {now['deepspeed']['zero_optimization']['stage']!r}"
-        )
+        diffs.append(f"deepspeed.zero_optimization.stage: checkpoint {stage!r}, now {stage_now!r}")
     if "dataset" in record:  # tags written before it was recorded are judged by their config alone
         old, new = record["dataset"].get("manifest_sha256"), dataset_identity(cfg).get("manifest_sha256")
         if old != new:

@@ -28,7 +28,8 @@ def path_env_problem(environ: Optional[dict[str, str]] = None) -> Optional[str]:
         if value.strip() == "":
             return (
                 f"{name} is set but empty: the directories under it would start at the filesystem root (/data, "
-                f"/checkpoints, /runs) or the working directory; unset it (the default applies) or set it to a directory"
+                "/checkpoints, /runs) or the working directory; unset it (the default applies) or set it to a "
+                "directory"
             )
         if os.path.abspath(os.path.expanduser(value)) == os.path.abspath(os.sep):
             return f"{name}={value!r}: the filesystem root; set it to a directory of its own"
