@@ -17,7 +17,7 @@ from dspark.checkpoint_weights import TrainingCheckpoint, load_training_checkpoi
 from dspark.core.config import RunConfig
 from dspark.core.errors import UserError
 from dspark.core.waits import WaitTimedOut
-from dspark.export import ExportSummary, export
+from dspark.export import ExportSummary, existing_export, export, exported_layout
 from dspark.export.validate import validate
 from dspark.export.vllm_format import CONFIG_FILE, WEIGHTS_FILE, drafter_layouts
 from eval.eval_set import EvalPrompt, eval_set_sha256, load_eval_set, save_eval_set
@@ -75,10 +75,16 @@ def export_all(cfg: RunConfig, ckpt_path: Path, target_dir: Path, prefix: str) -
     drafter has it), each validated with vLLM's own classes at ``eval.gamma`` draft tokens."""
     ckpt = read_checkpoint(cfg, ckpt_path)
     _warn_past_training_window(cfg, ckpt)
+    own = exported_layout(ckpt_path) if is_drafter_dir(ckpt_path) else None
     out = {}
     for layout in drafter_layouts(ckpt.drafter):
-        d = export_path(cfg, prefix, layout)
-        s = export(ckpt, d, layout=layout, dtype=cfg.eval.export_dtype, target_dir=target_dir)
+        if layout == own:  # an export is evaluated as it is, never exported again (into itself)
+            s = existing_export(ckpt, layout)
+            log.info("eval.checkpoint=%s is a %s export: evaluated as it is, not exported again", ckpt_path, layout)
+        else:
+            d = export_path(cfg, prefix, layout)
+            s = export(ckpt, d, layout=layout, dtype=cfg.eval.export_dtype, target_dir=target_dir)
+        d = s.out_dir
         log.info("%s", s.render())
         if vllm_installed():
             log.info("%s", validate(d, target_dir=target_dir, num_speculative_tokens=cfg.eval.gamma).render())

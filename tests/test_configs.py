@@ -482,3 +482,20 @@ def test_auto_ablation_is_this_configs_markov_off_run(tmp_path):
             is None
         )  # that run is the ablation itself
         assert ablation_checkpoint(_load(f"+experiment={experiment}", "eval.ablation_checkpoint=null")) is None
+
+
+LEVERS = sorted(p.stem for p in (CONF / "lever").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("lever", LEVERS)
+def test_levers_compose_on_the_demos_data_under_their_own_run_name(lever):
+    """Issue #57: one checkpoint directory per lever and seed, the demo's shards, one W&B group."""
+    demo = _load("+experiment=smollm2_cpu_demo")
+    base = _load("+experiment=smollm2_cpu_levers")
+    cfg = _load("+experiment=smollm2_cpu_levers", f"+lever={lever}", "seed=2")
+    assert cfg.train.run_name == f"lever-{lever.replace('_', '-')}-seed2"
+    assert cfg.train.checkpoint_dir == f"outputs/checkpoints/levers/smollm2-135m/{cfg.train.run_name}"
+    assert cfg.data == demo.data and cfg.logging.group == "levers-smollm2-135m"
+    assert not _redundant(CONF / "lever" / f"{lever}.yaml", base)
+    changed = {k for k, v in vars(cfg.train).items() if v != getattr(base.train, k)} - {"run_name", "checkpoint_dir"}
+    assert lever == "fp32" or changed or cfg.drafter != base.drafter

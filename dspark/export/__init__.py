@@ -165,7 +165,42 @@ def export(
             _write_export(tmp, weights, config, ckpt, layout, dtype, tdir)
     if earlier:  # said once it happened: a refused or failed export replaces nothing
         log.warning("export: replacing the earlier export at %s: done, the new one is in its place", out_dir)
-    return _summary(out_dir, ckpt, layout, dtype, weights, config)
+    return _summary(out_dir, ckpt, layout, dtype, sum(t.numel() for t in weights.values()), config)
+
+
+def exported_layout(path: Path) -> Optional[str]:
+    """The layout an export of this project at ``path`` was written in (its export.json), or None
+    for a directory that is no such export (a speculators checkpoint, a DeepSpeed run)."""
+    prov_file = Path(path) / PROVENANCE_FILE
+    if not prov_file.is_file() or not (Path(path) / CONFIG_FILE).is_file():
+        return None
+    try:
+        prov = json.loads(prov_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{prov_file}: unreadable ({e}); expected an export's export.json") from e
+    layout = prov.get("layout") if isinstance(prov, dict) else None
+    if layout not in LAYOUTS:
+        raise ExportError(f"{prov_file}: field 'layout' is {layout!r}; expected one of {sorted(LAYOUTS)}")
+    return layout
+
+
+def existing_export(ckpt: TrainingCheckpoint, layout: str) -> ExportSummary:
+    """The summary of the export ``ckpt`` was read from (``ckpt.path``, written in ``layout``), as
+    :func:`export` would give it, with nothing written: an export is evaluated as it is."""
+    from safetensors import safe_open
+
+    out_dir = Path(ckpt.path)
+    prov = json.loads((out_dir / PROVENANCE_FILE).read_text())
+    config = json.loads((out_dir / CONFIG_FILE).read_text())
+    with safe_open(str(out_dir / WEIGHTS_FILE), framework="pt") as f:
+        count = 0
+        for k in f.keys():
+            n = 1
+            for d in f.get_slice(k).get_shape():
+                n *= d
+            count += n
+    dtype = str(prov.get("dtype", "float32"))
+    return _summary(out_dir, ckpt, layout, dtype, count, config)
 
 
 def check_out_dir(out_dir: Path, checkpoint: Path) -> None:
@@ -217,7 +252,7 @@ def _write_export(
 
 
 def _summary(
-    out_dir: Path, ckpt: TrainingCheckpoint, layout: str, dtype: str, weights: dict, config: dict
+    out_dir: Path, ckpt: TrainingCheckpoint, layout: str, dtype: str, num_parameters: int, config: dict
 ) -> ExportSummary:
     summary = ExportSummary(
         out_dir,
@@ -228,7 +263,7 @@ def _summary(
         ckpt.step,
         ckpt.zero_stage,
         dtype,
-        sum(t.numel() for t in weights.values()),
+        num_parameters,
         (out_dir / WEIGHTS_FILE).stat().st_size,
         ckpt.context_layer_ids,
         config.get("target_layer_ids") or config["dflash_config"]["target_layer_ids"],

@@ -15,7 +15,7 @@ from dspark.export.speculators_format import write_speculators
 from tests.toy import overrides
 
 
-def eval_config(compose_config, target: Path, data: Path, out: Path, checkpoint: Path):
+def eval_config(compose_config, target: Path, data: Path, out: Path, checkpoint: Path, *extra: str):
     return compose_config(
         *overrides(target, data, out),
         f"eval.checkpoint={checkpoint}",
@@ -28,6 +28,7 @@ def eval_config(compose_config, target: Path, data: Path, out: Path, checkpoint:
         "eval.serve_export=never",
         "eval.reference_proposers=[dspark]",
         "eval.llama_cpp=never",
+        *extra,
     )
 
 
@@ -64,3 +65,27 @@ def test_a_speculators_checkpoint_is_measured_as_the_checkpoint_it_came_from(
         run_eval(cfg, heads, target).results.conditions.extra["fingerprint"]
         != got.results.conditions.extra["fingerprint"]
     )
+
+
+@pytest.mark.slow
+def test_an_export_is_evaluated_as_it_is_never_exported_again(tiny_trained_drafter, tmp_path, compose_config):
+    """Issue #60 item 3: eval.checkpoint= the main job's export ended in "--out ...: it holds the
+    checkpoint ... being exported": the eval exported the export into its own default directory."""
+    from dspark.core.target import load_target_heads
+    from eval.run import run_eval
+
+    target, data, ckpt = tiny_trained_drafter
+    exports = tmp_path / "exports"
+    mine = exports / "dspark-dspark"  # where this run's eval would export its own drafter
+    export(ckpt, mine, target_dir=target)
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in mine.iterdir()}
+    heads = load_target_heads(target)
+    ours = run_eval(eval_config(compose_config, target, data, tmp_path / "a", ckpt), heads, target)
+    cfg = eval_config(compose_config, target, data, tmp_path / "b", mine, f"eval.export_dir={exports}")
+    got = run_eval(cfg, heads, target)
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in mine.iterdir()} == before  # untouched
+    assert got.results.conditions.checkpoint == str(mine)
+    (a,) = [d for d in ours.results.drafters if d.runner == "reference"]
+    (b,) = [d for d in got.results.drafters if d.runner == "reference"]
+    assert b.per_prompt == a.per_prompt and b.overall["num_steps"] > 0
+    assert (tmp_path / "b" / "report.md").is_file() or any((tmp_path / "b").rglob("report.md"))

@@ -1,0 +1,193 @@
+"""Training levers over seeds: the table issue #57 asks for, and the test that decides a default.
+
+Reads the runs of ``+experiment=smollm2_cpu_levers`` (checkpoint directories named
+``lever-NAME-seedK``, each with its ``validation.jsonl``), groups them by lever and gives, per
+lever, over its seeds: training minutes, predictions per second, and the final validation's tau and
+pos-1 as mean ± sd. Each lever is compared with the baseline arm (``--baseline``) by Welch's
+two-sided t-test on the seeds' final val tau (unequal variances, Welch-Satterthwaite degrees of
+freedom: with 3 seeds an arm, about 4, so the 95 % critical value is about 2.8, not the normal
+1.96). A lever "passes" when its gain is positive and p < 0.05.
+
+    .venv/bin/python benchmarks/lever_report.py outputs/checkpoints/levers/smollm2-135m \\
+        --baseline fp32 --plot docs/img/levers.png [--json outputs/benchmarks/levers.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+from dspark.core.files import read_jsonl
+
+RUN_NAME = re.compile(r"^lever-(?P<lever>.+)-seed(?P<seed>[0-9]+)$")
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularised incomplete beta function (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for num in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_two_sided_p(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom."""
+    return betainc(df / 2.0, 0.5, df / (df + t * t))
+
+
+def t_critical(df: float, p: float = 0.05) -> float:
+    """The two-sided ``p`` critical value of Student's t with ``df`` degrees of freedom (bisection)."""
+    lo, hi = 0.0, 1e3
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_two_sided_p(mid, df) > p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def welch(a: list[float], b: list[float]) -> dict:
+    """Welch's t-test of mean(b) - mean(a): difference, t, Welch-Satterthwaite df, two-sided p."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.mean(b) - statistics.mean(a)
+    se = math.sqrt(va + vb)
+    if se == 0.0:
+        return {"diff": diff, "t": math.inf if diff else 0.0, "df": float("nan"), "p": 0.0 if diff else 1.0}
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    t = diff / se
+    return {"diff": diff, "se": se, "t": t, "df": df, "p": t_two_sided_p(t, df), "t_crit": t_critical(df)}
+
+
+def lever_runs(root: Path) -> dict[str, dict[int, list[dict]]]:
+    """lever -> seed -> its validations, from ``root/lever-NAME-seedK/validation.jsonl``."""
+    out: dict[str, dict[int, list[dict]]] = {}
+    for f in sorted(root.glob("lever-*/validation.jsonl")):
+        m = RUN_NAME.match(f.parent.name)
+        if m:
+            vals = [v for _, v in read_jsonl(f)]
+            if vals:
+                out.setdefault(m["lever"], {})[int(m["seed"])] = vals
+    if not out:
+        raise SystemExit(f"error: no lever-NAME-seedK/validation.jsonl under {root}")
+    return out
+
+
+def summary(found: dict[str, dict[int, list[dict]]], baseline: str) -> list[dict]:
+    rows = []
+    base = [vals[-1]["tau"] for vals in found.get(baseline, {}).values()]
+    for lever, seeds in sorted(found.items(), key=lambda kv: (kv[0] != baseline, kv[0])):
+        last = [vals[-1] for vals in seeds.values()]
+        taus = [v["tau"] for v in last]
+        row = {
+            "lever": lever,
+            "seeds": sorted(seeds),
+            "steps": sorted({v["step"] for v in last}),
+            "train_min": [v["train_seconds"] / 60 for v in last],
+            "pred_s": [v["predictions"] / v["train_seconds"] for v in last],
+            "tau": taus,
+            "pos1": [v["accept_pos_1"] for v in last],
+        }
+        if lever != baseline and len(base) >= 2 and len(taus) >= 2:
+            row["test"] = welch(base, taus)
+        rows.append(row)
+    return rows
+
+
+def _ms(xs: list[float], fmt: str = ".3f") -> str:
+    if len(xs) < 2:
+        return f"{xs[0]:{fmt}}" if xs else "-"
+    return f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
+
+
+def table(rows: list[dict], baseline: str) -> str:
+    out = [
+        f"| lever | seeds | steps | train min | predictions/s | val tau (mean ± sd) | val pos-1 | vs `{baseline}`: "
+        "diff, t (df), p | passes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r.get("test")
+        if t is None:
+            vs, passes = "baseline" if r["lever"] == baseline else "-", ""
+        else:
+            vs = f"{t['diff']:+.3f}, {t['t']:.2f} ({t['df']:.1f}), {t['p']:.3f}"
+            passes = "yes" if t["p"] < 0.05 and t["diff"] > 0 else "no"
+        out.append(
+            f"| `{r['lever']}` | {len(r['seeds'])} | {'/'.join(map(str, r['steps']))} | {_ms(r['train_min'], '.1f')} | "
+            f"{_ms(r['pred_s'], '.0f')} | {_ms(r['tau'])} | {_ms(r['pos1'])} | {vs} | {passes} |"
+        )
+    return "\n".join(out)
+
+
+def plot(found: dict[str, dict[int, list[dict]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (lever, seeds) in enumerate(sorted(found.items())):
+        color = f"C{i}"
+        for j, vals in enumerate(seeds.values()):
+            label = lever if j == 0 else None
+            axes[0].plot([v["train_seconds"] / 60 for v in vals], [v["tau"] for v in vals], "-o", ms=3, color=color,
+                         alpha=0.8, label=label)  # fmt: skip
+            axes[1].plot([v["predictions"] for v in vals], [v["tau"] for v in vals], "-o", ms=3, color=color,
+                         alpha=0.8, label=label)  # fmt: skip
+    axes[0].set_xlabel("training minutes (steps only)")
+    axes[1].set_xlabel("training predictions")
+    axes[1].set_xscale("log")
+    for ax in axes:
+        ax.set_ylabel("val tau (greedy, teacher-forced)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("each lever's seeds, validated on the way")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("root", type=Path, help="the directory holding lever-NAME-seedK checkpoint directories")
+    p.add_argument("--baseline", default="fp32", help="the arm every lever is tested against")
+    p.add_argument("--plot", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    found = lever_runs(args.root)
+    rows = summary(found, args.baseline)
+    print(table(rows, args.baseline))
+    if args.plot:
+        plot(found, args.plot)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
