@@ -84,7 +84,10 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
         from eval.report import summary_lines
 
         lines += summary_lines(outcome.results, outcome.checks)
-        lines.append(f"report   {outcome.report_dir / 'report.md'} (+ results.json, *.png){clock.lap('eval')}")
+        lines.append(
+            f"report   {outcome.report_dir / 'report.md'}: open it first, its Summary says what was found "
+            f"(tables, results.json and plots beside it){clock.lap('eval')}"
+        )
         lines.append(f"exports  {cfg.eval.export_dir}")
     if "serve_bench" in cfg.stages:
         from eval.serve_bench.stage import run_serve_bench

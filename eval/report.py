@@ -17,13 +17,13 @@ import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from matplotlib.figure import Figure
 
 from dspark.core.files import atomic_write_text
 from eval.acceptance import ACCEPT_PER_POS, ACCEPTANCE_METRICS, TAU, TOKENS_PER_STEP, AcceptanceCounts, AcceptanceMetric
-from eval.checks import interval_text
+from eval.checks import interval_text, paired_interval
 from eval.intervals import CONFIDENCE
 from eval.results import (
     INSIDE_NOISE,
@@ -196,8 +196,117 @@ def _conditions_section(c: EvalConditions) -> list[str]:
         ["dtype", c.dtype],
         ["device", c.device],
     ]
-    rows += [[k, str(v)] for k, v in c.extra.items()]
+    rows += [[k, _cell(v)] for k, v in c.extra.items() if k not in OWN_TABLES]
     return ["## Conditions", ""] + _table(["condition", "value"], rows)
+
+
+OWN_TABLES = ("part_seconds", "greedy_outputs_equal", "llama_cpp_parity")
+"""Conditions that are tables of their own (:func:`_time_section`, :func:`_equal_section`,
+:func:`_parity_section`), not a cell of the conditions table."""
+
+
+def _cell(v: Any) -> str:
+    """A conditions value as a table cell: a number or a short string, never a Python dict."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str)) for x in v) and len(v) <= 8:
+        return ", ".join(str(x) for x in v)
+    if isinstance(v, (dict, list, tuple)):
+        return f"{len(v)} entries (results.json)"
+    text = str(v)
+    return text if len(text) <= 120 else text[:100] + "... (results.json)"
+
+
+def _time_section(c: EvalConditions) -> list[str]:
+    parts = c.extra.get("part_seconds") or {}
+    if not isinstance(parts, dict) or not parts:
+        return []
+    rows = [[name, f"{float(sec) / 60:.1f}"] for name, sec in parts.items()]
+    note = "Each part this run measured (a part kept from a killed run is not timed again)."
+    return ["## Where the eval's time went", "", note, ""] + _table(["part", "minutes"], rows)
+
+
+def _equal_section(c: EvalConditions) -> list[str]:
+    equal = c.extra.get("greedy_outputs_equal") or {}
+    if not isinstance(equal, dict) or not equal:
+        return []
+    rows = [[name, f"{e['equal']} of {e['prompts']}", str(e["reference"])] for name, e in equal.items()]
+    note = (
+        "Every method is lossless: under greedy decoding each should give the target's own text; a prompt "
+        "that differs shows where two numerics part."
+    )
+    return ["## Greedy outputs against the reference", "", note, ""] + _table(
+        ["drafter", "prompts equal", "reference"], rows
+    )
+
+
+def _pick(results: EvalResults, want: Callable[[DrafterResult], bool]) -> Optional[DrafterResult]:
+    return next((d for d in results.drafters if want(d)), None)
+
+
+def _summary_section(results: EvalResults) -> list[str]:
+    """Five lines, each a figure with its interval and what it means: ours, vLLM's ngram, the chain,
+    ours over ngram (paired by prompt) and ours' fade with the context."""
+    ours = _pick(results, lambda d: d.name == "dspark" and d.runner == "reference") or _pick(
+        results, lambda d: d.name == "dspark"
+    )
+    ngram = _pick(results, lambda d: d.runner == "vllm" and d.method == "ngram") or _pick(
+        results, lambda d: d.name == "ngram"
+    )
+    chain = _pick(results, lambda d: d.name.startswith("ngram-then-dspark"))
+    lines = []
+
+    def tps(d: DrafterResult) -> str:
+        return f"**{fmt(d.tokens_per_step)}**{interval_text(d.interval(TOKENS_PER_STEP.stat))}"
+
+    if ours is not None:
+        lines.append(
+            f"- **Ours** (`{ours.name}`, {ours.runner}): {tps(ours)} tokens per target step: each target forward "
+            f"yields {fmt(ours.tokens_per_step, 2)} tokens, {fmt(ours.tokens_per_step - 1, 2)} of them accepted drafts."
+        )
+    if ngram is not None:
+        share = pct(AcceptanceCounts.from_dict(ngram.overall).draft_share)
+        lines.append(
+            f"- **vLLM ngram** (prompt lookup, no model: the free baseline): {tps(ngram)} tokens per target step "
+            f"(tau {fmt(ngram.tau)} over the {share} of steps it found a match to draft from)."
+        )
+    if chain is not None:
+        lines.append(
+            f"- **ngram, then ours** (the lookup's draft where it has one, ours elsewhere): {tps(chain)} tokens "
+            "per target step."
+        )
+    if ours is not None and ngram is not None and ngram.tokens_per_step:
+        ratio = ours.tokens_per_step / ngram.tokens_per_step
+        lo, hi = paired_interval(ours, ngram)
+        verdict = (
+            "ours accepts fewer tokens per target step than the lookup"
+            if hi < 1
+            else "ours accepts more tokens per target step than the lookup"
+            if lo > 1
+            else "level within the noise of these prompts"
+        )
+        lines.append(
+            f"- **Ours / ngram**: {fmt(ratio)}{interval_text((lo, hi))}, paired over the prompts both answered: "
+            f"{verdict}."
+        )
+    if ours is not None and len(ours.per_bin) > 1:
+        value, (lo, hi) = ours.fade()
+        bins = sorted(ours.per_bin, key=int)
+        verdict = (
+            "no fade this eval set can tell"
+            if lo <= 1 <= hi
+            else ("acceptance falls with the context" if hi < 1 else "acceptance rises with the context")
+        )
+        lines.append(
+            f"- **Fade** (ours at {bins[-1]} tokens of context over {bins[0]}): {fmt(value)}{interval_text((lo, hi))}: "
+            f"{verdict}."
+        )
+    if not lines:
+        return []
+    note = f"Brackets: {CONFIDENCE:.0%} bootstrap intervals over the prompts. Tables below; figures in results.json."
+    return ["## Summary", ""] + lines + ["", note]
 
 
 def _figures_row(d: DrafterResult, counts: dict[str, Any], bin: str | None) -> list[str]:
@@ -330,15 +439,19 @@ def _parity_section(results: EvalResults) -> list[str]:
 
 
 def render_markdown(results: EvalResults, plots: dict[str, Path], *, checks: list[Check] | None = None) -> str:
-    """The report: conditions first, since no number means anything without them."""
+    """The report: a five-line summary, then the conditions (no number means anything without them),
+    then the tables; every cell a number or a short string."""
     sections = [
         ["# DSpark acceptance report"],
+        _summary_section(results),
         _conditions_section(results.conditions),
         _tau_section(results),
         _position_section(results),
         _speedup_section(speedup_table(results)),
         _calibration_section(results),
         _parity_section(results),
+        _equal_section(results.conditions),
+        _time_section(results.conditions),
     ]
     if checks is not None:
         sections.append(_checks_section(checks))

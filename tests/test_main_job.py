@@ -110,7 +110,9 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     report = (report_dir / "report.md").read_text()
     assert "markov-off" in report and "ngram" in report and "| gamma | 4 |" in report
     assert "## llama.cpp against the reference loop" in report
-    assert f"report   {report_dir / 'report.md'}" in log
+    assert f"report   {report_dir / 'report.md'}: open it first, its Summary says what was found" in log
+    assert report.startswith("# DSpark acceptance report\n\n## Summary\n\n- **Ours** (`dspark`, reference): **")
+    assert all("{" not in line for line in report.splitlines() if line.startswith("|"))  # no dict in a cell
     for name in ("DSpark over its Markov-off ablation", "DSpark over vLLM ngram", "no long-context collapse"):
         assert re.search(rf"check    {name}: (PASS|MISS|inside the noise) \(", log), name  # in the closing summary
     assert re.search(

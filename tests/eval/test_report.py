@@ -424,3 +424,47 @@ def test_summary_lines_put_tokens_per_step_first(results):
     assert ngram.startswith("eval     ngram") and "tokens/step 1.125 [" in ngram
     assert "(tau 1.250 over drafted steps, 50% drafted; reference)" in ngram
     assert lines[-1] == f"check    g: inside the noise ({check.detail})"
+
+
+def test_the_report_opens_with_a_summary_and_no_table_cell_holds_a_dict(results, tmp_path):
+    """Issue #60 item 2: report.md's conditions table held raw Python dicts (part_seconds,
+    greedy_outputs_equal, and about 2,500 characters of llama_cpp_parity in one cell), and it had no
+    summary of what was found."""
+    results.conditions.extra.update(
+        part_seconds={"export": 30.0, "reference": 540.0},
+        greedy_outputs_equal={"dspark": {"equal": 3, "prompts": 4, "reference": "vLLM ngram in this run"}},
+        llama_cpp_parity={
+            "llama.cpp dspark": {
+                "per_prompt": [
+                    {
+                        "prompt_id": "1024-0",
+                        "tokens_equal": False,
+                        "first_difference": 7,
+                        "accepted": [22, 19],
+                        "drafts": [30, 30],
+                        "steps": [31, 33],
+                    }  # fmt: skip
+                ]
+            }
+        },
+        fingerprint="abc123",
+    )
+    md = write_report(results, tmp_path).markdown.read_text()
+    sections = [line for line in md.splitlines() if line.startswith("## ")]
+    assert sections[0] == "## Summary"
+    summary = md.split("## Summary\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    ours, ngram = results.drafters[0], results.drafters[2]
+    assert len(summary) == 4  # ours, ngram, their ratio, the fade (this run has no chain)
+    assert summary[0].startswith(f"- **Ours** (`dspark`, reference): **{ours.tokens_per_step:.3f}** [")
+    assert summary[1].startswith("- **vLLM ngram**") or summary[1].startswith("- **vLLM ngram** (prompt lookup")
+    ratio = ours.tokens_per_step / ngram.tokens_per_step
+    assert summary[2].startswith(f"- **Ours / ngram**: {ratio:.3f} [")
+    assert summary[3].startswith("- **Fade** (ours at 4096 tokens of context over 1024): ")
+    for line in md.splitlines():
+        if line.startswith("|"):
+            assert "{" not in line and "'" not in line, line  # a number or a short string per cell
+    conditions = table_rows(md, "Conditions")
+    assert conditions["fingerprint"][1] == "abc123" and "part_seconds" not in conditions
+    assert table_rows(md, "Where the eval's time went")["reference"][1] == "9.0"
+    assert table_rows(md, "Greedy outputs against the reference")["dspark"][1] == "3 of 4"
+    assert table_rows(md, "llama.cpp against the reference loop")["llama.cpp dspark"][2] == "no (from token 7)"
