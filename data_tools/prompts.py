@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from dspark.core.errors import UserError
-from dspark.core.files import read_jsonl
+from dspark.core.files import not_a_file, read_jsonl
 from dspark.core.prompt_format import format_lcr_prompt
 
 SHAREGPT_ROLES = {
@@ -226,6 +226,8 @@ def load_source(source: str, *, split: str = "train") -> Iterator[Conversation]:
         return reader(path)
     if path.is_dir():
         return _read_saved_dataset(path, split)
+    if path.exists() or path.is_symlink():  # a FIFO, a socket, a device, a broken link
+        raise PromptFileError(f"data.source={source!r}: {not_a_file(path)}; expected {ACCEPTED_SOURCES}")
     if looks_local(source):
         raise PromptFileError(
             f"data.source={source!r}: no such file or directory ({path.absolute()}); expected {ACCEPTED_SOURCES}"

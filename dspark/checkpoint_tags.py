@@ -166,9 +166,41 @@ def checkpoint_model_file(path: Path) -> Path:
 
 
 def read_run_config(tag: Path) -> Optional[dict[str, Any]]:
-    """The resolved Hydra config a tag was trained with (``run.json``), None if it has none."""
+    """The resolved Hydra config a tag was trained with (``run.json``), None if it has none; its
+    fields that other code reads are type-checked, one :class:`CheckpointError` naming the file,
+    the field and what was expected."""
     run_file = Path(tag) / RUN_FILE
-    return json.loads(run_file.read_text())["config"] if run_file.is_file() else None
+    if not run_file.is_file():
+        return None
+    try:
+        record = json.loads(run_file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{run_file}: unreadable ({e}); expected the JSON the trainer writes") from e
+    config = record.get("config") if isinstance(record, dict) else None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{run_file}: field 'config' is {_shown(config)}; expected the run's config, a mapping")
+    for group in ("target", "train", "drafter", "data", "deepspeed", "paths"):
+        if group in config and not isinstance(config[group], dict):
+            raise CheckpointError(
+                f"{run_file}: field 'config.{group}' is {_shown(config[group])}; expected a mapping of its keys"
+            )
+    target = config.get("target") or {}
+    ids = target.get("layer_ids")
+    if ids is not None and not (
+        isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
+        raise CheckpointError(f"{run_file}: field 'config.target.layer_ids' is {_shown(ids)}; expected a list of ints")
+    for key in ("name", "path", "source"):
+        if target.get(key) is not None and not isinstance(target[key], str):
+            raise CheckpointError(
+                f"{run_file}: field 'config.target.{key}' is {_shown(target[key])}; expected a string"
+            )
+    return config
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:50] + "..."
 
 
 def check_resume_tag(tag_dir: Path, named_by: str) -> None:

@@ -64,6 +64,7 @@ def build_trainer(cfg: RunConfig | DictConfig, heads: TargetHeads, source: Optio
         check_online_ranks(source, rank)
     else:
         require_dataset(cfg.data.shards_dir)  # before the lock: a run without data writes nothing
+    check_window(cfg, heads)
     checkpointer = Checkpointer(cfg, rank=rank, world=world)
     try:
         return Trainer(_build_parts(cfg, heads, source, checkpointer, rank, world))
@@ -72,6 +73,19 @@ def build_trainer(cfg: RunConfig | DictConfig, heads: TargetHeads, source: Optio
         if source is not None:
             source.close()
         raise
+
+
+def check_window(cfg: RunConfig, heads: TargetHeads) -> None:
+    """Refuse a ``drafter.attention_window`` at or past the target's context: a sliding window that
+    long is full attention, exported as a window nothing ever reaches."""
+    window = cfg.drafter.attention_window
+    positions = int(heads.config.get("max_position_embeddings") or 0)
+    if window is not None and positions and window >= positions:
+        raise ConfigError(
+            f"drafter.attention_window={window}: at or past the target's whole context ({positions} positions, "
+            "its config's max_position_embeddings), where a sliding window is full attention; set "
+            f"drafter.attention_window=null for full attention, or a window below {positions}"
+        )
 
 
 def _build_parts(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.core.errors import UserError
-from dspark.core.files import read_jsonl, write_jsonl
+from dspark.core.files import not_a_file, read_jsonl, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,9 @@ def load_eval_set(
     generated set leaves such documents out; none left is an error."""
     path = Path(path)
     where = f"{key}={path}" if key else str(path)  # the setting that named the file, if any
-    if not path.is_file():
-        raise EvalPromptError(f"{where}: no such file, expected JSONL with one prompt object per line")
+    problem = not_a_file(path)
+    if problem:
+        raise EvalPromptError(f"{where}: {problem}, expected JSONL with one prompt object per line")
     prompts = []
     try:
         for n, record in read_jsonl(path, error=EvalPromptError):

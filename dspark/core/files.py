@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 from pathlib import Path
 from typing import Any, Collection, Iterator, Optional
 
@@ -219,6 +220,30 @@ def atomic_write_text(path: Path | str, text: str) -> None:
 
 def atomic_write_json(path: Path | str, obj: Any, **dumps: Any) -> None:
     atomic_write_text(path, json.dumps(obj, **dumps) + "\n")
+
+
+def not_a_file(path: Path | str) -> Optional[str]:
+    """What is at ``path`` where a regular file belongs, said plainly (None: a regular file):
+    "no such file", "a directory", "a named pipe (FIFO)", ... so a message says what is wrong."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    for test, what in (
+        (stat.S_ISDIR, "a directory, not a file"),
+        (stat.S_ISFIFO, "a named pipe (FIFO), not a regular file"),
+        (stat.S_ISSOCK, "a socket, not a regular file"),
+        (stat.S_ISCHR, "a character device, not a regular file"),
+        (stat.S_ISBLK, "a block device, not a regular file"),
+    ):
+        if test(mode):
+            return what
+    return "not a regular file"
 
 
 def file_sha256(path: Path | str) -> str:

@@ -50,7 +50,7 @@ import torch
 
 from dspark.core.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
 from dspark.core.errors import CONF_DIR, UserError, exit_on_user_error, run_hydra_command, task_started
-from dspark.core.files import atomic_write_json, file_sha256, read_jsonl, write_jsonl
+from dspark.core.files import atomic_write_json, file_sha256, not_a_file, read_jsonl, write_jsonl
 from dspark.core.llama_cpp.server import Counters, complete, counters_after, llama_server, read_counters, server_spec
 from dspark.core.server_lifecycle import Server
 from dspark.core.serving_methods import (
@@ -176,8 +176,9 @@ def load_traffic(path: Path, *, need_output_tokens: bool = False) -> list[dict[s
     line with ``need_output_tokens``: serve_bench.output_len=null), a positive integer
     ``output_tokens``."""
     where = f"serve_bench.traffic_file={path}"
-    if not path.is_file():
-        raise TrafficFileError(f'{where}: no such file, expected JSONL with one {{"prompt": ...}} per line')
+    problem = not_a_file(path)
+    if problem:
+        raise TrafficFileError(f'{where}: {problem}, expected JSONL with one {{"prompt": ...}} per line')
     if path.suffix != ".jsonl":
         raise TrafficFileError(f"{where}: expected a .jsonl file (vLLM's custom dataset reads JSONL only)")
     rows = []

@@ -56,3 +56,25 @@ def test_an_os_error_a_users_path_causes_is_one_line_naming_the_path(tmp_path, c
     with pytest.raises(FileNotFoundError):  # not one a path a user gave causes: the traceback stays
         with exit_on_user_error():
             (tmp_path / "missing" / "file").read_text()
+
+
+def test_a_directory_or_a_fifo_where_a_file_belongs_is_named_for_what_it_is(tmp_path):
+    """Issue #58 item 12: a prompts file that was a directory or a FIFO was reported as "no such file"."""
+    import os
+
+    from eval.eval_set import load_eval_set
+
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    for path, says in (
+        (tmp_path, "a directory, not a file"),
+        (fifo, "a named pipe (FIFO), not a regular file"),
+        (tmp_path / "none.jsonl", "no such file"),
+    ):
+        with pytest.raises(EvalPromptError) as err:
+            load_eval_set(path, vocab_size=10)
+        assert str(err.value) == f"eval.prompts_file={path}: {says}, expected JSONL with one prompt object per line"
+    from data_tools.prompts import load_source
+
+    with pytest.raises(PromptFileError, match="a named pipe \\(FIFO\\), not a regular file"):
+        load_source(str(fifo))

@@ -108,3 +108,48 @@ def test_a_resume_under_another_zero_stage_is_refused_naming_it(tmp_path):
     assert run_differences(tmp_path, RunConfig()) == []
     zero1 = RunConfig(deepspeed=DeepSpeedConfig(zero_optimization=ZeroConfig(stage=1)))
     assert run_differences(tmp_path, zero1) == ["deepspeed.zero_optimization.stage: checkpoint 0, now 1"]
+
+
+def test_a_window_at_or_past_the_targets_context_is_refused_naming_it(compose_config, tiny, tmp_path):
+    """Item 14: drafter.attention_window=1000000000 trained and exported as a sliding window of 10^9."""
+    from dspark.core.config import ConfigError
+
+    target, data = tiny
+    positions = json.loads((target / "config.json").read_text())["max_position_embeddings"]
+    for window in (positions, 10**9):
+        cfg = compose_config(*overrides(target, data, tmp_path, f"drafter.attention_window={window}"))
+        with pytest.raises(ConfigError) as err:
+            build_trainer(cfg, load_target_heads(target))
+        assert str(err.value).startswith(
+            f"drafter.attention_window={window}: at or past the target's whole context ({positions} positions"
+        )
+        assert str(err.value).endswith(f"or a window below {positions}")
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda c: c.update(target="x"), "field 'config.target' is 'x'; expected a mapping of its keys"),
+        (lambda c: c["target"].update(layer_ids="1,2"), "field 'config.target.layer_ids' is '1,2'; expected a list"),
+        (lambda c: c["target"].update(name=7), "field 'config.target.name' is 7; expected a string"),
+    ],
+)
+def test_a_wrong_typed_run_json_field_is_named_with_its_file(tiny_trained_drafter, tmp_path, edit, says):
+    """Item 9: run.json's "target": "x" ended export in TypeError: TargetConfig() argument after **."""
+    import shutil
+
+    from dspark.checkpoint_tags import RUN_FILE, latest_tag
+    from dspark.export import export
+
+    target, _, ckpt = tiny_trained_drafter
+    copy = tmp_path / "run"
+    shutil.copytree(ckpt, copy, ignore=shutil.ignore_patterns(".lock", ".owner.json"))
+    run_file = copy / latest_tag(copy) / RUN_FILE
+    record = json.loads(run_file.read_text())
+    edit(record["config"])
+    run_file.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError) as err:
+        export(copy, tmp_path / "out", target_dir=target)
+    assert str(err.value).startswith(f"{run_file}: {says}")
+    assert not (tmp_path / "out").exists()
