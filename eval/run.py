@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from dspark.checkpoint_tags import latest_tag
 from dspark.core.config import ConfigError, RunConfig, config_fingerprint, eval_fields, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
-from dspark.core.files import atomic_write_json, read_json
+from dspark.core.files import atomic_write_json, holding, read_json
 from dspark.core.serving_methods import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, export_method
 from dspark.export import ExportSummary
 from dspark.export.vllm_format import load_drafter, read_export
@@ -225,11 +225,21 @@ def fingerprint(cfg: RunConfig, checkpoints: list[Path], *, without: tuple[str, 
 def run_eval(cfg: RunConfig | DictConfig, heads: Any, target_dir: Path) -> EvalOutcome:
     """Export (and validate) the checkpoints, build the eval set, measure every drafter, report.
     Skipped when results.json already holds this fingerprint (same checkpoint files, settings);
-    after a killed eval, the parts it finished are kept (:class:`Parts`) and the rest is measured."""
+    after a killed eval, the parts it finished are kept (:class:`Parts`) and the rest is measured.
+    Its output and export directories are held while it runs: a second eval on either is refused
+    naming the first."""
     cfg = load_config(cfg)
-    e = cfg.eval
-    out_dir = Path(e.out_dir).expanduser()
+    out_dir = Path(cfg.eval.out_dir).expanduser()
     claim_out_dir(out_dir, key="eval.out_dir", stage="eval", earlier=("results.json", "parts"))
+    with (
+        holding(out_dir, key="eval.out_dir", what="eval"),
+        holding(Path(cfg.eval.export_dir).expanduser(), key="eval.export_dir", what="eval's export"),
+    ):
+        return _run_eval(cfg, heads, target_dir, out_dir)
+
+
+def _run_eval(cfg: RunConfig, heads: Any, target_dir: Path, out_dir: Path) -> EvalOutcome:
+    e = cfg.eval
     ckpt = Path(e.checkpoint or Path(cfg.train.checkpoint_dir)).expanduser()
     ablation = ablation_checkpoint(cfg)
     fp = fingerprint(cfg, [ckpt] + ([ablation] if ablation else []))  # the whole report's

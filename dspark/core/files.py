@@ -222,6 +222,43 @@ def atomic_write_json(path: Path | str, obj: Any, **dumps: Any) -> None:
     atomic_write_text(path, json.dumps(obj, **dumps) + "\n")
 
 
+class InUseError(UserError):
+    """A directory another live run is writing."""
+
+
+@contextlib.contextmanager
+def holding(path: Path | str, *, key: str, what: str) -> Iterator[None]:
+    """Hold the output directory ``path`` (named by the setting ``key``) for this process: an OS
+    file lock beside it (``.NAME.lock``; released when the process ends, so a killed run leaves no
+    stale lock), with the holder's host and pid beside it. A second run writing the same output is
+    refused naming the holder. Creates the parent directory, not ``path``."""
+    import time
+
+    from filelock import FileLock, Timeout
+
+    path = Path(path).expanduser().absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_file, owner_file = path.parent / f".{path.name}.lock", path.parent / f".{path.name}.owner.json"
+    lock = FileLock(str(lock_file))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        try:
+            owner = json.loads(owner_file.read_text())
+        except (OSError, ValueError):
+            owner = {}
+        raise InUseError(
+            f"{key}={path}: in use by another {what} (host {owner.get('host', '?')}, pid {owner.get('pid', '?')}); "
+            f"two runs writing it at once would replace each other's files. Wait for it, or set {key} to another "
+            "directory"
+        ) from None
+    try:
+        atomic_write_json(owner_file, {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
+        yield
+    finally:
+        lock.release()
+
+
 def not_a_file(path: Path | str) -> Optional[str]:
     """What is at ``path`` where a regular file belongs, said plainly (None: a regular file):
     "no such file", "a directory", "a named pipe (FIFO)", ... so a message says what is wrong."""

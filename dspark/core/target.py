@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from filelock import FileLock
 from safetensors import safe_open
 
 from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, default_cache_dir
-from dspark.core.files import atomic_path, file_sha256
+from dspark.core.files import atomic_path, atomic_write_text, file_sha256
 from dspark.core.target_dir import TargetError, check_field, hf_target_dir, read_config
 
 log = logging.getLogger(__name__)
@@ -89,19 +90,63 @@ def convert_gguf_once(gguf: Path, out_dir: Path) -> ResolvedTarget:
     directory that is renamed into place only when complete, so a killed conversion never
     leaves a directory that looks valid.
     """
-    if (out_dir / COMPLETE_MARKER).is_file():
+    if (out_dir / COMPLETE_MARKER).is_file() and conversion_damage(out_dir) is None:
         return ResolvedTarget(path=out_dir, converted=False)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out_dir) + ".lock"):
-        if (out_dir / COMPLETE_MARKER).is_file():  # another process finished while we waited
-            return ResolvedTarget(path=out_dir, converted=False)
+        if (out_dir / COMPLETE_MARKER).is_file():  # another process finished while we waited, or damaged
+            why = conversion_damage(out_dir)
+            if why is None:
+                return ResolvedTarget(path=out_dir, converted=False)
+            log.warning("%s: the converted target is damaged (%s); converting it again from %s", out_dir, why, gguf)
+            shutil.rmtree(out_dir)
         t0 = time.perf_counter()
         log.info("converting %s -> %s (fp32 transformers directory, once)", gguf, out_dir)
         with atomic_path(out_dir, owner_marker=COMPLETE_MARKER) as tmp:  # empty or ours, else refused
             _convert_gguf(gguf, tmp)
-            (tmp / COMPLETE_MARKER).write_text(json.dumps({"gguf": str(gguf), "seconds": time.perf_counter() - t0}))
+            record = {"gguf": str(gguf), "gguf_sha256": file_sha256(gguf), "seconds": time.perf_counter() - t0}
+            (tmp / COMPLETE_MARKER).write_text(json.dumps({**record, "files": _converted_files(tmp)}))
         log.info("converted in %.1fs", time.perf_counter() - t0)
         return ResolvedTarget(path=out_dir, converted=True)
+
+
+def _converted_files(out_dir: Path) -> dict[str, list]:
+    """Every file of a conversion (but its marker): ``{name: [bytes, sha256, mtime_ns]}``."""
+    return {
+        p.name: [p.stat().st_size, file_sha256(p), p.stat().st_mtime_ns]
+        for p in sorted(out_dir.iterdir())
+        if p.is_file() and p.name != COMPLETE_MARKER
+    }
+
+
+def conversion_damage(out_dir: Path) -> Optional[str]:
+    """Why the converted target at ``out_dir`` cannot be used (None: it can): a file of the
+    conversion missing, of another size, or (where its mtime moved since it was written) of another
+    SHA-256: truncated weights, an edited config.json. A conversion from before its marker
+    recorded its files has them recorded now, as found."""
+    marker = out_dir / COMPLETE_MARKER
+    try:
+        record = json.loads(marker.read_text())
+    except (OSError, ValueError) as e:
+        return f"{marker}: unreadable ({e})"
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict):
+        if not (out_dir / "config.json").is_file():
+            return f"{out_dir / 'config.json'}: missing"
+        atomic_write_text(
+            marker, json.dumps({**(record if isinstance(record, dict) else {}), "files": _converted_files(out_dir)})
+        )
+        return None
+    for name, (size, sha, mtime) in sorted(files.items()):
+        p = out_dir / name
+        if not p.is_file():
+            return f"{p}: missing"
+        st = p.stat()
+        if st.st_size != size:
+            return f"{p}: {st.st_size} bytes, its conversion wrote {size}"
+        if st.st_mtime_ns != mtime and file_sha256(p) != sha:
+            return f"{p}: altered since its conversion (sha256 differs)"
+    return None
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:

@@ -216,3 +216,41 @@ def test_spec_disagrees_with_directory(tmp_path, smollm2_dir):
 def test_bad_target_spec(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TargetConfig(**kwargs)
+
+
+def test_a_damaged_conversion_is_converted_again_from_the_gguf_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Issue #58 item 6: a truncated model.safetensors in the converted target ended in safetensors'
+    traceback, and a config.json edited to 24 layers was trusted (its way out trained on the
+    damaged 30-layer weights). Here the conversion is a stand-in that writes two files."""
+    import os
+
+    from dspark.core import target as tgt
+
+    calls = []
+
+    def fake_convert(gguf, out_dir):
+        calls.append(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)  # as save_pretrained does
+        (out_dir / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
+        (out_dir / "model.safetensors").write_bytes(b"w" * 5000)
+
+    monkeypatch.setattr(tgt, "_convert_gguf", fake_convert)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + b"g" * 100)
+    out = tmp_path / "targets" / "t"
+    assert tgt.convert_gguf_once(gguf, out).converted and len(calls) == 1
+    assert not tgt.convert_gguf_once(gguf, out).converted and len(calls) == 1  # intact: reused
+    for damage, says in (
+        (lambda: os.truncate(out / "model.safetensors", 100), "safetensors: 100 bytes, its conversion wrote 5000"),
+        (lambda: (out / "config.json").write_text(json.dumps({"num_hidden_layers": 24})), "config.json: "),
+        (lambda: (out / "model.safetensors").unlink(), "model.safetensors: missing"),
+    ):
+        damage()
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert tgt.convert_gguf_once(gguf, out).converted
+        (warning,) = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+        assert says in warning and warning.endswith(f"converting it again from {gguf}")
+        assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 30
+        assert (out / "model.safetensors").stat().st_size == 5000
+    assert len(calls) == 4

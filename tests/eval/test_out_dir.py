@@ -84,3 +84,36 @@ def test_a_bad_prompts_file_leaves_no_directory_behind(tmp_path, compose_config)
     cfg = compose_config(f"eval.prompts_file={good}", f"eval.out_dir={out}", "eval.max_new_tokens=16")
     _, used = eval_set(cfg, HEADS, out)
     assert used == out / "eval_set.jsonl" and (out / OUT_DIR_MARKER).is_file()
+
+
+def test_a_second_eval_on_a_held_output_is_refused_naming_the_first(tmp_path):
+    """Issue #58 item 5: two evals on one out_dir at once both finished rc 0; the second replaced
+    the first's export while the first was still reading it."""
+    import os
+    import subprocess
+    import sys
+
+    from dspark.core.files import InUseError, holding
+
+    out = tmp_path / "eval" / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time; from dspark.core.files import holding\n"
+            f"with holding({str(out)!r}, key='eval.out_dir', what='eval'):\n"
+            "    print('held', flush=True); time.sleep(60)\n"
+        )],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(InUseError) as err:
+            with holding(out, key="eval.out_dir", what="eval"):
+                pass
+        assert str(err.value).startswith(f"eval.out_dir={out}: in use by another eval (host ")
+        assert f"pid {holder.pid})" in str(err.value)
+        assert not out.exists()  # held, not created
+    finally:
+        holder.kill()
+        holder.wait()
+    with holding(out, key="eval.out_dir", what="eval"):  # the holder died: its lock went with it
+        assert os.getpid()
