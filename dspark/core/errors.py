@@ -56,12 +56,25 @@ def exit_on_user_error() -> Iterator[None]:
             raise
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT) from None
+    except KeyboardInterrupt:
+        if debug_requested():
+            raise
+        print(f"error: {INTERRUPTED}", file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_EXIT) from None
     except OSError as err:
         line = user_os_error(err)
         if line is None or debug_requested():
             raise
         print(f"error: {line}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_EXIT) from None
+
+
+INTERRUPTED_EXIT = 130
+"""A shell's status for a command ended by Ctrl-C (128 + SIGINT)."""
+INTERRUPTED = (
+    "interrupted (Ctrl-C). Kept: every complete shard, the last checkpoint tag, every finished eval part; "
+    "the same command resumes from them"
+)
 
 
 USER_OS_ERRORS = {

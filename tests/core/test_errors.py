@@ -78,3 +78,16 @@ def test_a_directory_or_a_fifo_where_a_file_belongs_is_named_for_what_it_is(tmp_
 
     with pytest.raises(PromptFileError, match="a named pipe \\(FIFO\\), not a regular file"):
         load_source(str(fifo))
+
+
+def test_ctrl_c_is_one_line_saying_what_was_kept_and_exit_130(capsys):
+    """Issue #58 item 13: Ctrl-C printed a traceback during training (three during extraction)."""
+    from dspark.core.errors import INTERRUPTED_EXIT, exit_on_user_error
+
+    with pytest.raises(SystemExit) as done:
+        with exit_on_user_error():
+            raise KeyboardInterrupt
+    assert done.value.code == INTERRUPTED_EXIT == 130
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: interrupted (Ctrl-C). Kept: every complete shard, the last checkpoint tag")
+    assert line.endswith("the same command resumes from them")
