@@ -153,3 +153,14 @@ def test_a_wrong_typed_run_json_field_is_named_with_its_file(tiny_trained_drafte
         export(copy, tmp_path / "out", target_dir=target)
     assert str(err.value).startswith(f"{run_file}: {says}")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_name_that_becomes_a_path_refuses_control_characters_and_overlong_names():
+    """Item 11 (a run_name with a newline became a directory name) and item 8 (300 characters)."""
+    from dspark.core.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match=r"train.run_name='a\\nb': a control character"):
+        TrainConfig(run_name="a\nb")
+    with pytest.raises(ConfigError, match=r"\(300 bytes\)': expected a directory name of at most 223 bytes"):
+        TrainConfig(run_name="x" * 300)
+    assert TrainConfig(run_name="x" * 223).run_name == "x" * 223
