@@ -302,6 +302,26 @@ def build_manifest(
     )
 
 
+EXTRACTION_ENTRIES = ("manifest.json", "_work", "train", "val", "validation")
+"""What an extraction writes first into its directory (the manifest, its work area, a split's
+shards): a directory holding one is an earlier extraction's, to resume."""
+
+
+def claim_shards_dir(out: Path) -> None:
+    """Refuse ``data.shards_dir`` unless it is missing, empty or an earlier extraction's (one of
+    :data:`EXTRACTION_ENTRIES`): a user's files there are never written over."""
+    if not out.is_dir():
+        return  # missing (created below), or a file (mkdir's own error names it)
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries or any(e in entries for e in EXTRACTION_ENTRIES):
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise ConfigError(
+        f"data.shards_dir={out}: holds {shown}, which no extraction wrote (no manifest.json); refusing to write "
+        "shards into it: set data.shards_dir to a new or empty directory"
+    )
+
+
 def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
     """Capture the run's prompt set into ``data.shards_dir``; ``target_dir`` is the resolved
     target (resolved here when not given). Shards already complete are skipped."""
@@ -311,6 +331,7 @@ def extract(cfg: RunConfig, target_dir: Optional[Path] = None) -> Summary:
     rank, world = (data.rank, data.world_size) if data.rank is not None else default_rank_world()
     conversations = load_source(data.source, split=data.hf_split)  # a wrong source fails here, before any work
     out = Path(data.shards_dir).expanduser()
+    claim_shards_dir(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -164,3 +164,20 @@ def test_a_name_that_becomes_a_path_refuses_control_characters_and_overlong_name
     with pytest.raises(ConfigError, match=r"\(300 bytes\)': expected a directory name of at most 223 bytes"):
         TrainConfig(run_name="x" * 300)
     assert TrainConfig(run_name="x" * 223).run_name == "x" * 223
+
+
+def test_a_shards_dir_holding_a_users_files_is_refused_before_anything_is_written(tmp_path):
+    """'Every output directory follows export's rule': the data directory too."""
+    from data_tools.extract import claim_shards_dir
+    from dspark.core.config import ConfigError
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError) as err:
+        claim_shards_dir(mine)
+    assert str(err.value).startswith(f"data.shards_dir={mine}: holds notes.txt, which no extraction wrote")
+    (tmp_path / "earlier" / "train").mkdir(parents=True)
+    for ok in (tmp_path / "missing", tmp_path / "earlier"):
+        claim_shards_dir(ok)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
