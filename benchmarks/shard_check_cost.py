@@ -146,7 +146,33 @@ def main(argv: list[str] | None = None) -> int:
     for name, d in sets:
         first, rerun, touched = reader_open(d)
         print(row(name, parts(d), first, rerun, touched, args.train_s), flush=True)
+    print("\n" + other_checks(args.train_s))
     return 0
+
+
+def other_checks(train_s: float | None) -> str:
+    """What a rerun's other checks of derived files cost (issue #58): the converted target's files
+    against its marker, and the llama.cpp build's binaries against theirs (hashed, 21 MB)."""
+    from dspark.core.config import TargetConfig
+    from dspark.core.llama_cpp.build import find
+    from dspark.core.target import resolve_target
+
+    rows = ["| check on a rerun | s (median of 5) | share of --train-s |", "|---|---|---|"]
+    for what, fn in (
+        ("the converted target (stat each file, hash where its mtime moved)", lambda: resolve_target(TargetConfig())),
+        ("the llama.cpp build (hash every file of bin/)", find),
+    ):
+        fn()  # a first use records what an older marker lacks
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        med = sorted(times)[2]
+        rows.append(
+            f"| {what} | {med:.3f} | {100 * med / train_s:.3f} % |" if train_s else f"| {what} | {med:.3f} | - |"
+        )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
