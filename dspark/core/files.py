@@ -384,12 +384,6 @@ def disk_full_message(directory: Path | str, what: str, needed: int, todo: str, 
     return f"{directory}: no space for {what} ({bound}{needed:,} bytes needed, {free:,} bytes free); {todo}"
 
 
-def require_free_space(directory: Path | str, needed: int, *, what: str, todo: str) -> None:
-    """Refuse a write of about ``needed`` bytes before it starts when ``directory`` has less free."""
-    if free_bytes(directory) < needed:
-        raise DiskFullError(disk_full_message(directory, what, needed, todo))
-
-
 @contextlib.contextmanager
 def reporting_disk_full(
     directory: Path | str, *, what: str, needed: int, todo: str, at_least: bool = False
