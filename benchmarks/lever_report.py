@@ -144,6 +144,22 @@ def table(rows: list[dict], baseline: str) -> str:
     return "\n".join(out)
 
 
+def fit_crossing(seeds: dict[int, list[dict]], goal: float, *, min_predictions: float = 2e4) -> dict:
+    """Least squares tau = a + b log10(predictions) over every seed's validations past
+    ``min_predictions`` (the first ones sit at tau 1, before the drafter learns anything), and where
+    it reaches ``goal``: predictions, and hours at the arm's own predictions per second."""
+    pts = [(math.log10(v["predictions"]), v["tau"]) for vals in seeds.values() for v in vals]
+    pts = [(x, y) for x, y in pts if 10**x >= min_predictions]
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    a = my - b * mx
+    rate = statistics.mean(vals[-1]["predictions"] / vals[-1]["train_seconds"] for vals in seeds.values())
+    predictions = 10 ** ((goal - a) / b) if b > 0 else math.inf
+    return {"a": a, "b": b, "points": n, "goal": goal, "predictions": predictions, "rate": rate,
+            "hours": predictions / rate / 3600}  # fmt: skip
+
+
 def plot(found: dict[str, dict[int, list[dict]]], out: Path) -> None:
     import matplotlib
 
@@ -178,10 +194,18 @@ def main() -> None:
     p.add_argument("--baseline", default="fp32", help="the arm every lever is tested against")
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--fit", type=float, default=None, metavar="TAU", help="where each arm's fit reaches TAU")
     args = p.parse_args()
     found = lever_runs(args.root)
     rows = summary(found, args.baseline)
     print(table(rows, args.baseline))
+    if args.fit is not None:
+        print(f"\n| lever | fit: tau = a + b log10(predictions) | points | reaches {args.fit} at | hours at its rate |")
+        print("|---|---|---|---|---|")
+        for lever, seeds in sorted(found.items()):
+            f = fit_crossing(seeds, args.fit)
+            print(f"| `{lever}` | {f['a']:.3f} + {f['b']:.3f} log10(p) | {f['points']} | {f['predictions']:.2e} "
+                  f"| {f['hours']:.3g} h at {f['rate']:.0f}/s |")  # fmt: skip
     if args.plot:
         plot(found, args.plot)
     if args.json:

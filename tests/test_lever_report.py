@@ -1,0 +1,58 @@
+"""benchmarks/lever_report.py: its t distribution against the tables, Welch's test, the grouping of
+runs by lever and seed, and the fit's crossing."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import lever_report as lr
+
+
+@pytest.mark.parametrize("df, crit", [(1, 12.706), (2, 4.303), (4, 2.776), (10, 2.228), (1e6, 1.960)])
+def test_the_t_critical_values_are_the_tables(df, crit):
+    assert lr.t_critical(df) == pytest.approx(crit, abs=1e-3)
+    assert lr.t_two_sided_p(crit, df) == pytest.approx(0.05, abs=1e-4)
+
+
+def test_welch_by_hand():
+    a, b = [1.38, 1.40, 1.37], [1.50, 1.52, 1.49]
+    t = lr.welch(a, b)
+    se = math.sqrt((0.000233333 + 0.000233333) / 3)
+    assert t["diff"] == pytest.approx(0.12) and t["se"] == pytest.approx(se, rel=1e-4)
+    assert t["df"] == pytest.approx(4.0) and t["t"] == pytest.approx(0.12 / se, rel=1e-4) and t["p"] < 0.001
+    same = lr.welch([1.0, 1.1, 1.2], [1.05, 1.15, 1.1])
+    assert same["p"] > 0.5  # a difference inside the seeds' spread does not pass
+
+
+def _run(root: Path, name: str, taus: list[float], secs: float = 600.0) -> None:
+    d = root / name
+    d.mkdir(parents=True)
+    lines = [
+        {"step": 100 * (i + 1), "predictions": 2e4 * 10**i, "train_seconds": secs * (i + 1) / len(taus), "tau": t,
+         "accept_pos_1": t - 1}  # fmt: skip
+        for i, t in enumerate(taus)
+    ]
+    (d / "validation.jsonl").write_text("".join(json.dumps(v) + "\n" for v in lines))
+
+
+def test_runs_are_grouped_by_lever_and_tested_against_the_baseline(tmp_path, capsys):
+    for seed, (base, new) in enumerate([(1.38, 1.50), (1.40, 1.52), (1.37, 1.49)]):
+        _run(tmp_path, f"lever-fp32-seed{seed}", [1.1, 1.2, base])
+        _run(tmp_path, f"lever-bf16-dv16k-seed{seed}", [1.1, 1.3, new])
+    (tmp_path / "not-a-lever").mkdir()
+    found = lr.lever_runs(tmp_path)
+    assert sorted(found) == ["bf16-dv16k", "fp32"] and sorted(found["fp32"]) == [0, 1, 2]
+    rows = lr.summary(found, "fp32")
+    assert [r["lever"] for r in rows] == ["fp32", "bf16-dv16k"] and "test" not in rows[0]
+    assert rows[1]["test"]["diff"] == pytest.approx(0.12) and rows[1]["test"]["p"] < 0.05
+    md = lr.table(rows, "fp32")
+    assert "| `bf16-dv16k` | 3 | 300 | 10.0 ± 0.0 |" in md and md.rstrip().endswith("| yes |")
+    fit = lr.fit_crossing(found["fp32"], 2.0)
+    assert fit["points"] == 9 and fit["b"] > 0 and fit["predictions"] > 2e6
+
+
+def test_no_runs_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no lever-NAME-seedK/validation.jsonl under"):
+        lr.lever_runs(tmp_path)
