@@ -30,8 +30,13 @@ def _run(root: Path, name: str, taus: list[float], secs: float = 600.0) -> None:
     d = root / name
     d.mkdir(parents=True)
     lines = [
-        {"step": 100 * (i + 1), "predictions": 2e4 * 10**i, "train_seconds": secs * (i + 1) / len(taus), "tau": t,
-         "accept_pos_1": t - 1}  # fmt: skip
+        {
+            "step": 100 * (i + 1),
+            "predictions": 2e4 * 10**i,
+            "train_seconds": secs * (i + 1) / len(taus),
+            "tau": t,
+            "accept_pos_1": t - 1,
+        }  # fmt: skip
         for i, t in enumerate(taus)
     ]
     (d / "validation.jsonl").write_text("".join(json.dumps(v) + "\n" for v in lines))

@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from dspark.core.path_env import path_env_problem
+
 DEBUG_ENV = ("HYDRA_FULL_ERROR", "DSPARK_DEBUG")
 """Either set to a value other than 0 shows the traceback of a user error."""
 USER_ERROR_EXIT = 2
@@ -114,8 +116,6 @@ def check_path_env() -> None:
     """Refuse a ``DSPARK_*`` directory variable that is set but empty, the filesystem root, or holds
     a control character (:func:`dspark.core.config.logging_paths.path_env_problem`): one line,
     before anything is created under it."""
-    from dspark.core.config.logging_paths import path_env_problem
-
     problem = path_env_problem()
     if problem:
         raise UserError(problem)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dspark.checkpoint_tags import CheckpointError
-from dspark.core.config.logging_paths import path_env_problem
+from dspark.core.path_env import path_env_problem
 from dspark.core.target import load_target_heads
 from dspark.recipe import build_trainer
 from tests.toy import overrides
