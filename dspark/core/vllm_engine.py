@@ -6,10 +6,12 @@ training side never needs vLLM installed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +72,42 @@ def generate(llm: Any, prompts: list, params: Any, *, what: str, rerun: str, **k
     if hasattr(client, "outputs_queue") and hasattr(getattr(client, "resources", None), "engine_dead"):
         threading.Thread(target=_wake_on_engine_death, args=(client, done), daemon=True).start()
     try:
-        return llm.generate(prompts, params, **kwargs)
+        with _noting_interrupts() as interrupted:
+            return llm.generate(prompts, params, **kwargs)
     except EngineDeadError as e:
+        if interrupted.is_set():  # Ctrl-C reached the engine core too, and it shut down first
+            raise KeyboardInterrupt from None
         raise EngineDied(
             f"{what}: vLLM's engine core process died (killed, or out of memory: see the engine's log above); {rerun}"
         ) from e
     finally:
         done.set()
+
+
+@contextlib.contextmanager
+def _noting_interrupts() -> Iterator[threading.Event]:
+    """Note a SIGINT (Ctrl-C) that arrives during an engine call: a terminal's Ctrl-C reaches the
+    engine core's process group too, which shuts down and fails the call before this process sees
+    its own KeyboardInterrupt; the call is then an interruption, not an engine death. Only the main
+    thread can install the handler; elsewhere nothing is noted."""
+    noted = threading.Event()
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous is None or previous == signal.SIG_IGN:  # not the main thread, or Ctrl-C ignored (nohup, &)
+        yield noted
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        noted.set()
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _wake_on_engine_death(client: Any, done: threading.Event, poll_s: float = 1.0) -> None:

@@ -235,3 +235,41 @@ def test_transformers_answers_match_vllms_and_colocated_states_equal_its_capture
         for j in range(len(manifest.layer_ids)):
             err = ((got[:, j] - stored[:, j]).norm() / stored[:, j].norm()).item()
             assert err < default_limit(manifest), (seq_id, manifest.layer_ids[j], err)
+
+
+def test_ctrl_c_mid_extraction_is_one_line_from_the_driver_and_the_rerun_completes(tmp_path, prompts, reference):
+    """Issue #58 item 13: Ctrl-C during extraction printed three tracebacks. A terminal's Ctrl-C
+    reaches the whole foreground process group (the driver and vLLM's engine core and worker); the
+    driver now ends with one line and exit 130 (vLLM's engine core, whose busy loop the same signal
+    cancels, may still print its own). The rerun completes the same dataset."""
+    out, log = tmp_path / "ds", tmp_path / "driver.log"
+    # a foreground job's SIGINT disposition (a script's background job would ignore it)
+    launch = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", launch, *_cmd(prompts, out)],
+            cwd=REPO,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.time() + 300
+        while "extract: " not in log.read_text():  # the engine is up and capturing
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
+        rc = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc == 130, text[-3000:]
+    assert "error: interrupted (Ctrl-C). Kept: every complete shard" in text
+    driver = [
+        line for line in text.splitlines() if "data_tools/extract.py" in line or "dspark/core/vllm_engine" in line
+    ]
+    assert not driver, driver  # no traceback through the driver's own code
+    _run(_cmd(prompts, out))
+    assert _verify(out, "--recompute", "0").returncode == 0
+    _assert_same_rows(out, reference)
