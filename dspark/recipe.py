@@ -43,7 +43,7 @@ from dspark.distributed import init_distributed
 from dspark.loss import LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims
 from dspark.optim import build_optimizer
-from dspark.precision import resolve_autocast
+from dspark.precision import Autocast, resolve_autocast
 from dspark.trainer import Trainer, TrainParts
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ def build_trainer(cfg: RunConfig | DictConfig, heads: TargetHeads, source: Optio
     ``train.checkpoint_dir`` (rank 0) from here on: a build that fails releases both."""
     cfg = load_config(cfg)
     rank, world = init_distributed(cfg.train.dist_timeout_s)
+    autocast = resolve_autocast(cfg.train.autocast, _device_kind(), cfg.train.dtype)
+    log.info("precision: %s weights, %s (%s)", cfg.train.dtype, autocast.label, autocast.reason)  # the first line
     if cfg.data.mode == "online":
         check_online_ranks(source, rank)
     else:
@@ -67,12 +69,17 @@ def build_trainer(cfg: RunConfig | DictConfig, heads: TargetHeads, source: Optio
     check_window(cfg, heads)
     checkpointer = Checkpointer(cfg, rank=rank, world=world)
     try:
-        return Trainer(_build_parts(cfg, heads, source, checkpointer, rank, world))
+        return Trainer(_build_parts(cfg, heads, source, checkpointer, rank, world, autocast))
     except BaseException:
         checkpointer.close()
         if source is not None:
             source.close()
         raise
+
+
+def _device_kind() -> torch.device:
+    """The kind of device this rank trains on (what autocast needs): a GPU when torch sees one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def check_window(cfg: RunConfig, heads: TargetHeads) -> None:
@@ -95,6 +102,7 @@ def _build_parts(
     checkpointer: Checkpointer,
     rank: int,
     world: int,
+    autocast: Autocast,
 ) -> TrainParts:
     import deepspeed
 
@@ -156,8 +164,6 @@ def _build_parts(
             max_len=t.max_seq_len,
             position=state.data,
         )
-    autocast = resolve_autocast(t.autocast, torch.device(engine.device), t.dtype)
-    log.info("precision: %s weights, %s (%s)", t.dtype, autocast.label, autocast.reason)
     if t.compile:
         model.compile()  # DeepSpeed's engine calls it: forward and loss in one graph
     logger = init_wandb(cfg, Path(cfg.paths.output_dir), job_type="train") if rank == 0 else None
