@@ -91,3 +91,27 @@ def test_ctrl_c_is_one_line_saying_what_was_kept_and_exit_130(capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: interrupted (Ctrl-C). Kept: every complete shard, the last checkpoint tag")
     assert line.endswith("the same command resumes from them")
+
+
+def test_an_interrupt_during_an_engine_call_is_noted_and_still_raised():
+    """The driver tells a Ctrl-C that reached vLLM's engine core first from an engine death; a
+    process that ignores SIGINT (a background job) is left ignoring it."""
+    import os
+    import signal
+
+    from dspark.core.vllm_engine import _noting_interrupts
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with _noting_interrupts() as noted:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):  # the handler runs between bytecodes
+                pass
+    assert noted.is_set() and signal.getsignal(signal.SIGINT) is before
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with _noting_interrupts() as noted:
+            os.kill(os.getpid(), signal.SIGINT)
+        assert not noted.is_set()
+    finally:
+        signal.signal(signal.SIGINT, before)
