@@ -84,7 +84,8 @@ def welch(a: list[float], b: list[float]) -> dict:
 
 
 def lever_runs(root: Path) -> dict[str, dict[int, list[dict]]]:
-    """lever -> seed -> its validations, from ``root/lever-NAME-seedK/validation.jsonl``."""
+    """lever -> seed -> its validations, from ``root/lever-NAME-seedK/validation.jsonl``; a run
+    that has not reached its lever's last step (still training, or stopped) is left out, named."""
     out: dict[str, dict[int, list[dict]]] = {}
     for f in sorted(root.glob("lever-*/validation.jsonl")):
         m = RUN_NAME.match(f.parent.name)
@@ -94,6 +95,11 @@ def lever_runs(root: Path) -> dict[str, dict[int, list[dict]]]:
                 out.setdefault(m["lever"], {})[int(m["seed"])] = vals
     if not out:
         raise SystemExit(f"error: no lever-NAME-seedK/validation.jsonl under {root}")
+    for lever, seeds in out.items():
+        last = max(vals[-1]["step"] for vals in seeds.values())
+        for seed in [k for k, vals in seeds.items() if vals[-1]["step"] < last]:
+            print(f"left out: lever-{lever}-seed{seed} (at step {seeds[seed][-1]['step']} of {last}, unfinished)")
+            del seeds[seed]
     return out
 
 
@@ -144,7 +150,9 @@ def table(rows: list[dict], baseline: str) -> str:
     return "\n".join(out)
 
 
-def fit_crossing(seeds: dict[int, list[dict]], goal: float, *, min_predictions: float = 2e4) -> dict:
+def fit_crossing(
+    seeds: dict[int, list[dict]], goal: float, *, min_predictions: float = 2e4, rate: float | None = None
+) -> dict:
     """Least squares tau = a + b log10(predictions) over every seed's validations past
     ``min_predictions`` (the first ones sit at tau 1, before the drafter learns anything), and where
     it reaches ``goal``: predictions, and hours at the arm's own predictions per second."""
@@ -154,7 +162,8 @@ def fit_crossing(seeds: dict[int, list[dict]], goal: float, *, min_predictions: 
     mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
     b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
     a = my - b * mx
-    rate = statistics.mean(vals[-1]["predictions"] / vals[-1]["train_seconds"] for vals in seeds.values())
+    if rate is None:  # the runs' own: inflated where they shared the cores
+        rate = statistics.mean(vals[-1]["predictions"] / vals[-1]["train_seconds"] for vals in seeds.values())
     predictions = 10 ** ((goal - a) / b) if b > 0 else math.inf
     return {"a": a, "b": b, "points": n, "goal": goal, "predictions": predictions, "rate": rate,
             "hours": predictions / rate / 3600}  # fmt: skip
@@ -195,6 +204,13 @@ def main() -> None:
     p.add_argument("--plot", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--fit", type=float, default=None, metavar="TAU", help="where each arm's fit reaches TAU")
+    p.add_argument(
+        "--rate",
+        action="append",
+        default=[],
+        metavar="LEVER=PRED_S",
+        help="an arm's predictions per second measured alone, for the fit's hours (default: its runs' own)",
+    )
     args = p.parse_args()
     found = lever_runs(args.root)
     rows = summary(found, args.baseline)
@@ -202,8 +218,9 @@ def main() -> None:
     if args.fit is not None:
         print(f"\n| lever | fit: tau = a + b log10(predictions) | points | reaches {args.fit} at | hours at its rate |")
         print("|---|---|---|---|---|")
+        rates = {k: float(v) for k, v in (r.split("=") for r in args.rate)}
         for lever, seeds in sorted(found.items()):
-            f = fit_crossing(seeds, args.fit)
+            f = fit_crossing(seeds, args.fit, rate=rates.get(lever))
             print(f"| `{lever}` | {f['a']:.3f} + {f['b']:.3f} log10(p) | {f['points']} | {f['predictions']:.2e} "
                   f"| {f['hours']:.3g} h at {f['rate']:.0f}/s |")  # fmt: skip
     if args.plot:

@@ -47,7 +47,9 @@ def test_runs_are_grouped_by_lever_and_tested_against_the_baseline(tmp_path, cap
         _run(tmp_path, f"lever-fp32-seed{seed}", [1.1, 1.2, base])
         _run(tmp_path, f"lever-bf16-dv16k-seed{seed}", [1.1, 1.3, new])
     (tmp_path / "not-a-lever").mkdir()
+    _run(tmp_path, "lever-fp32-seed3", [1.1, 1.2])  # still training: its last validation is not the arm's last step
     found = lr.lever_runs(tmp_path)
+    assert "left out: lever-fp32-seed3 (at step 200 of 300, unfinished)" in capsys.readouterr().out
     assert sorted(found) == ["bf16-dv16k", "fp32"] and sorted(found["fp32"]) == [0, 1, 2]
     rows = lr.summary(found, "fp32")
     assert [r["lever"] for r in rows] == ["fp32", "bf16-dv16k"] and "test" not in rows[0]
@@ -56,6 +58,7 @@ def test_runs_are_grouped_by_lever_and_tested_against_the_baseline(tmp_path, cap
     assert "| `bf16-dv16k` | 3 | 300 | 10.0 ± 0.0 |" in md and md.rstrip().endswith("| yes |")
     fit = lr.fit_crossing(found["fp32"], 2.0)
     assert fit["points"] == 9 and fit["b"] > 0 and fit["predictions"] > 2e6
+    assert lr.fit_crossing(found["fp32"], 2.0, rate=100.0)["hours"] == pytest.approx(fit["predictions"] / 100 / 3600)
 
 
 def test_no_runs_is_a_clear_error(tmp_path):
