@@ -229,16 +229,21 @@ class InUseError(UserError):
 @contextlib.contextmanager
 def holding(path: Path | str, *, key: str, what: str) -> Iterator[None]:
     """Hold the output directory ``path`` (named by the setting ``key``) for this process: an OS
-    file lock beside it (``.NAME.lock``; released when the process ends, so a killed run leaves no
-    stale lock), with the holder's host and pid beside it. A second run writing the same output is
-    refused naming the holder. Creates the parent directory, not ``path``."""
+    file lock keyed by the directory's absolute path, kept in this machine's temporary directory
+    (``dspark-holds/``) so that nothing is written beside the user's directories; released when the
+    process ends, so a killed run leaves no stale hold. A second run on this machine writing the
+    same output is refused naming the holder's pid. (Runs on other hosts over a shared filesystem
+    are not seen: the eval's driver is one process on node 0.) Creates nothing at ``path``."""
+    import tempfile
     import time
 
     from filelock import FileLock, Timeout
 
     path = Path(path).expanduser().absolute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock_file, owner_file = path.parent / f".{path.name}.lock", path.parent / f".{path.name}.owner.json"
+    holds = Path(tempfile.gettempdir()) / "dspark-holds"
+    holds.mkdir(parents=True, exist_ok=True)
+    key_hash = hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    lock_file, owner_file = holds / f"{key_hash}.lock", holds / f"{key_hash}.owner.json"
     lock = FileLock(str(lock_file))
     try:
         lock.acquire(timeout=0)
@@ -253,7 +258,9 @@ def holding(path: Path | str, *, key: str, what: str) -> Iterator[None]:
             "directory"
         ) from None
     try:
-        atomic_write_json(owner_file, {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
+        atomic_write_json(
+            owner_file, {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "path": str(path)}
+        )
         yield
     finally:
         lock.release()

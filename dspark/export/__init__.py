@@ -178,6 +178,8 @@ def exported_layout(path: Path) -> Optional[str]:
         prov = json.loads(prov_file.read_text())
     except (OSError, ValueError) as e:
         raise ExportError(f"{prov_file}: unreadable ({e}); expected an export's export.json") from e
+    if isinstance(prov, dict) and prov.get("format", "dspark") != "dspark":
+        return None  # converted to another project's format (speculators'): read as a drafter directory
     layout = prov.get("layout") if isinstance(prov, dict) else None
     if layout not in LAYOUTS:
         raise ExportError(f"{prov_file}: field 'layout' is {layout!r}; expected one of {sorted(LAYOUTS)}")
