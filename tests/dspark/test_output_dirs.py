@@ -47,6 +47,7 @@ def test_a_checkpoint_dir_holding_a_users_files_is_refused_and_left_as_it_was(co
         build_trainer(cfg, load_target_heads(target))
 
 
+@pytest.mark.slow  # two short trainings: the full suite runs it
 def test_an_earlier_runs_checkpoint_dir_and_an_empty_one_are_written(compose_config, tiny, tmp_path):
     target, data = tiny
     empty = tmp_path / "empty"
@@ -74,6 +75,7 @@ def test_directory_variables_that_would_place_outputs_at_the_root_are_named(env,
     assert problem is None if says is None else says in problem
 
 
+@pytest.mark.slow  # a train.py process: the full suite runs it
 def test_train_py_with_an_empty_output_dir_variable_exits_2_in_one_line_and_creates_nothing(tmp_path):
     """Item 4: ``DSPARK_OUTPUT_DIR=`` put every output at the root; Hydra created /runs/... first."""
     env = {**os.environ, "DSPARK_OUTPUT_DIR": "", "WANDB_MODE": "disabled"}

@@ -164,6 +164,7 @@ def test_the_trainer_logs_its_precision_first_and_keeps_fp32_weights_under_autoc
     assert tr.state.validations and tr.state.validations[-1]["tau"] >= 1.0
 
 
+@pytest.mark.slow  # four short trainings: the full suite runs it, the fast tier stays under 5 min
 def test_a_muon_run_resumes_the_same_loss_curve_and_an_adamw_checkpoint_is_not_resumed_as_muon(
     compose_config, tiny, tmp_path
 ):
