@@ -41,7 +41,7 @@ from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from data_tools.storage import StorageEstimate, sequence_tokens, storage_estimate
 from dspark.core.config import ConfigError, DataConfig, RunConfig, TargetConfig, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
-from dspark.core.files import file_sha256, text_sha256, unwritable_cause
+from dspark.core.files import file_sha256, foreign_listing, text_sha256, unwritable_cause
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
 from dspark.core.shard_format import (
     SPLITS,
@@ -312,10 +312,9 @@ def claim_shards_dir(out: Path) -> None:
     :data:`EXTRACTION_ENTRIES`): a user's files there are never written over."""
     if not out.is_dir():
         return  # missing (created below), or a file (mkdir's own error names it)
-    entries = sorted(p.name for p in out.iterdir())
-    if not entries or any(e in entries for e in EXTRACTION_ENTRIES):
+    shown = foreign_listing(out, EXTRACTION_ENTRIES)
+    if shown is None:
         return
-    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     raise ConfigError(
         f"data.shards_dir={out}: holds {shown}, which no extraction wrote (no manifest.json); refusing to write "
         "shards into it: set data.shards_dir to a new or empty directory"

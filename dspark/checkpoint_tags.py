@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dspark.core.errors import UserError
-from dspark.core.files import atomic_write_json, atomic_write_text
+from dspark.core.files import atomic_write_json, atomic_write_text, foreign_listing
 
 RUN_FILE = "run.json"
 LATEST_FILE = "latest"
@@ -53,10 +53,9 @@ def claim_checkpoint_dir(checkpoint_dir: Path) -> None:
         raise CheckpointError(
             f"train.checkpoint_dir={checkpoint_dir}: a file, expected a directory for the run's checkpoints or nothing"
         )
-    entries = sorted(p.name for p in checkpoint_dir.iterdir())
-    if not entries or any(e in entries for e in OURS):
+    shown = foreign_listing(checkpoint_dir, OURS)
+    if shown is None:
         return
-    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     raise CheckpointError(
         f"train.checkpoint_dir={checkpoint_dir}: holds {shown}, which no training run wrote (no {OWNER_FILE}); "
         "refusing to write checkpoints into it: set train.checkpoint_dir to a new or empty directory"

@@ -266,6 +266,16 @@ def holding(path: Path | str, *, key: str, what: str) -> Iterator[None]:
         lock.release()
 
 
+def foreign_listing(directory: Path, ours: Collection[str]) -> Optional[str]:
+    """What an existing ``directory`` holds, shown as "a, b and N more", when it holds none of the
+    entries ``ours`` (what this project's output of that kind always has); None when it is empty or
+    holds one of them, so a run may write there."""
+    entries = sorted(p.name for p in Path(directory).iterdir())
+    if not entries or any(e in entries for e in ours):
+        return None
+    return ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+
+
 def not_a_file(path: Path | str) -> Optional[str]:
     """What is at ``path`` where a regular file belongs, said plainly (None: a regular file):
     "no such file", "a directory", "a named pipe (FIFO)", ... so a message says what is wrong."""
