@@ -16,6 +16,7 @@ from dspark.checkpoint_tags import checkpoint_model_file, latest_tag
 from dspark.checkpoint_weights import TrainingCheckpoint, load_training_checkpoint
 from dspark.core.config import RunConfig
 from dspark.core.errors import UserError
+from dspark.core.files import foreign_listing
 from dspark.core.waits import WaitTimedOut
 from dspark.export import ExportSummary, existing_export, export, exported_layout
 from dspark.export.validate import validate
@@ -144,10 +145,9 @@ def claim_out_dir(out_dir: Path, *, key: str, stage: str, earlier: tuple[str, ..
         return
     if not out_dir.is_dir():
         raise OutDirInUseError(f"{key}={out_dir}: a file, expected a directory for the {stage}'s output or nothing")
-    entries = sorted(p.name for p in out_dir.iterdir())
-    if not entries or OUT_DIR_MARKER in entries or any(e in entries for e in earlier):
+    shown = foreign_listing(out_dir, (OUT_DIR_MARKER, *earlier))
+    if shown is None:
         return
-    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     raise OutDirInUseError(
         f"{key}={out_dir}: holds {shown}, which no earlier {stage} wrote (no {OUT_DIR_MARKER}); refusing to write "
         f"into it: set {key} to a new or empty directory"
