@@ -113,6 +113,39 @@ def reuse_or_build(
     return path
 
 
+def file_records(directory: Path, *, skip: tuple[str, ...] = ()) -> dict[str, list]:
+    """Every regular file directly in ``directory`` (but ``skip``) as ``{name: [bytes, sha256,
+    mtime_ns]}``: what a derived directory's marker records (the converted target, the llama.cpp
+    build's programs) for :func:`files_problem`."""
+    out = {}
+    for p in sorted(Path(directory).iterdir()):
+        if p.is_file() and not p.is_symlink() and p.name not in skip:
+            st = p.stat()
+            out[p.name] = [st.st_size, file_sha256(p), st.st_mtime_ns]
+    return out
+
+
+def files_problem(directory: Path, recorded: dict[str, list], *, made_by: str) -> Optional[str]:
+    """Why the files of ``directory`` are not the ones ``recorded`` (:func:`file_records`; None: they
+    are): one missing, of another size, or of another SHA-256. As for a single derived file, a file
+    whose mtime is the recorded one is not read (a record without an mtime is hashed each time).
+    ``made_by`` names what wrote them in the message ("build", "conversion")."""
+    directory = Path(directory)
+    for name, rec in sorted(recorded.items()):
+        p = directory / name
+        if not p.is_file():
+            return f"{p}: missing"
+        size = p.stat().st_size
+        if size != rec[0]:
+            return f"{p}: {size} bytes, its {made_by} wrote {rec[0]}"
+    for name, rec in sorted(recorded.items()):
+        p = directory / name
+        confirmed = len(rec) > 2 and p.stat().st_mtime_ns == rec[2]
+        if not confirmed and file_sha256(p) != rec[1]:
+            return f"{p}: altered since its {made_by} (sha256 differs)"
+    return None
+
+
 def remove(path: Path) -> None:
     """Remove a derived file and its record."""
     for p in (Path(path), record_path(Path(path))):

@@ -31,6 +31,7 @@ from filelock import FileLock
 from safetensors import safe_open
 
 from dspark.core.config import TORCH_DTYPES, RunConfig, TargetConfig, default_cache_dir
+from dspark.core.derived import file_records, files_problem
 from dspark.core.files import atomic_path, atomic_write_text, file_sha256
 from dspark.core.target_dir import TargetError, check_field, hf_target_dir, read_config
 
@@ -105,18 +106,11 @@ def convert_gguf_once(gguf: Path, out_dir: Path) -> ResolvedTarget:
         with atomic_path(out_dir, owner_marker=COMPLETE_MARKER) as tmp:  # empty or ours, else refused
             _convert_gguf(gguf, tmp)
             record = {"gguf": str(gguf), "gguf_sha256": file_sha256(gguf), "seconds": time.perf_counter() - t0}
-            (tmp / COMPLETE_MARKER).write_text(json.dumps({**record, "files": _converted_files(tmp)}))
+            (tmp / COMPLETE_MARKER).write_text(
+                json.dumps({**record, "files": file_records(tmp, skip=(COMPLETE_MARKER,))})
+            )
         log.info("converted in %.1fs", time.perf_counter() - t0)
         return ResolvedTarget(path=out_dir, converted=True)
-
-
-def _converted_files(out_dir: Path) -> dict[str, list]:
-    """Every file of a conversion (but its marker): ``{name: [bytes, sha256, mtime_ns]}``."""
-    return {
-        p.name: [p.stat().st_size, file_sha256(p), p.stat().st_mtime_ns]
-        for p in sorted(out_dir.iterdir())
-        if p.is_file() and p.name != COMPLETE_MARKER
-    }
 
 
 def conversion_damage(out_dir: Path) -> Optional[str]:
@@ -134,19 +128,16 @@ def conversion_damage(out_dir: Path) -> Optional[str]:
         if not (out_dir / "config.json").is_file():
             return f"{out_dir / 'config.json'}: missing"
         atomic_write_text(
-            marker, json.dumps({**(record if isinstance(record, dict) else {}), "files": _converted_files(out_dir)})
+            marker,
+            json.dumps(
+                {
+                    **(record if isinstance(record, dict) else {}),
+                    "files": file_records(out_dir, skip=(COMPLETE_MARKER,)),
+                }
+            ),
         )
         return None
-    for name, (size, sha, mtime) in sorted(files.items()):
-        p = out_dir / name
-        if not p.is_file():
-            return f"{p}: missing"
-        st = p.stat()
-        if st.st_size != size:
-            return f"{p}: {st.st_size} bytes, its conversion wrote {size}"
-        if st.st_mtime_ns != mtime and file_sha256(p) != sha:
-            return f"{p}: altered since its conversion (sha256 differs)"
-    return None
+    return files_problem(out_dir, files, made_by="conversion")
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:

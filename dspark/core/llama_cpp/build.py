@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from dspark.core.config import default_cache_dir
+from dspark.core.derived import file_records, files_problem
 from dspark.core.errors import UserError, exit_on_user_error
 from dspark.core.files import atomic_path, atomic_write_text, file_sha256
 from dspark.core.waits import WaitTimedOut, log_tail, run_child
@@ -148,12 +149,8 @@ REBUILD = ".venv/bin/python -m dspark.core.llama_cpp build"
 
 def binaries(tree: LlamaCpp) -> dict[str, list]:
     """Every file the build put in its ``bin`` directory (the server, ggml's CPU variants), as
-    ``{name: [bytes, sha256]}``: what its marker records and each use checks."""
-    return {
-        p.name: [p.stat().st_size, file_sha256(p)]
-        for p in sorted(tree.bin_dir.iterdir())
-        if p.is_file() and not p.is_symlink()
-    }
+    :func:`dspark.core.derived.file_records` records them: what its marker keeps and each use checks."""
+    return file_records(tree.bin_dir)
 
 
 def damage(tree: LlamaCpp) -> Optional[str]:
@@ -171,18 +168,7 @@ def damage(tree: LlamaCpp) -> Optional[str]:
             atomic_write_text(tree.root / BUILT_MARKER, json.dumps(info, indent=1) + "\n")
             return None
         return f"{tree.server}: missing or empty"
-    for name, (size, sha) in sorted(recorded.items()):
-        path = tree.bin_dir / name
-        if not path.is_file():
-            return f"{path}: missing"
-        found = path.stat().st_size
-        if found != size:
-            return f"{path}: {found} bytes, its build wrote {size}"
-    for name, (size, sha) in sorted(recorded.items()):
-        path = tree.bin_dir / name
-        if file_sha256(path) != sha:
-            return f"{path}: altered since its build (sha256 differs)"
-    return None
+    return files_problem(tree.bin_dir, recorded, made_by="build")
 
 
 def find(cache: Optional[Path] = None) -> Optional[LlamaCpp]:
