@@ -29,6 +29,7 @@ from dspark.core.families.base import serves_zero_markov_head
 from dspark.core.files import (
     atomic_path,
     default_file_mode,
+    read_json,
     remove_stale_temporaries,
     replace_problem,
     reporting_disk_full,
@@ -174,10 +175,7 @@ def exported_layout(path: Path) -> Optional[str]:
     prov_file = Path(path) / PROVENANCE_FILE
     if not prov_file.is_file() or not (Path(path) / CONFIG_FILE).is_file():
         return None
-    try:
-        prov = json.loads(prov_file.read_text())
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{prov_file}: unreadable ({e}); expected an export's export.json") from e
+    prov = read_json(prov_file, expected="an export's export.json", error=ExportError)
     if isinstance(prov, dict) and prov.get("format", "dspark") != "dspark":
         return None  # converted to another project's format (speculators'): read as a drafter directory
     layout = prov.get("layout") if isinstance(prov, dict) else None
