@@ -14,15 +14,13 @@ is :mod:`dspark.checkpoint_weights`; comparing a tag's ``run.json`` with a run i
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from dspark.core.errors import UserError
-from dspark.core.files import atomic_write_json, atomic_write_text, foreign_listing
+from dspark.core.files import atomic_write_json, atomic_write_text, foreign_listing, lock_or_name_holder
 
 RUN_FILE = "run.json"
 LATEST_FILE = "latest"
@@ -66,29 +64,19 @@ def lock_checkpoint_dir(checkpoint_dir: Path) -> Any:
     """Hold ``checkpoint_dir`` for this run (an OS file lock, released when the process ends, so
     a killed run leaves no stale lock). A second run pointed at it (a requeued job and a manual
     rerun) is refused with the holder's host and pid instead of writing into the same tags."""
-    from filelock import FileLock, Timeout
-
     checkpoint_dir = Path(checkpoint_dir).expanduser()
     claim_checkpoint_dir(checkpoint_dir)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(checkpoint_dir / LOCK_FILE))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        try:
-            owner = json.loads((checkpoint_dir / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            owner = {}
+
+    def refusal(owner: dict) -> CheckpointInUseError:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner["since"])) if "since" in owner else "?"
-        raise CheckpointInUseError(
+        return CheckpointInUseError(
             f"{checkpoint_dir}: in use by another training run (host {owner.get('host', '?')}, pid "
             f"{owner.get('pid', '?')}, since {since}); two runs writing one checkpoint directory would "
             "interleave their tags. Wait for it or stop it, or give this run its own train.checkpoint_dir"
-        ) from None
-    atomic_write_json(
-        checkpoint_dir / OWNER_FILE, {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    )
-    return lock
+        )
+
+    return lock_or_name_holder(checkpoint_dir / LOCK_FILE, checkpoint_dir / OWNER_FILE, refusal)
 
 
 def publish_tag(checkpoint_dir: Path, tag: str, run_config: dict[str, Any]) -> None:
