@@ -20,7 +20,8 @@ prompt it prints max and p99 |delta log-prob| over those tokens (a log-prob is a
 log-sum-exp per position, so the margin between two tokens is a logit margin on each side), the
 positions whose argmax differs, and, at each first difference, the margin on each side.
 
-Results in docs/benchmarks.md ("llama.cpp ... third session"; "Parity with f32 caches").
+Results in docs/benchmarks.md ("Parity"); the runs (issue #36's third session, issue #49's f32
+caches) in docs/history.md.
 """
 
 from __future__ import annotations
