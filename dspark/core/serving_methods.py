@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from dspark.core.layouts import DFLASH, DSPARK
+from dspark.core.layouts import LAYOUTS as LAYOUT_RECORDS
+
 
 @dataclass(frozen=True)
 class ServingMethod:
@@ -24,8 +27,9 @@ class ServingMethod:
     vllm_method: Optional[str]
     """vLLM's ``speculative_config["method"]``; None: no speculation."""
     layout: Optional[str] = None
-    """The export layout its draft model is; None: it serves no drafter of ours. The vLLM class
-    (``architectures[0]`` of its config.json) is the drafter family's (:mod:`dspark.core.families`)."""
+    """The export layout its draft model is (a :data:`dspark.core.layouts.LAYOUTS` name); None: it
+    serves no drafter of ours. The vLLM class (``architectures[0]`` of its config.json) is the
+    drafter family's (:mod:`dspark.core.families`)."""
     needs_gpu: bool = False
     """vLLM serves it on GPUs only (its runner needs Triton)."""
 
@@ -33,8 +37,8 @@ class ServingMethod:
 METHODS = (
     ServingMethod("none", None),
     ServingMethod("ngram", "ngram"),
-    ServingMethod("dflash", "dflash", layout="dflash"),
-    ServingMethod("dspark", "dspark", layout="dspark", needs_gpu=True),
+    ServingMethod("dflash", "dflash", layout=DFLASH.name),
+    ServingMethod("dspark", "dspark", layout=DSPARK.name, needs_gpu=True),
 )
 """Every method, in the order reports list them."""
 
@@ -42,10 +46,11 @@ BY_NAME = {m.name: m for m in METHODS}
 SPECULATIVE = tuple(m.name for m in METHODS if m.vllm_method is not None)
 """The methods that speculate (``python -m eval.serve --method``)."""
 BY_LAYOUT = {m.layout: m for m in METHODS if m.layout is not None}
-LAYOUTS = ("dspark", "dflash")
-"""The export layouts by preference: this run's export is written in this order and served in the
-first one the machine can serve and the drafter fits (:func:`export_method`; dspark fits every
-drafter vLLM can serve at all). ``python -m dspark.export export --layout`` offers them."""
+LAYOUTS = tuple(LAYOUT_RECORDS)
+"""The export layouts' names by preference (:data:`dspark.core.layouts.LAYOUTS`' order): this run's
+export is written in this order and served in the first one the machine can serve and the drafter
+fits (:func:`export_method`; dspark fits every drafter vLLM can serve at all). ``python -m
+dspark.export export --layout`` offers them."""
 assert set(LAYOUTS) == set(BY_LAYOUT), "LAYOUTS orders the layouts of METHODS"
 OURS = "ours"
 """The serving benchmark's name for this run's export, served as :func:`export_method` says."""
@@ -84,9 +89,9 @@ LLAMA_CPP_NGRAM_N = 3
 LLAMA_CPP_METHODS = (
     LlamaCppMethod("none", ()),
     LlamaCppMethod("ngram", (LLAMA_CPP_NGRAM,)),
-    LlamaCppMethod("dspark", ("draft-dspark",), layout="dspark"),
-    LlamaCppMethod("dflash", ("draft-dflash",), layout="dflash"),
-    LlamaCppMethod("ngram-then-dspark", (LLAMA_CPP_NGRAM, "draft-dspark"), layout="dspark"),
+    LlamaCppMethod("dspark", (DSPARK.llama_cpp_spec_type,), layout=DSPARK.name),
+    LlamaCppMethod("dflash", (DFLASH.llama_cpp_spec_type,), layout=DFLASH.name),
+    LlamaCppMethod("ngram-then-dspark", (LLAMA_CPP_NGRAM, DSPARK.llama_cpp_spec_type), layout=DSPARK.name),
 )
 """Every llama.cpp method, in the order reports list them (``eval.llama_cpp_methods``)."""
 LLAMA_CPP_BY_NAME = {m.name: m for m in LLAMA_CPP_METHODS}

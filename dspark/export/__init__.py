@@ -35,6 +35,7 @@ from dspark.core.files import (
     reporting_disk_full,
 )
 from dspark.core.layer_ids import CONVENTION
+from dspark.core.layouts import layout_named
 from dspark.core.serving_methods import BY_LAYOUT, LAYOUTS
 from dspark.core.target_dir import read_text_config
 from dspark.export.gguf import GGUF_TYPES
@@ -211,7 +212,7 @@ def check_out_dir(out_dir: Path, checkpoint: Path) -> None:
     out, tag = out_dir.resolve(), Path(checkpoint).expanduser().resolve()
     if not tag.exists():
         return  # the checkpoint's own error comes first (dspark.checkpoint_weights names it)
-    # the run's directory, a tag in it, or a trained drafter's own directory (eval.checkpoint may name one)
+    # the run's directory, a tag in it, or a trained drafter's own directory (export.checkpoint may name one)
     run_dir = tag if latest_tag(tag) is not None or (tag / CONFIG_FILE).is_file() else tag.parent
     if out == tag or out in tag.parents:
         raise ExportError(
@@ -254,6 +255,7 @@ def _write_export(
 def _summary(
     out_dir: Path, ckpt: TrainingCheckpoint, layout: str, dtype: str, num_parameters: int, config: dict
 ) -> ExportSummary:
+    lay = layout_named(layout)
     summary = ExportSummary(
         out_dir,
         layout,
@@ -266,20 +268,20 @@ def _summary(
         num_parameters,
         (out_dir / WEIGHTS_FILE).stat().st_size,
         ckpt.context_layer_ids,
-        config.get("target_layer_ids") or config["dflash_config"]["target_layer_ids"],
+        lay.layer_ids(config),
         ckpt.drafter.sample_from_anchor,
         ckpt.drafter.markov_rank,
-        layout == "dspark" and ckpt.drafter.enable_confidence_head,
+        lay.confidence_head and ckpt.drafter.enable_confidence_head,
         ckpt.drafter.family,
         get_family(ckpt.drafter.family).cache_values_per_token(ckpt.dims),
         ckpt.drafter.num_layers,
     )
-    if layout == "dspark" and serves_zero_markov_head(ckpt.drafter):
+    if lay.markov_head and serves_zero_markov_head(ckpt.drafter):
         summary.notes.append(
-            "Markov-off drafter: written as a zero rank-1 Markov head (vLLM's dspark model requires one)"
+            f"Markov-off drafter: written as a zero rank-1 Markov head (vLLM's {layout} model requires one)"
         )
-    if layout == "dflash" and ckpt.drafter.enable_confidence_head:
-        summary.notes.append("confidence head left out (dflash has none)")
+    if not lay.confidence_head and ckpt.drafter.enable_confidence_head:
+        summary.notes.append(f"confidence head left out ({layout} has none)")
     return summary
 
 

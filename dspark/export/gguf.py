@@ -30,6 +30,7 @@ from dspark.core import derived
 from dspark.core.config import GGUF_TYPES, DSparkConfig
 from dspark.core.families import get_family, llama_cpp_families
 from dspark.core.files import file_sha256
+from dspark.core.layouts import layout_named
 from dspark.core.llama_cpp.build import LlamaCpp, LlamaCppError
 from dspark.core.waits import log_tail, run_child
 from dspark.export.vllm_format import CONFIG_FILE, WEIGHTS_FILE, ExportError, read_export
@@ -56,7 +57,7 @@ def llama_cpp_problem(drafter: DSparkConfig, layout: str, where: object) -> Opti
             f"{where}: drafter family {drafter.family!r}; llama.cpp serves Qwen3-style DSpark/DFlash drafters only "
             f"(drafter.family={' or '.join(llama_cpp_families())}); serve this one with vLLM on GPUs"
         )
-    if layout == "dspark" and drafter.markov_rank and drafter.markov_head_type != "vanilla":
+    if layout_named(layout).markov_head and drafter.markov_rank and drafter.markov_head_type != "vanilla":
         return (
             f"{where}: markov_head_type {drafter.markov_head_type!r}; llama.cpp serves the vanilla Markov head only "
             "(drafter.markov_head_type=vanilla)"

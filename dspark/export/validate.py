@@ -26,6 +26,7 @@ import torch
 
 from dspark.core.families import get_family
 from dspark.core.files import free_port
+from dspark.core.layouts import ANCHOR_FIELD, layout_named
 from dspark.core.serving_methods import BY_LAYOUT
 from dspark.core.target_dir import read_text_config
 from dspark.export.speculators_format import read_drafter_dir, verifier_dir
@@ -182,17 +183,18 @@ def _check_layers_and_layout(exp: Any, sc: Any, n_spec: int, rep: ValidationRepo
         )
     rep.checks.append(f"vLLM captures target layers {aux} = the trained context layers")
     hf = sc.draft_model_config.hf_config
-    if exp.layout == "dspark":
-        served = bool(getattr(hf, "sample_from_anchor", True))  # what DSparkSpeculator reads
+    lay = layout_named(exp.layout)
+    if lay.config_section is None:  # what DSparkSpeculator reads
+        served = bool(getattr(hf, ANCHOR_FIELD, lay.anchor_default))
     else:
-        served = bool((getattr(hf, "dflash_config", None) or {}).get("sample_from_anchor", False))
+        served = bool((getattr(hf, lay.config_section, None) or {}).get(ANCHOR_FIELD, lay.anchor_default))
     if served != exp.drafter.sample_from_anchor:
         raise ExportError(
             f"{exp.path / 'config.json'}: vLLM would serve sample_from_anchor={served}, the drafter was "
             f"trained with {exp.drafter.sample_from_anchor}"
         )
     rep.checks.append(f"vLLM serves the trained block layout (sample_from_anchor={served})")
-    if exp.layout == "dspark" and n_spec > exp.drafter.block_size:
+    if lay.gamma_within_block and n_spec > exp.drafter.block_size:
         raise ExportError(f"num_speculative_tokens {n_spec} exceeds the trained block_size {exp.drafter.block_size}")
 
 

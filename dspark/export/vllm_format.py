@@ -50,6 +50,7 @@ from dspark.core.families.base import (
 )
 from dspark.core.files import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
+from dspark.core.layouts import layout_named
 from dspark.core.serving_methods import LAYOUTS
 from dspark.data.draft_vocab import target_ids
 from dspark.model import DrafterDims
@@ -102,19 +103,19 @@ def layout_problem(cfg: DSparkConfig, layout: str) -> Optional[str]:
             + ", ".join(f"{a} (layout {x!r})" for x, a in family.architectures.items())
             + f" only; export it with --layout {next(iter(family.architectures))}"
         )
-    if layout == "dflash":
-        if cfg.sample_from_anchor:
-            return (
-                "layout 'dflash' serves the fill-in (bonus-anchor) block only; this drafter was trained "
-                "with drafter.sample_from_anchor=true. Export it with --layout dspark, or train with "
-                "drafter.sample_from_anchor=false"
-            )
-        if cfg.markov_rank > 0:
-            return (
-                f"layout 'dflash' has no Markov head; this drafter has markov_rank={cfg.markov_rank}. "
-                "Export it with --layout dspark, or train the ablation with drafter.markov_rank=0"
-            )
-    elif cfg.markov_rank > 0 and cfg.markov_head_type != "vanilla":
+    lay = layout_named(layout)
+    if cfg.sample_from_anchor and not lay.anchor_block:
+        return (
+            f"layout {layout!r} serves the fill-in (bonus-anchor) block only; this drafter was trained "
+            "with drafter.sample_from_anchor=true. Export it with --layout dspark, or train with "
+            "drafter.sample_from_anchor=false"
+        )
+    if cfg.markov_rank > 0 and not lay.markov_head:
+        return (
+            f"layout {layout!r} has no Markov head; this drafter has markov_rank={cfg.markov_rank}. "
+            "Export it with --layout dspark, or train the ablation with drafter.markov_rank=0"
+        )
+    if cfg.markov_rank > 0 and cfg.markov_head_type != "vanilla":
         return (
             f"vLLM serves the vanilla Markov head only; this drafter uses markov_head_type="
             f"{cfg.markov_head_type!r} (evaluate it with the reference loop: eval.reference)"
@@ -127,8 +128,8 @@ def check_layout(cfg: DSparkConfig, layout: str) -> None:
     problem = layout_problem(cfg, layout)
     if problem is not None:
         raise ExportError(problem)
-    if layout == "dflash" and cfg.enable_confidence_head:
-        log.info("layout 'dflash' has no confidence head: it is left out of the export")
+    if cfg.enable_confidence_head and not layout_named(layout).confidence_head:
+        log.info("layout %r has no confidence head: it is left out of the export", layout)
 
 
 def drafter_layouts(cfg: DSparkConfig) -> list[str]:
@@ -152,10 +153,10 @@ def serving_weights(
     """Tensors as vLLM names and expects them (the family's names). The confidence head stays
     fp32 (vLLM keeps it fp32). A reduced draft vocabulary needs ``target_lm_head`` [V, H] (the
     target's head): its kept rows are the exported ``lm_head.weight``."""
-    family = get_family(ckpt.drafter.family)
+    family, lay = get_family(ckpt.drafter.family), layout_named(layout)
     out = {}
     for name, t in ckpt.weights.items():
-        if layout == "dflash" and name.startswith("confidence_head."):
+        if not lay.confidence_head and name.startswith("confidence_head."):
             continue
         if name == DRAFT_MAP:
             continue
@@ -167,9 +168,9 @@ def serving_weights(
         d2t = ckpt.weights[DRAFT_MAP].to(torch.int64)
         out[DRAFT_MAP] = d2t.contiguous()
         out["lm_head.weight"] = target_lm_head[target_ids(d2t)].to(dtype).contiguous()
-    if layout == "dspark":
+    if lay.markov_head:
         out.update(zero_markov_head(ckpt.drafter, ckpt.dims, dtype))
-    pad = confidence_zero_columns(ckpt.drafter) if layout == "dspark" else 0
+    pad = confidence_zero_columns(ckpt.drafter) if lay.pads_confidence_head else 0
     if pad:
         name = family.to_serving(CONFIDENCE_WEIGHT)
         w = out[name]
@@ -238,8 +239,9 @@ def read_export(path: Path) -> ExportedDrafter:
         ) from None
     if "sample_from_anchor" not in config:
         raise ExportError(f"{path / CONFIG_FILE}: field 'sample_from_anchor' missing; vLLM would pick a default layout")
+    lay = layout_named(layout)
     try:
-        vllm_ids = config["dflash_config"]["target_layer_ids"] if layout == "dflash" else config["target_layer_ids"]
+        vllm_ids = lay.layer_ids(config)
     except (KeyError, TypeError):
         raise ExportError(
             f"{path / CONFIG_FILE}: field 'target_layer_ids' missing, expected the target layers the {layout} "
@@ -254,7 +256,7 @@ def read_export(path: Path) -> ExportedDrafter:
         )
     try:
         drafter = DSparkConfig(**prov["drafter"])
-        if layout == "dflash":
+        if not lay.confidence_head:
             drafter = DSparkConfig(**{**prov["drafter"], "enable_confidence_head": False})
         dims = DrafterDims(**prov["dims"])
     except (TypeError, ValueError) as e:  # ConfigError too
@@ -282,9 +284,9 @@ def read_export(path: Path) -> ExportedDrafter:
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise ExportError(f"{path / WEIGHTS_FILE}: cannot be read as safetensors ({type(e).__name__}: {e})") from e
     weights = draft_vocab_weights(weights, drafter, dims, where=path / WEIGHTS_FILE)
-    if layout == "dspark":
+    if lay.markov_head:
         weights = without_zero_markov_head(weights, drafter)
-    pad = confidence_zero_columns(drafter) if layout == "dspark" else 0
+    pad = confidence_zero_columns(drafter) if lay.pads_confidence_head else 0
     if pad and CONFIDENCE_WEIGHT in weights:  # served over [state; Markov embedding]: back to the state alone
         w = weights[CONFIDENCE_WEIGHT]
         if w.shape[-1] != dims.hidden_size + pad or torch.count_nonzero(w[:, dims.hidden_size :]):

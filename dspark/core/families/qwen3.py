@@ -25,6 +25,7 @@ from dspark.core.families.base import (
     window_fields,
 )
 from dspark.core.families.layers import MLP, RMSNorm
+from dspark.core.layouts import ANCHOR_FIELD, LAYER_IDS_FIELD, layout_named
 
 if TYPE_CHECKING:
     from dspark.core.families.shared import SharedDims, SharedDrafterFields
@@ -161,21 +162,22 @@ class Qwen3Family(DrafterFamily):
             "mask_token_id": dims.mask_token_id,
             "sample_from_anchor": cfg.sample_from_anchor,
         }
-        if layout == "dflash":
+        lay = layout_named(layout)
+        if lay.config_section is not None:  # vLLM's DFlash form: the layout's fields in their own object
             return {
                 "architectures": [self.architectures[layout]],
                 **base,
-                "dflash_config": {
-                    "target_layer_ids": target_layer_ids,
+                lay.config_section: {
+                    LAYER_IDS_FIELD: target_layer_ids,
                     "mask_token_id": dims.mask_token_id,
-                    "sample_from_anchor": False,
+                    ANCHOR_FIELD: lay.anchor_block,
                     **window_fields(cfg),
                 },
             }
         return {
             "architectures": [self.architectures[layout]],
             **base,
-            "target_layer_ids": target_layer_ids,
+            LAYER_IDS_FIELD: target_layer_ids,
             **dspark_head_fields(cfg),
             # a window goes in dflash_config, with the block's ids beside it: llama.cpp's converter
             # reads mask_token_id from dflash_config alone once there is one (conversion/qwen.py,

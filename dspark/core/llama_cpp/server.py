@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from dspark.core.layouts import layout_named
 from dspark.core.llama_cpp.build import LlamaCpp
 from dspark.core.server_lifecycle import Server, ServerError, running_server
 from dspark.core.serving_methods import LLAMA_CPP_NGRAM, LLAMA_CPP_NGRAM_N, LlamaCppMethod
@@ -126,7 +127,7 @@ class ServerSpec:
             cmd += ["-md", str(self.draft_gguf), "-td", threads]
             if self.kv_cache_type is not None:
                 cmd += ["-ctkd", self.kv_cache_type, "-ctvd", self.kv_cache_type]
-            if self.p_min is not None and self.method.layout == "dspark":  # dflash has no confidence head
+            if self.p_min is not None and layout_named(self.method.layout).confidence_head:
                 cmd += ["--spec-draft-p-min", str(self.p_min)]
         return cmd
 
