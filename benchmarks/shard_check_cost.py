@@ -32,7 +32,8 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dspark.core.shard_format import CACHE_DIR, MANIFEST, SCHEMA, Manifest, check_row  # noqa: E402
+from dspark.core.shard_format import CACHE_DIR, MANIFEST, SCHEMA, Manifest  # noqa: E402
+from dspark.core.shard_rows import check_row  # noqa: E402
 from dspark.data.shards import ShardDataset  # noqa: E402
 
 

@@ -43,14 +43,8 @@ from dspark.core.config import ConfigError, DataConfig, RunConfig, TargetConfig,
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import file_sha256, foreign_listing, text_sha256, unwritable_cause
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
-from dspark.core.shard_format import (
-    SPLITS,
-    DatasetError,
-    Manifest,
-    encode_hidden_states,
-    scale_granularity_of,
-    shard_name,
-)
+from dspark.core.shard_format import SPLITS, DatasetError, Manifest, scale_granularity_of, shard_name
+from dspark.core.shard_rows import encode_hidden_states
 from dspark.core.target import read_config, resolve_target
 from dspark.core.vllm_engine import generate, run_headless_workers
 from dspark.core.wandb_run import init_wandb

@@ -5,7 +5,7 @@
 Integrity: each planned shard is present inside the dataset (not a link out of it), matches the
 size, sha256, rows and tokens its manifest entry (or sidecar) records, has the declared schema,
 every row has consistent lengths and byte counts, and no value is NaN/inf; the same check
-training makes (:func:`dspark.core.shard_format.read_shard`).
+training makes (:func:`dspark.core.shard_rows.read_shard`).
 Numerics: on ``--recompute`` sampled sequences, the target is rerun in transformers and the
 max relative error per captured layer (||stored - ref|| / ||ref|| per sequence) is printed;
 above ``--max-rel-err`` the command fails. fp8 shards are dequantized first, and their scales
@@ -37,11 +37,10 @@ from dspark.core.shard_format import (
     ShardInfo,
     arrow_cache_source,
     cache_path,
-    decode_hidden_states,
-    read_shard,
     stale_caches,
     topk_source,
 )
+from dspark.core.shard_rows import decode_hidden_states, read_shard
 
 
 def read_sidecar(path: Path) -> ShardInfo:

@@ -1,9 +1,10 @@
 """The training recipe: the trainer's parts, built from the config in one place.
 
 :func:`build_trainer` reads the resolved config once and hands :class:`dspark.trainer.Trainer`
-what its loop runs on: the batches and validation set (shards or the online stream), the drafter
-wrapped with its loss in a DeepSpeed engine (AdamW, warmup-cosine schedule, the ZeRO preset), the
-run's state (fresh or resumed), the checkpointer and the W&B run. Single process
+what its loop runs on: the batches and validation set (shards or the online stream, as
+:mod:`dspark.recipe_data` builds each ``data.mode``), the drafter wrapped with its loss in a
+DeepSpeed engine (AdamW, warmup-cosine schedule, the ZeRO preset), the run's state (fresh or
+resumed), the checkpointer and the W&B run. Single process
 (``python train.py ...``), ``torchrun``/``deepspeed`` launchers and Slurm all go through
 :func:`train`.
 """
@@ -21,29 +22,17 @@ import torch
 from omegaconf import DictConfig
 
 from dspark.checkpoint import Checkpointer, TrainState
-from dspark.core.config import TORCH_DTYPES, ConfigError, LossSettings, RunConfig, TargetConfig, load_config
-from dspark.core.files import file_sha256, text_sha256
-from dspark.core.shard_format import DatasetError
-from dspark.core.stream import SequenceSource, StreamMeta
+from dspark.core.config import TORCH_DTYPES, ConfigError, LossSettings, RunConfig, load_config
+from dspark.core.stream import SequenceSource
 from dspark.core.target import TargetHeads, load_target_layer
 from dspark.core.wandb_run import init_wandb
-from dspark.data.batching import Batch, RankBatches
-from dspark.data.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
-from dspark.data.online import (
-    OnlineBatches,
-    SequenceList,
-    check_source,
-    row_to_sequence,
-    shared_val_rows,
-    stream_meta,
-)
-from dspark.data.shards import ShardDataset, ShardSequence, check_dataset, require_dataset
-from dspark.data.target_topk import SequenceTopK, TargetTopK, head_fingerprint, sequence_topk
+from dspark.data.batching import Batch
 from dspark.distributed import init_distributed
 from dspark.loss import LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims
 from dspark.optim import build_optimizer
 from dspark.precision import Autocast, resolve_autocast
+from dspark.recipe_data import attach_target_topk, data_mode
 from dspark.trainer import Trainer, TrainParts
 
 log = logging.getLogger(__name__)
@@ -62,10 +51,7 @@ def build_trainer(cfg: RunConfig | DictConfig, heads: TargetHeads, source: Optio
     rank, world = init_distributed(cfg.train.dist_timeout_s)
     autocast = resolve_autocast(cfg.train.autocast, _device_kind(), cfg.train.dtype)
     log.info("precision: %s weights, %s (%s)", cfg.train.dtype, autocast.label, autocast.reason)  # the first line
-    if cfg.data.mode == "online":
-        check_online_ranks(source, rank)
-    else:
-        require_dataset(cfg.data.shards_dir)  # before the lock: a run without data writes nothing
+    data_mode(cfg).check(cfg, source, rank)  # before the lock: a run without data writes nothing
     check_window(cfg, heads)
     checkpointer = Checkpointer(cfg, rank=rank, world=world)
     try:
@@ -110,21 +96,9 @@ def _build_parts(
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     dtype = TORCH_DTYPES[t.dtype]  # what states reach the drafter in (fp8: on the device)
-    online = cfg.data.mode == "online"
-    train_ds = meta = None
-    if online:
-        meta = stream_meta(source, rank, world)
-        check_source(
-            meta,
-            expect_layer_ids=cfg.target.capture_layer_ids(int(heads.config["num_hidden_layers"])),
-            expect_hidden_size=heads.hidden_size,
-        )
-        val_ds = online_val(source, meta, rank, world, dtype)
-    elif cfg.data.mode == "colocated":
-        train_ds, val_ds = colocated_datasets(cfg, heads, dtype)
-    else:
-        train_ds, val_ds = shard_datasets(cfg, heads, dtype)
-    d2t = draft_map(cfg, heads, train_ds, checkpointer) if cfg.drafter.draft_vocab_size is not None else None
+    mode = data_mode(cfg)
+    data = mode.load(cfg, heads, source, dtype, rank=rank, world=world)
+    d2t = draft_map(cfg, heads, data.train, checkpointer) if cfg.drafter.draft_vocab_size is not None else None
     drafter, ctx_index, final_index = build_drafter(cfg, heads, d2t)
     if t.final_norm_init == "ones":
         with torch.no_grad():
@@ -135,8 +109,8 @@ def _build_parts(
         init_from_target(drafter, cfg, heads)
     if t.init_from is not None:
         init_from_drafter(drafter, cfg, Path(t.init_from))
-    if t.target_topk and not online:
-        attach_target_topk(train_ds, drafter, cfg, heads, final_index, rank=rank, world=world)
+    if t.target_topk and data.train is not None:  # online: computed as each sequence arrives
+        attach_target_topk(data.train, drafter, cfg, heads, final_index, rank=rank, world=world)
     model = DrafterWithLoss(drafter)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, t)
@@ -148,30 +122,17 @@ def _build_parts(
     )
     anchor_gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
     state = checkpointer.resume(engine, anchor_gen) or TrainState()
-    if online:
-        batches = online_batches(
-            cfg, source, meta, drafter, ctx_index, final_index, state, checkpointer.directory, rank=rank, world=world
-        )
-    else:
-        batches = RankBatches(
-            train_ds,
-            rank=rank,
-            world_size=world,
-            micro_batch=t.micro_batch_size,
-            seed=cfg.seed,
-            context_index=ctx_index,
-            final_index=final_index,
-            max_len=t.max_seq_len,
-            position=state.data,
-        )
+    batches = mode.batches(
+        cfg, data, drafter, ctx_index, final_index, state, checkpointer.directory, rank=rank, world=world
+    )
     if t.compile:
         model.compile()  # DeepSpeed's engine calls it: forward and loss in one graph
     logger = init_wandb(cfg, Path(cfg.paths.output_dir), job_type="train") if rank == 0 else None
     log.info(
         "drafter: %.2fM trainable parameters, %s train / %d val sequences, %d rank(s), ZeRO %d, %s, %s",
         drafter.num_trainable_parameters() / 1e6,
-        "streamed" if online else len(train_ds),
-        len(val_ds or []),
+        "streamed" if data.train is None else len(data.train),
+        len(data.val or []),
         world,
         cfg.deepspeed.zero_optimization.stage,
         t.dtype,
@@ -182,7 +143,7 @@ def _build_parts(
         engine=engine,
         loss=loss_settings(cfg),
         batches=batches,
-        val=val_ds,
+        val=data.val,
         context_index=ctx_index,
         final_index=final_index,
         state=state,
@@ -193,192 +154,6 @@ def _build_parts(
         world=world,
         source=source,
         autocast=autocast,
-    )
-
-
-# --- data ----------------------------------------------------------------------------------------
-def shard_datasets(
-    cfg: RunConfig, heads: TargetHeads, dtype: torch.dtype
-) -> tuple[ShardDataset, Optional[ShardDataset]]:
-    """``data.shards_dir``'s train split (checked against the target) and its val split, if any."""
-    shards = Path(cfg.data.shards_dir).expanduser()
-    train_ds = ShardDataset(shards, "train", states_dtype=dtype, keep_fp8=True, limit=cfg.data.train_sequences)
-    check_shards_match_target(train_ds, cfg.target, heads, allow_other_target=cfg.data.allow_other_target)
-    has_val = any(s.split == "val" and s.rows for s in train_ds.manifest.shards)
-    return train_ds, ShardDataset(shards, "val", states_dtype=dtype, keep_fp8=True) if has_val else None
-
-
-def colocated_datasets(
-    cfg: RunConfig, heads: TargetHeads, dtype: torch.dtype
-) -> tuple[ColocatedDataset, Optional[ColocatedDataset]]:
-    """``data.mode=colocated``: ``data.shards_dir``'s token ids (its states, if any, unread) with
-    this rank's own copy of the target computing the captured layers' states, on its device."""
-    shards = Path(cfg.data.shards_dir).expanduser()
-    base = ShardDataset(shards, "train", states_dtype=dtype, keep_fp8=True, limit=cfg.data.train_sequences)
-    check_shards_match_target(base, cfg.target, heads, states=False, allow_other_target=cfg.data.allow_other_target)
-    device = device_for_rank()
-    target = ColocatedTarget(
-        heads.path,
-        cfg.target.capture_layer_ids(int(heads.config["num_hidden_layers"])),
-        dtype=dtype,
-        device=device,
-        trust_remote_code=cfg.target.trust_remote_code,
-    )
-    log.info("colocated: the target (%s, %s) computes every batch's states on %s", heads.architecture, dtype, device)
-    has_val = any(s.split == "val" and s.rows for s in base.manifest.shards)
-    val = ShardDataset(shards, "val", states_dtype=dtype, keep_fp8=True) if has_val else None
-    return ColocatedDataset(base, target), (ColocatedDataset(val, target) if val is not None else None)
-
-
-def check_shards_match_target(
-    ds: ShardDataset, target: TargetConfig, heads: TargetHeads, *, states: bool = True, allow_other_target: bool = False
-) -> None:
-    """Refuse shards made for another target before the first step (``states=False``: only the
-    token ids are read, so any captured layers will do)."""
-    m, where = ds.manifest, ds.directory / "manifest.json"
-    expected = target.capture_layer_ids(int(heads.config["num_hidden_layers"]))
-    if states and not m.layer_ids:
-        raise DatasetError(
-            f"{where}: field 'layer_ids' is [] (token-id shards: ids and loss mask, no states), expected the "
-            f"captured layers {expected}; train on them with data.mode=colocated, or extract states with "
-            "data.engine=vllm into a new data.shards_dir"
-        )
-    check_dataset(ds, expect_layer_ids=expected if states else None, expect_hidden_size=heads.hidden_size)
-    differences = dataset_target_differences(m, target, heads)
-    if differences and allow_other_target:
-        log.warning("%s: made for another target (%s); data.allow_other_target=true: trained anyway", where,
-                    "; ".join(differences))  # fmt: skip
-    elif differences:
-        raise DatasetError(
-            f"{where}: made for another target: {'; '.join(differences)}. Extract with this target into a new "
-            "data.shards_dir (stages=[extract,train]), or, if the states fit (the same weights under another name), "
-            "set data.allow_other_target=true"
-        )
-
-
-def dataset_target_differences(m: Any, target: TargetConfig, heads: TargetHeads) -> list[str]:
-    """Each identity field the manifest records that differs from the target being trained for,
-    as "field 'F' is X, the target has Y": its name, architecture, depth, tokenizer (tokenizer.json,
-    or the vocabulary where there is none, as the extractor hashes it) and chat template."""
-    tok = heads.path / "tokenizer.json"
-    tok_sha = file_sha256(tok) if tok.is_file() else text_sha256(str(sorted(heads.tokenizer.get_vocab().items())))
-    ours = {
-        "target": target.name,
-        "architecture": heads.architecture,
-        "num_hidden_layers": int(heads.config["num_hidden_layers"]),
-        "tokenizer_sha256": tok_sha,
-        "chat_template_sha256": text_sha256(getattr(heads.tokenizer, "chat_template", None)),
-    }
-    out = []
-    for key, value in ours.items():
-        theirs = getattr(m, key)
-        if theirs != value:
-            short = (lambda v: f"{v[:12]}...") if key.endswith("sha256") else repr
-            out.append(f"field '{key}' is {short(theirs)}, the target has {short(value)}")
-    return out
-
-
-def attach_target_topk(
-    train_ds: ShardDataset,
-    drafter: DSparkDrafter,
-    cfg: RunConfig,
-    heads: TargetHeads,
-    final_index: int,
-    *,
-    rank: int,
-    world: int,
-) -> None:
-    """``train.target_topk``: the training split's target distributions, computed once (each
-    rank a share of the missing shards) and attached to every sequence the dataset reads."""
-    import torch.distributed as dist
-
-    if torch.cuda.is_available():  # the frozen head on the GPU (DeepSpeed puts the model there anyway)
-        drafter.to(torch.device("cuda", torch.cuda.current_device()))
-    device = drafter.lm_head.weight.device
-
-    def target_logits(rows: torch.Tensor) -> torch.Tensor:
-        return drafter.target_logits(rows.to(device)).cpu()
-
-    cache = TargetTopK(
-        train_ds,
-        k=cfg.train.target_topk,
-        rule=cfg.train.supervise,
-        target_logits=target_logits,
-        head_id=head_fingerprint(heads.lm_head, heads.final_norm),
-        final_index=final_index,
-        rank=rank,
-        world_size=world,
-    )
-    dist.barrier()
-    train_ds.target_topk = cache.load()
-
-
-def check_online_ranks(source: Optional[SequenceSource], rank: int) -> None:
-    """``data.mode=online``: rank 0 reads the stream (the engine train.py starts, or the link to
-    the producer on other nodes) and hands the other ranks their share."""
-    if rank == 0 and source is None:
-        raise ConfigError(
-            "data.mode=online: no sequence source on rank 0, expected the engine or link that train.py starts "
-            "(python train.py data.mode=online stages=[train])"
-        )
-
-
-def online_val(
-    source: Optional[SequenceSource], meta: StreamMeta, rank: int, world: int, dtype: torch.dtype
-) -> Optional[SequenceList]:
-    """The online run's validation set: the val split's sequences, generated once, in memory on
-    every rank (validation shards them)."""
-    seqs = [row_to_sequence(r, meta, dtype) for r in shared_val_rows(source, rank, world)]
-    return SequenceList(seqs) if seqs else None
-
-
-def online_batches(
-    cfg: RunConfig,
-    source: Optional[SequenceSource],
-    meta: StreamMeta,
-    drafter: DSparkDrafter,
-    context_index: list[int],
-    final_index: int,
-    state: TrainState,
-    log_dir: Path,
-    *,
-    rank: int,
-    world: int,
-) -> OnlineBatches:
-    """``data.mode=online``: micro-batches from the source's rolling window, from the resumed
-    position's prompt cursor; ``train.target_topk`` is computed as each sequence arrives."""
-    t = cfg.train
-    topk = None
-    if t.target_topk:
-        device = drafter.lm_head.weight.device
-
-        def topk(seq: ShardSequence) -> SequenceTopK:
-            return sequence_topk(
-                seq.loss_mask,
-                seq.hidden_states,
-                scales=seq.scales,
-                k=t.target_topk,
-                rule=t.supervise,
-                target_logits=lambda rows: drafter.target_logits(rows.to(device)).cpu(),
-                final_index=final_index,
-            )
-
-    return OnlineBatches(
-        source,
-        meta=meta,
-        micro_batch=t.micro_batch_size,
-        new_per_batch=cfg.new_per_micro_batch(),
-        window_size=cfg.data.online.window_size,
-        seed=cfg.seed,
-        context_index=context_index,
-        final_index=final_index,
-        max_len=t.max_seq_len,
-        dtype=TORCH_DTYPES[t.dtype],
-        position=state.data,
-        log_dir=log_dir,
-        target_topk=topk,
-        rank=rank,
-        world_size=world,
     )
 
 

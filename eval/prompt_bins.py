@@ -157,25 +157,49 @@ def offline_bin(
         question = rng.choice(OFFLINE_QUESTIONS)
         docs = _draw_offline_set(rng, tokens, pool, bin_size)
         ids = _fit(tokens, docs, question, bin_size)
-        if ids is None or len(ids) < lower:
-            raise EvalPromptError(
-                f"offline bin {bin_size}: cannot fill a prompt to between {lower} and {bin_size} "
-                f"tokens (got {None if ids is None else len(ids)}); the bin is too small for the "
-                "question, or larger than the offline documents"
-            )
         prompts.append(
-            EvalPrompt(
-                prompt_id=f"offline-s{seed}-b{bin_size}-{i}",
-                bin=bin_size,
-                prompt_token_ids=ids,
-                num_tokens=len(ids),
-                source="offline",
-                question=question,
-                reference_answer=None,
-                document_names=[d.name for d in docs],
+            _filled_prompt(
+                None if ids is None else (ids, [d.name for d in docs]),
+                f"offline-s{seed}-b{bin_size}-{i}",
+                "offline",
+                question,
+                size=bin_size,
+                lower=lower,
+                too_small="the bin is too small for the question, or larger than the offline documents",
             )
         )
     return prompts
+
+
+def _filled_prompt(
+    fit: tuple[list[int], list[str]] | None,
+    prompt_id: str,
+    source: str,
+    question: str,
+    *,
+    size: int,
+    lower: int,
+    too_small: str,
+) -> EvalPrompt:
+    """The prompt of ``source``'s bin of ``size`` tokens from ``fit`` (its token ids and document
+    names, None where nothing fits), or :class:`EvalPromptError` unless it fills the bin: between
+    ``lower`` and ``size`` tokens (``too_small``: why a bin may not fill)."""
+    if fit is None or len(fit[0]) < lower:
+        raise EvalPromptError(
+            f"{source} bin {size}: cannot fill a prompt to between {lower} and {size} tokens "
+            f"(got {None if fit is None else len(fit[0])}); {too_small}"
+        )
+    ids, names = fit
+    return EvalPrompt(
+        prompt_id=prompt_id,
+        bin=size,
+        prompt_token_ids=ids,
+        num_tokens=len(ids),
+        source=source,
+        question=question,
+        reference_answer=None,
+        document_names=names,
+    )
 
 
 def aa_lcr_bin(
@@ -266,23 +290,15 @@ def fixed_passage_set(
         distractors = random.Random(f"fixed_passage:{seed}:{i}").sample(others, len(others))
         order = PASSAGE_ORDERS[i % len(PASSAGE_ORDERS)]
         for b, lower in zip(bins, lowers):
-            fit = _passage_prompt(tokens, passage, distractors, order, question, b)
-            if fit is None or len(fit[0]) < lower:
-                raise EvalPromptError(
-                    f"fixed_passage bin {b}: cannot fill a prompt to between {lower} and {b} tokens (got "
-                    f"{None if fit is None else len(fit[0])}); the bin is too small for the passage and question"
-                )
-            ids, names = fit
             prompts.append(
-                EvalPrompt(
-                    prompt_id=f"fixed-s{seed}-b{b}-{i}",
-                    bin=b,
-                    prompt_token_ids=ids,
-                    num_tokens=len(ids),
-                    source="fixed_passage",
-                    question=question,
-                    reference_answer=None,
-                    document_names=names,
+                _filled_prompt(
+                    _passage_prompt(tokens, passage, distractors, order, question, b),
+                    f"fixed-s{seed}-b{b}-{i}",
+                    "fixed_passage",
+                    question,
+                    size=b,
+                    lower=lower,
+                    too_small="the bin is too small for the passage and question",
                 )
             )
     return sorted(prompts, key=lambda p: bins.index(p.bin))

@@ -1,6 +1,6 @@
-"""Turn an ``EvalResults`` into what people read: ``report.md`` and PNG plots beside
-``results.json`` (:mod:`eval.results` writes and reads it), and optionally the same figures on a
-W&B run.
+"""Turn an ``EvalResults`` into what people read: ``report.md`` and PNG plots
+(:mod:`eval.report_plots`) beside ``results.json`` (:mod:`eval.results` writes and reads it), and
+optionally the same figures on a W&B run (:mod:`eval.report_wandb`).
 
 The headline of every method is tokens per target step over every verification step
 (:mod:`eval.acceptance`), with vLLM's tau over the drafted steps and the share of drafted steps
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from matplotlib.figure import Figure
-
 from dspark.core.files import atomic_write_text
-from eval.acceptance import ACCEPT_PER_POS, ACCEPTANCE_METRICS, TAU, TOKENS_PER_STEP, AcceptanceCounts, AcceptanceMetric
+from eval.acceptance import ACCEPT_PER_POS, ACCEPTANCE_METRICS, TOKENS_PER_STEP, AcceptanceCounts, AcceptanceMetric
 from eval.checks import interval_text, paired_interval
 from eval.intervals import CONFIDENCE
+from eval.report_plots import write_plots
+from eval.report_wandb import log_to_wandb
 from eval.results import (
     INSIDE_NOISE,
     Check,
@@ -65,113 +65,6 @@ def pct(x: float | None) -> str:
 def metric_text(m: AcceptanceMetric, value: float | None) -> str:
     """A figure of :data:`~eval.acceptance.ACCEPTANCE_METRICS` for a table, in its own format."""
     return pct(value) if m.share else fmt(value)
-
-
-def _bin_value(d: DrafterResult, b: str, key: str = TOKENS_PER_STEP.name) -> float:
-    """NaN for a bin the drafter has no counts for, so tables and bars show a gap."""
-    if b not in d.per_bin:
-        return math.nan
-    v = d.per_bin[b].get(key)
-    return math.nan if v is None else float(v)
-
-
-# --- plots -----------------------------------------------------------------------------------
-# Figure() without pyplot renders through Agg and leaves the process's global backend alone.
-
-
-def _conditions_line(c: EvalConditions) -> str:
-    return f"{c.target}, gamma={c.gamma}, temperature={c.temperature:g}"
-
-
-def plot_acceptance_per_position(results: EvalResults, path: Path) -> None:
-    """Unconditional acceptance against draft position, one line per drafter."""
-    gamma = results.conditions.gamma
-    fig = Figure(figsize=(6, 4))
-    ax = fig.add_subplot()
-    positions = list(range(1, gamma + 1))
-    for d in results.drafters:
-        ax.plot(positions, d.overall[ACCEPT_PER_POS.name], marker="o", label=d.name)
-    ax.set(
-        xlabel="draft position k",
-        ylabel="P(first k draft tokens accepted)",
-        ylim=(0, 1.02),
-        xticks=positions,
-        title=f"Acceptance per position\n{_conditions_line(results.conditions)}",
-    )
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def plot_tokens_per_step_per_bin(results: EvalResults, path: Path) -> None:
-    """Grouped bars: one group per context bin, one bar per drafter, so drafters compare within a
-    context length; tokens per target step over every step, with the 95 % interval over prompts."""
-    c = results.conditions
-    bins = [str(b) for b in c.context_bins]
-    width = 0.8 / max(len(results.drafters), 1)
-    fig = Figure(figsize=(max(7.5, 1.8 * len(bins)) + 2.4, 4.2))  # + the legend beside
-    ax = fig.add_subplot()
-    for i, d in enumerate(results.drafters):
-        xs = [j + (i - (len(results.drafters) - 1) / 2) * width for j in range(len(bins))]
-        values = [_bin_value(d, b) for b in bins]
-        lo_hi = [d.interval(TOKENS_PER_STEP.stat, b) for b in bins]
-        err = [
-            [max(v - lo, 0.0) if not math.isnan(lo) else 0.0 for v, (lo, _) in zip(values, lo_hi)],
-            [max(hi - v, 0.0) if not math.isnan(hi) else 0.0 for v, (_, hi) in zip(values, lo_hi)],
-        ]
-        ax.bar(xs, values, width=width, label=d.name, yerr=err, capsize=3)
-    ax.set_xticks(range(len(bins)), [f"{b}\n(n={c.prompts_per_bin.get(b, 0)})" for b in bins])
-    top = max([_bin_value(d, b) for d in results.drafters for b in bins if not math.isnan(_bin_value(d, b))] or [1.0])
-    ax.set(
-        xlabel="context bin (tokens)",
-        ylabel="tokens per target step (all steps)",
-        ylim=(0, min(c.gamma + 1, max(2.0, 1.25 * top))),
-        title=f"Tokens per target step per context bin\n{_conditions_line(c)}; bars: {CONFIDENCE:.0%} over prompts",
-    )
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the bars, not over them
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-
-
-def plot_calibration(results: EvalResults, path: Path) -> bool:
-    """Reliability curve of each confidence head; returns False (no file) when no drafter has one."""
-    calibrated = [(d.name, d.calibration) for d in results.drafters if d.calibration is not None]
-    if not calibrated:
-        return False
-    fig = Figure(figsize=(5, 5))
-    ax = fig.add_subplot()
-    ax.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfect calibration")
-    for name, cal in calibrated:
-        pts = [(x, y) for x, y in zip(cal.bin_confidence, cal.bin_accuracy) if x is not None and y is not None]
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{name} (ECE {cal.ece:.3f})")
-    ax.set(
-        xlabel="mean predicted confidence",
-        ylabel="observed acceptance",
-        xlim=(0, 1),
-        ylim=(0, 1),
-        title=f"Confidence calibration\n{_conditions_line(results.conditions)}",
-    )
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
-
-
-def write_plots(results: EvalResults, out_dir: Path) -> dict[str, Path]:
-    """All PNGs, keyed by name; calibration only when some drafter has a confidence head."""
-    plots = {
-        "acceptance_per_position": out_dir / "acceptance_per_position.png",
-        "tokens_per_step_per_bin": out_dir / "tokens_per_step_per_bin.png",
-    }
-    plot_acceptance_per_position(results, plots["acceptance_per_position"])
-    plot_tokens_per_step_per_bin(results, plots["tokens_per_step_per_bin"])
-    calibration = out_dir / "calibration.png"
-    if plot_calibration(results, calibration):
-        plots["calibration"] = calibration
-    return plots
 
 
 # --- Markdown --------------------------------------------------------------------------------
@@ -413,7 +306,7 @@ def _checks_section(checks: list[Check]) -> list[str]:
 
 
 def _parity_section(results: EvalResults) -> list[str]:
-    """llama.cpp's rows against their reference-loop twins, per prompt (``eval.run.llama_cpp_parity``)."""
+    """llama.cpp's rows against their reference-loop twins, per prompt (``eval.agreement.llama_cpp_parity``)."""
     parity = results.conditions.extra.get("llama_cpp_parity") or {}
     if not parity:
         return []
@@ -493,61 +386,6 @@ def summary_lines(results: EvalResults, checks: list[Check]) -> list[str]:
     if parts:  # where the eval's wall clock went (parts kept from a killed run are not timed again)
         lines.append("eval     time: " + ", ".join(f"{name} {s / 60:.1f} min" for name, s in parts.items()))
     return lines
-
-
-# --- W&B -------------------------------------------------------------------------------------
-
-
-def _wandb_scalars(results: EvalResults, speedups: list[dict[str, Any]]) -> dict[str, float]:
-    """Stable metric names (eval/<drafter>/...); NaNs are left out so summaries stay numeric.
-    Each of :data:`~eval.acceptance.ACCEPTANCE_METRICS` under its name (a per-position one under each
-    position's, a per-bin one per context bin too); the headline's interval; the ECE; the speedups."""
-    out: dict[str, float] = {}
-    for d in results.drafters:
-        key = f"eval/{d.name}"
-        summary = AcceptanceCounts.from_dict(d.overall).summary()
-        for m in ACCEPTANCE_METRICS:
-            if m.per_position:
-                out.update({f"{key}/{m.position_name(k)}": a for k, a in enumerate(summary[m.name], start=1)})
-            else:
-                out[f"{key}/{m.name}"] = m.value(summary)
-            if m.per_bin:
-                out.update(
-                    {f"{key}/{m.name}_bin_{b}": _bin_value(d, str(b), m.name) for b in results.conditions.context_bins}
-                )
-        lo, hi = d.interval(TOKENS_PER_STEP.stat)
-        out[f"{key}/{TOKENS_PER_STEP.name}_lo"], out[f"{key}/{TOKENS_PER_STEP.name}_hi"] = lo, hi
-        fade, (lo, hi) = d.fade()
-        out[f"{key}/fade"], out[f"{key}/fade_lo"], out[f"{key}/fade_hi"] = fade, lo, hi
-        if d.calibration is not None:
-            out[f"{key}/ece"] = d.calibration.ece
-    for row in speedups:
-        for col in ("predicted", "measured"):
-            if row[col] is not None:
-                out[f"eval/{row['drafter']}/{col}_speedup"] = row[col]
-    return {k: float(v) for k, v in out.items() if not math.isnan(v)}
-
-
-def log_to_wandb(run: Run, results: EvalResults, plots: dict[str, Path]) -> None:
-    """Scalars, plots and tables in one ``log`` call, so they share a step."""
-    import wandb  # slow to import; only needed when a run is given
-
-    speedups = speedup_table(results)
-    bins = [str(b) for b in results.conditions.context_bins]
-    bin_table = wandb.Table(
-        columns=["drafter", TOKENS_PER_STEP.name, TAU.name] + bins,
-        data=[[d.name, d.tokens_per_step, d.tau] + [_bin_value(d, b) for b in bins] for d in results.drafters],
-    )
-    columns = ["drafter", "tokens_per_step", "p", "r", "predicted", "measured"]
-    speedup = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in speedups])
-    run.log(
-        {
-            **_wandb_scalars(results, speedups),
-            **{f"eval/plots/{name}": wandb.Image(str(p)) for name, p in plots.items()},
-            f"eval/{TOKENS_PER_STEP.name}_per_bin_table": bin_table,
-            "eval/speedup_table": speedup,
-        }
-    )
 
 
 # --- entry points ----------------------------------------------------------------------------

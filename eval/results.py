@@ -75,6 +75,14 @@ class DrafterResult:
         """The headline: tokens per target step over every step."""
         return AcceptanceCounts.from_dict(self.overall).tokens_per_step
 
+    def bin_value(self, bin: str, key: str = TOKENS_PER_STEP.name) -> float:
+        """A figure of one context bin (``key`` of its summary), NaN where this drafter has no
+        counts for the bin, so tables and bars show a gap."""
+        if bin not in self.per_bin:
+            return math.nan
+        v = self.per_bin[bin].get(key)
+        return math.nan if v is None else float(v)
+
     def prompt_counts(self, bin: Optional[str] = None) -> list[AcceptanceCounts]:
         """The per-prompt counters (of one context bin), in the eval set's order."""
         return [AcceptanceCounts.from_dict(p) for p in self.per_prompt if bin is None or str(p["bin"]) == bin]

@@ -72,6 +72,13 @@ def tiny_target_and_shards(tmp_path_factory, smollm2_dir) -> tuple[Path, Path]:
     return build_target_and_shards(tmp_path_factory.mktemp("tiny"), smollm2_dir)
 
 
+@pytest.fixture
+def tiny(tiny_target_and_shards) -> tuple[Path, Path]:
+    """:func:`tiny_target_and_shards` under the short name the trainer's tests use
+    (``tests.toy.make_trainer(compose_config, tiny, out, ...)``)."""
+    return tiny_target_and_shards
+
+
 @pytest.fixture(scope="session")
 def tiny_trained_drafter(tmp_path_factory, tiny_target_and_shards) -> tuple[Path, Path, Path]:
     """(target dir, shards dir, checkpoint dir): a drafter trained in this process for 2 steps

@@ -16,6 +16,9 @@ if TYPE_CHECKING:  # the heavy imports stay inside the builders: most tests need
     from dspark.core.config import DSparkConfig, RunConfig
     from dspark.core.target import TargetHeads
     from dspark.model import DSparkDrafter
+    from dspark.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def toy_manifest(**fields: Any) -> Manifest:
@@ -65,6 +68,25 @@ def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
         script,
         *args,
     ]
+
+
+def two_rank_train(target: Path, data: Path, out: Path, steps: int, *extra: str) -> str:
+    """``train.py`` on two ranks (:func:`torchrun`, gloo on CPU) for ``steps`` steps of micro batch 2
+    on the tiny target's run (:func:`overrides` into ``out``, then ``extra``): its log, once the run
+    ended with status 0, having logged both ranks and its last step and saved that step's tag."""
+    import subprocess
+
+    cmd = torchrun(
+        "train.py",
+        *overrides(target, data, out, f"train.max_steps={steps}", "train.micro_batch_size=2", *extra),
+        f"hydra.run.dir={out}/run",
+    )
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "2 rank(s)" in log and f"step {steps}/{steps}" in log
+    assert (out / "ckpt" / f"step{steps:08d}").is_dir()
+    return log
 
 
 # --- tiny models ------------------------------------------------------------------------------
@@ -372,8 +394,18 @@ def overrides(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
 
 def train_drafter(cfg: RunConfig, heads: TargetHeads) -> Any:
     """Train ``cfg``'s drafter in this process (to ``train.max_steps``; its final state back): the
-    tests' one in-process training outside tests/dspark/test_trainer.py, so that a change of the
-    trainer's API is made here once."""
+    tests' one in-process training outside the trainer's own tests (tests/dspark/test_trainer*.py),
+    so that a change of the trainer's API is made here once."""
     from dspark.recipe import build_trainer
 
     return build_trainer(cfg, heads).train()
+
+
+def make_trainer(compose_config: Any, tiny: tuple[Path, Path], out: Path, *extra: str) -> Trainer:
+    """The trainer of a run on ``tiny`` (the ``tiny`` fixture's target and shards: :func:`overrides`
+    into ``out``, then ``extra``), built in this process; ``compose_config``: the fixture."""
+    from dspark.core.target import load_target_heads
+    from dspark.recipe import build_trainer
+
+    target, data = tiny
+    return build_trainer(compose_config(*overrides(target, data, out, *extra)), load_target_heads(target))

@@ -18,7 +18,7 @@ from typing import Any
 
 from dspark.core.config import ConfigError
 from dspark.core.frames import StreamError
-from dspark.core.shard_format import check_row
+from dspark.core.shard_rows import check_row
 from dspark.core.stream import (
     BLOCK_END,
     STREAM_END,
@@ -83,7 +83,7 @@ class RemoteSource:
     def _recv(self, k: int, *, expect: tuple[int, ...]) -> StreamItem:
         """Producer k's next message, refused (:class:`StreamError`) unless its index is among
         ``expect`` (a prompt index >= 0 where ``expect`` holds 0) and a sequence's row has the
-        byte counts of the stream's layers, width and dtype (``shard_format.check_row``)."""
+        byte counts of the stream's layers, width and dtype (``shard_rows.check_row``)."""
         item = self.links[k].recv()
         kind = 0 if item.index >= 0 else item.index
         if kind not in expect:

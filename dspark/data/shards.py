@@ -21,18 +21,8 @@ import pyarrow as pa
 import torch
 
 from dspark.core import derived, fp8
-from dspark.core.shard_format import (
-    MANIFEST,
-    SCHEMA,
-    DatasetError,
-    Manifest,
-    ShardInfo,
-    arrow_cache_source,
-    cache_path,
-    decode_hidden_states,
-    read_shard,
-    split_scaled,
-)
+from dspark.core.shard_format import MANIFEST, SCHEMA, DatasetError, Manifest, ShardInfo, arrow_cache_source, cache_path
+from dspark.core.shard_rows import decode_hidden_states, read_shard, split_scaled
 from dspark.data.target_topk import SequenceTopK
 
 
@@ -148,7 +138,7 @@ class ShardDataset:
             ) from e
 
     def _read_shard(self, info: ShardInfo) -> pa.Table:
-        """One Parquet shard, checked by :func:`~dspark.core.shard_format.read_shard` (the check
+        """One Parquet shard, checked by :func:`~dspark.core.shard_rows.read_shard` (the check
         ``data_tools.verify`` makes); any problem is a :class:`DatasetError` that says how to check
         the dataset and rebuild the shard."""
         table, problem, bad_rows = read_shard(self.directory, info, self.manifest)

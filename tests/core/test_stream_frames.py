@@ -21,7 +21,7 @@ from dspark.core.frames import (
     decode_row,
     encode_row,
 )
-from dspark.core.shard_format import encode_hidden_states
+from dspark.core.shard_rows import encode_hidden_states
 from dspark.core.stream import BLOCK_END, STREAM_END, VAL_END, VAL_ROW, StreamItem
 from dspark.core.stream_link import StreamLink, check_message
 

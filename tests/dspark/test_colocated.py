@@ -1,7 +1,6 @@
 """data.mode=colocated: the target inside the trainer computes the states from token ids. Its states
 equal the stored ones, and a run fed colocated equals a run fed shards of the same states."""
 
-import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -15,9 +14,8 @@ from dspark.core.target import load_target_heads
 from dspark.data.colocated import ColocatedDataset, ColocatedTarget
 from dspark.data.shards import ShardDataset
 from dspark.recipe import build_trainer
-from tests.toy import TINY_LAYERS, overrides, torchrun
+from tests.toy import TINY_LAYERS, overrides, two_rank_train
 
-REPO = Path(__file__).resolve().parents[2]
 CAPTURED = TINY_LAYERS + [4]
 
 
@@ -106,17 +104,8 @@ def test_token_id_shards_are_refused_offline_and_topk_is_refused_colocated(
 @pytest.mark.slow
 def test_two_ranks_each_hold_their_own_target(tiny_target_and_shards, tmp_path):
     target, data = tiny_target_and_shards
-    cmd = torchrun(
-        "train.py",
-        *overrides(target, data, tmp_path, "train.max_steps=2", "train.micro_batch_size=2", "data.mode=colocated"),
-        f"hydra.run.dir={tmp_path}/run",
-    )
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-3000:]
-    assert "2 rank(s)" in log and "step 2/2" in log
+    log = two_rank_train(target, data, tmp_path, 2, "data.mode=colocated")
     assert log.count("colocated: the target") == 2  # one copy per rank, each logging its own
-    assert (tmp_path / "ckpt" / "step00000002").is_dir()
 
 
 def test_a_missing_target_layer_is_named(tiny_target_and_shards):

@@ -1,5 +1,5 @@
 """`python -m dspark.export`: bad input ends with rc 2 and one `error:` line naming the file, not a
-traceback (the export itself is tested on a trained checkpoint in test_trainer.py)."""
+traceback (the export itself is tested on a trained checkpoint in test_trainer_export.py)."""
 
 import json
 import subprocess

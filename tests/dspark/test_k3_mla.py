@@ -1,5 +1,6 @@
-"""Kimi K3's MLA drafter layers (dspark/k3_mla.py) against an independent implementation of the
-same math: transformers' ``DeepseekV3Attention`` with the same weights and the block mask.
+"""Kimi K3's MLA drafter layers (dspark/core/families/k3_mla_layers.py) against an independent
+implementation of the same math: transformers' ``DeepseekV3Attention`` with the same weights and
+the block mask.
 
 How the two are lined up (docs/k3_mla_notes.md has the vLLM side):
 
@@ -36,7 +37,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.core.families.k3_mla import MLAAttention, MLAConfig, MLADecoderLayer
+from dspark.core.families.k3_mla_layers import MLAAttention, MLAConfig, MLADecoderLayer
 from dspark.model import DSparkDrafter
 
 TOL = 1e-5

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark.core.config import ConfigError
-from dspark.core.shard_format import encode_hidden_states
+from dspark.core.shard_rows import encode_hidden_states
 from dspark.core.stream import BlockProducer, BoundedBuffer, StreamClosed, StreamMeta, producer_blocks
 from dspark.core.stream_remote import RemoteSource, stream_to_trainer
 from dspark.core.target import load_target_heads
@@ -17,8 +17,7 @@ from dspark.data.batching import DataPosition
 from dspark.data.online import PROMPT_LOG, OnlineBatches, read_prompt_log, stream_meta
 from dspark.data.shards import ShardDataset
 from dspark.recipe import build_trainer
-from tests.dspark.test_trainer import make_trainer, overrides, tiny  # noqa: F401 - tiny: the module fixture
-from tests.toy import torchrun
+from tests.toy import REPO, make_trainer, overrides, torchrun
 
 LAYERS, HIDDEN = 3, 8
 
@@ -162,7 +161,7 @@ def test_resume_from_the_cursor_enters_the_same_prompts_and_cuts_the_log(tmp_pat
 def test_streamed_fp8_rows_stay_fp8_until_the_batch_is_on_the_device(store_dtype):
     """fp8 is also the wire format: a streamed row keeps a byte per value in the window and the
     batch dequantizes where it lands, to the same numbers as dequantizing on arrival."""
-    from dspark.core.shard_format import decode_hidden_states
+    from dspark.core.shard_rows import decode_hidden_states
     from dspark.data.batching import collate
     from dspark.data.online import row_to_sequence
     from dspark.data.shards import ShardSequence
@@ -409,7 +408,6 @@ def test_two_ranks_train_from_two_producers_on_other_nodes_and_resume_at_their_c
     import sys
 
     from dspark.core.files import free_port
-    from tests.dspark.test_trainer import REPO
 
     target, data = tiny
 

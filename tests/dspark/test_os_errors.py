@@ -114,7 +114,7 @@ def test_out_under_proc_is_not_a_full_disk(setup, capsys, monkeypatch):
 
 def test_a_full_disk_is_said_only_for_enospc_and_edquot(tmp_path, monkeypatch):
     """An errno decides; free space is asked only of a writer whose error has none (torch's zip
-    writer: ``unexpected pos``, a full tmpfs in test_trainer's disk-full save)."""
+    writer: ``unexpected pos``, a full tmpfs in test_trainer_checkpoints' disk-full save)."""
     monkeypatch.setattr("dspark.core.files.free_bytes", lambda _: 0)
     for code in (errno.ENOSPC, errno.EDQUOT):
         assert is_disk_full(OSError(code, os.strerror(code)), tmp_path)

@@ -10,7 +10,8 @@ import torch
 
 from data_tools.shard_writer import finalize, write_shard
 from dspark.core import fp8
-from dspark.core.shard_format import DatasetError, Manifest, encode_hidden_states
+from dspark.core.shard_format import DatasetError, Manifest
+from dspark.core.shard_rows import encode_hidden_states
 from dspark.data.batching import collate
 from dspark.data.shards import ShardDataset, open_dataset, require_dataset
 from tests.toy import toy_manifest

@@ -8,7 +8,8 @@ import pytest
 
 from eval.acceptance import ACCEPTANCE_METRICS, AcceptanceCounts, per_bin_summary
 from eval.intervals import STATS
-from eval.report import _wandb_scalars, metric_text, write_report
+from eval.report import metric_text, write_report
+from eval.report_wandb import _wandb_scalars
 from eval.results import DrafterResult, EvalConditions, EvalResults
 from eval.serve_bench.client import METRICS
 from eval.serve_bench.report import TABLE_COLUMNS, render_markdown, table_rows, wandb_scalars
