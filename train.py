@@ -76,6 +76,12 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
                 f"train    step {state.step}/{cfg.train.max_steps} -> {cfg.train.checkpoint_dir}{clock.lap('train')}"
             )
         stages_run.append("train")
+    if _export_wanted(cfg):
+        from dspark.export.stage import run_export
+
+        record = run_export(cfg, target_dir)
+        stages_run.append("export")
+        lines.append(f"export   {record.summary_line()}{clock.lap('export')}")
     if "eval" in cfg.stages:
         from eval.run import run_eval
 
@@ -88,7 +94,6 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
             f"report   {outcome.report_dir / 'report.md'}: open it first, its Summary says what was found "
             f"(tables, results.json and plots beside it){clock.lap('eval')}"
         )
-        lines.append(f"exports  {cfg.eval.export_dir}")
     if "serve_bench" in cfg.stages:
         from eval.serve_bench.stage import run_serve_bench
 
@@ -101,6 +106,18 @@ def run(cfg: RunConfig | DictConfig) -> PipelineResult:
     lines.append(f"time     {clock.total()}")
     log.info("main job done in %.1f min:\n  %s", clock.minutes(), "\n  ".join(lines))
     return PipelineResult(heads, cfg.drafter, stages_run)
+
+
+def _export_wanted(cfg: RunConfig) -> bool:
+    """The export stage runs when asked for, and before a stage that reads its record: the eval,
+    and a serving benchmark that serves this run's drafter (a no-op when exports.json is up to date)."""
+    if "export" in cfg.stages or "eval" in cfg.stages:
+        return True
+    if "serve_bench" in cfg.stages:
+        from eval.serve_bench.stage import serves_exports
+
+        return serves_exports(cfg)
+    return False
 
 
 class _StageClock:

@@ -1,130 +1,22 @@
-"""What every vLLM run of stage 3 starts from, built from the run's config: this run's exports
-(where they are, writing and validating them, waiting for them on the other nodes), the eval set,
-and the engine's arguments and window. ``eval.run`` (the eval), ``eval.serve_bench`` (the
-serving benchmark) and ``eval.run_headless`` (nodes 1..n-1) read them here, so no stage imports
-another."""
+"""What every vLLM run of stage 3 starts from, built from the run's config: its output directory's
+claim, the eval set, and the engine's arguments and window. ``eval.run`` (the eval),
+``eval.serve_bench`` (the serving benchmark) and ``eval.run_headless`` (nodes 1..n-1) read them
+here, so no stage imports another; the exports they serve come from the export stage's record
+(:func:`dspark.export.stage.read_exports`)."""
 
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.checkpoint_tags import checkpoint_model_file, latest_tag
-from dspark.checkpoint_weights import TrainingCheckpoint, load_training_checkpoint
 from dspark.core.config import RunConfig
 from dspark.core.errors import UserError
 from dspark.core.files import foreign_listing
-from dspark.core.waits import WaitTimedOut
-from dspark.export import ExportSummary, existing_export, export, exported_layout
-from dspark.export.validate import validate
-from dspark.export.vllm_format import CONFIG_FILE, WEIGHTS_FILE, drafter_layouts
 from eval.eval_set import EvalPrompt, eval_set_sha256, load_eval_set, save_eval_set
 from eval.prompts import build_eval_set
 
 log = logging.getLogger(__name__)
-
-EXPORT_WAIT_S = 3600
-"""How long the other nodes of a multi-node engine wait for node 0's export."""
-
-
-def vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
-def export_path(cfg: RunConfig, prefix: str, layout: str) -> Path:
-    """Where ``export_all`` writes the ``layout`` export of ``prefix`` ("dspark": this run's
-    drafter, "ablation": its Markov-off ablation); multi-node serving nodes wait for it."""
-    return Path(cfg.eval.export_dir).expanduser() / f"{prefix}-{layout}"
-
-
-def is_drafter_dir(path: Path) -> bool:
-    """A trained drafter's directory (our export, or a speculators DSpark checkpoint: a
-    ``config.json`` beside its weights), not a DeepSpeed checkpoint."""
-    return (path / CONFIG_FILE).is_file() and latest_tag(path) is None
-
-
-def read_checkpoint(cfg: RunConfig, path: Path) -> TrainingCheckpoint:
-    """``eval.checkpoint``: a DeepSpeed checkpoint (its directory or a tag), or a trained drafter's
-    directory (:func:`is_drafter_dir`), evaluated as it is: its weights, block and context layers,
-    served against this run's target (the export checks the layer ids against it, vLLM's loader
-    the sizes)."""
-    if not is_drafter_dir(path):
-        return load_training_checkpoint(path)
-    from dspark.export.speculators_format import read_drafter_dir
-
-    d = read_drafter_dir(path)
-    run_config = {
-        "target": asdict(cfg.target),
-        "train": {"dtype": "float32"},
-        "paths": {"cache_dir": cfg.paths.cache_dir},
-    }
-    return TrainingCheckpoint(path, 0, d.drafter, d.dims, d.weights, run_config, 0, d.context_layer_ids)
-
-
-def checkpoint_file(path: Path) -> Path:
-    """The file an eval reads its drafter from (what its report's fingerprint hashes)."""
-    return path / WEIGHTS_FILE if is_drafter_dir(path) else checkpoint_model_file(path)
-
-
-def export_all(cfg: RunConfig, ckpt_path: Path, target_dir: Path, prefix: str) -> dict[str, ExportSummary]:
-    """Every layout the drafter can be served in (the dspark one always, the dflash one where the
-    drafter has it), each validated with vLLM's own classes at ``eval.gamma`` draft tokens."""
-    ckpt = read_checkpoint(cfg, ckpt_path)
-    _warn_past_training_window(cfg, ckpt)
-    own = exported_layout(ckpt_path) if is_drafter_dir(ckpt_path) else None
-    out = {}
-    for layout in drafter_layouts(ckpt.drafter):
-        if layout == own:  # an export is evaluated as it is, never exported again (into itself)
-            s = existing_export(ckpt, layout)
-            log.info("eval.checkpoint=%s is a %s export: evaluated as it is, not exported again", ckpt_path, layout)
-        else:
-            d = export_path(cfg, prefix, layout)
-            s = export(ckpt, d, layout=layout, dtype=cfg.eval.export_dtype, target_dir=target_dir)
-        d = s.out_dir
-        log.info("%s", s.render())
-        if vllm_installed():
-            log.info("%s", validate(d, target_dir=target_dir, num_speculative_tokens=cfg.eval.gamma).render())
-        else:  # a GPU node with torch and transformers only: the reference loop still measures the export
-            log.warning(
-                "vLLM is not installed here: %s is not checked with vLLM's classes; check it where vLLM is: "
-                "python -m dspark.export validate %s",
-                d,
-                d,
-            )
-        out[layout] = s
-    return out
-
-
-def _warn_past_training_window(cfg: RunConfig, ckpt: Any) -> None:
-    """A full-attention drafter evaluated on prompts longer than it was trained on reads context
-    farther back than any distance it has seen: say so, with the two ways out (issue #47)."""
-    trained = ((getattr(ckpt, "run_config", None) or {}).get("train") or {}).get("max_seq_len")
-    longest = max(cfg.eval.context_bins)
-    if ckpt.drafter.attention_window is None and isinstance(trained, int) and longest > trained:
-        log.warning(
-            "eval: the drafter attends over the whole context (drafter.attention_window=null) and was trained on "
-            "windows of train.max_seq_len=%d tokens; the eval's prompts reach %d tokens, where it reads context %.0fx "
-            "farther back than it was trained on and acceptance may fade. Train with drafter.attention_window "
-            "(served as a sliding window by vLLM and llama.cpp) or on windows as long as the served context "
-            '(docs/guide.md, "Long context")',
-            trained,
-            longest,
-            longest / trained,
-        )
-
-
-def wait_for_export(path: Path, *, poll_s: float = 10.0) -> None:
-    """Nodes 1..n-1: wait until node 0 has written (and validated) the export at ``path``."""
-    deadline = time.time() + EXPORT_WAIT_S
-    while not (path / "export.json").is_file():
-        if time.time() > deadline:
-            raise WaitTimedOut(f"{path} did not appear within an hour; did node 0 fail?")
-        time.sleep(poll_s)
 
 
 class OutDirInUseError(UserError):

@@ -13,7 +13,8 @@ from omegaconf import DictConfig
 from dspark.core.config import load_or_exit
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.target import resolve_target
-from eval.inputs import engine_kwargs, export_path, vllm_max_model_len, wait_for_export
+from dspark.export.stage import export_path, wait_for_export
+from eval.inputs import engine_kwargs, vllm_max_model_len
 from eval.vllm_rows import main as serve_main
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ def main() -> None:
         task_started()
         cfg = load_or_exit(raw)
         target_dir = resolve_target(cfg.target, cache_dir=Path(cfg.paths.cache_dir).expanduser()).path
-        export = export_path(cfg, "dspark", "dspark")
+        export = export_path(cfg, "ours", "dspark")
         with exit_on_user_error():
             wait_for_export(export)  # node 0 exports (and validates) first
         serve_main(

@@ -238,7 +238,10 @@ def test_wrong_type_fails_at_compose_naming_the_key(override, key):
     [
         ("train.anchors_per_seq=0", r"train.anchors_per_seq=0: expected a number >= 1"),
         ("train.micro_batch_size=0", r"train.micro_batch_size=0: expected a number >= 1"),
-        ("stages=[trian]", r"stages\[\]='trian': expected one of \['extract', 'train', 'eval', 'serve_bench'\]"),
+        (
+            "stages=[trian]",
+            r"stages\[\]='trian': expected one of \['extract', 'train', 'export', 'eval', 'serve_bench'\]",
+        ),
         ("drafter.num_layers=0", r"drafter.num_layers must be >= 1, got 0"),
         (
             "drafter.markov_head_type=lstm",
@@ -282,7 +285,7 @@ def test_a_loss_needs_a_weighted_term_and_a_markov_init_a_markov_head():
 @pytest.mark.parametrize("dtype", ["float8_e4m3", "float8_e5m2"])
 def test_fp8_is_a_store_dtype_only(dtype):
     assert _load(f"data.store_dtype={dtype}").data.store_dtype == dtype
-    for key in ("train.dtype", "eval.export_dtype", "target.dtype"):
+    for key in ("train.dtype", "export.dtype", "target.dtype"):
         with pytest.raises(ConfigError) as err:
             _load(f"{key}={dtype}")
         assert str(err.value) == (
@@ -355,7 +358,7 @@ def test_generic_target_reads_name_shape_and_layers_from_its_checkpoint(tiny_qwe
     for path in (
         cfg.data.shards_dir,
         cfg.train.checkpoint_dir,
-        cfg.eval.export_dir,
+        cfg.export.out_dir,
         cfg.eval.out_dir,
         cfg.ablation_dir,
     ):
@@ -454,7 +457,7 @@ def test_train_py_help_lists_the_stages_experiments_and_examples():
     assert help_text.startswith("python train.py: train a DSpark speculative-decoding drafter for a target LLM.")
     stages = help_text.split("== Stages", 1)[1].split("== Experiments", 1)[0].splitlines()[1:]
     named = [line.split()[0] for line in stages if re.match(r"  [a-z_]+ +\S", line)]  # not the continuations
-    assert named == ["extract", "train", "eval", "serve_bench"]
+    assert named == ["extract", "train", "export", "eval", "serve_bench"]
     section = help_text.split("== Experiments", 1)[1].split("== Examples", 1)[0]
     listed = {line.split()[0] for line in section.splitlines()[1:] if line.strip()}
     assert listed == {p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")}  # none missing
@@ -466,7 +469,7 @@ def test_train_py_help_lists_the_stages_experiments_and_examples():
 
 
 def test_auto_ablation_is_this_configs_markov_off_run(tmp_path):
-    from eval.run import ablation_checkpoint
+    from dspark.export.stage import ablation_checkpoint
 
     for experiment, run_name in (("smollm2_cpu_demo", "markov0-win256"), ("smollm2_cpu_quality", "lcr-markov0-win256")):
         cfg = _load(f"+experiment={experiment}", f"paths.output_dir={tmp_path}")

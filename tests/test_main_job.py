@@ -123,16 +123,19 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     assert re.search(r"check    wall-clock speedup over plain decoding \(bs=1, llama.cpp-dspark\): ", log)
     assert list((tmp_path / "wandb").glob("offline-run-*")) or list(report_dir.glob("wandb/offline-run-*"))
     # where the wall clock went (issue #49): each stage's line ends with its minutes, the last line totals them,
-    # and the eval lists its parts: the export, the reference loop, each vLLM method and each llama.cpp row
+    # and the eval lists its parts: the eval set, the reference loop, each vLLM method and each llama.cpp row
     assert re.search(r"train    step 2/2 -> \S+  \[\d+\.\d min\]", log)
+    # the export stage between train and eval (issue #59): both checkpoints, each layout checked with vLLM's classes
+    exported = r"export   2 exports \(ours dspark, ablation dspark\), 2 checked with vLLM's classes -> \S+exports\.json"
+    assert re.search(exported + r"  \[\d+\.\d min\]", log)
     total = re.search(
         r"time     (\d+\.\d) min of wall clock \(target [\d.]+ \+ extract [\d.]+ \+ train [\d.]+ "
-        r"\+ eval ([\d.]+)\)",
+        r"\+ export [\d.]+ \+ eval ([\d.]+)\)",
         log,
     )
     assert total and float(total.group(1)) >= float(total.group(2))
     parts = re.search(
-        r"eval     time: export [\d.]+ min, reference [\d.]+ min, vllm_ngram [\d.]+ min, .*"
+        r"eval     time: eval set [\d.]+ min, reference [\d.]+ min, vllm_ngram [\d.]+ min, .*"
         r"llama.cpp-none [\d.]+ min",
         log,
     )
@@ -140,6 +143,7 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
 
     log = _main_job(tmp_path, "logging.wandb=false")
     assert "extract  up to date" in log and "train    up to date" in log and "eval: " in log and "is up to date" in log
+    assert re.search(r"export: \S+exports\.json is up to date \(same checkpoint files and settings\), skipped", log)
     assert "step 1/2" not in log and "--method ngram" not in log  # no vLLM run either
     assert "check    DSpark over vLLM ngram: " in log  # read back from results.json
 

@@ -27,6 +27,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from dspark.core.path_env import path_env_problem
+from dspark.core.renamed_keys import RENAMED_KEYS
 
 DEBUG_ENV = ("HYDRA_FULL_ERROR", "DSPARK_DEBUG")
 """Either set to a value other than 0 shows the traceback of a user error."""
@@ -141,6 +142,15 @@ def run_hydra_command(main: Callable[[], Any]) -> None:
         if e.code == 1 and not _started:
             raise SystemExit(USER_ERROR_EXIT) from None
         raise
+
+
+def renamed_key_message(key: str) -> Optional[str]:
+    """One line for a key that moved (:data:`~dspark.core.renamed_keys.RENAMED_KEYS`): the old key,
+    the new one, and how to write it; None for any other key."""
+    new = RENAMED_KEYS.get(key.lstrip("+~"))
+    if new is None:
+        return None
+    return f"{key.lstrip('+~')} is now {new} (export is a stage of its own): write {new}=... instead"
 
 
 def closest_key(tree: Any, key: str, exclude: Iterable[str] = ()) -> Optional[str]:
@@ -262,6 +272,9 @@ def hydra_error_message(err: Exception, parsed: list[Any]) -> str:
         and cause.parent_node is not None
     ):
         key = cause.full_key
+        moved = renamed_key_message(key)
+        if moved:
+            return moved
         close = closest_key(cause.parent_node._get_root(), key)
         return f"unknown config key {key} " + (
             f"(did you mean {close}?)" if close else "(every key: python train.py --help)"

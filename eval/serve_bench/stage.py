@@ -23,7 +23,7 @@ steps with a draft only (ngram drafts only where the last tokens match earlier o
     python -m eval.serve_bench +experiment=smollm2_cpu_demo                 # the eval set, c = 1, 2, 4
     python -m eval.serve_bench +experiment=... serve_bench.traffic_file=my_traffic.jsonl \\
         serve_bench.concurrency=[1,8,32] serve_bench.request_rate=4 serve_bench.num_prompts=200
-    python train.py +experiment=... stages=[extract,train,eval,serve_bench]  # as a stage of the main job
+    python train.py +experiment=... stages=[extract,train,export,eval,serve_bench]  # as a stage of the main job
 
 Keys (``serve_bench.KEY=VALUE``; types and defaults: dspark/core/config/serve_bench.py, ServeBenchConfig):
 configs, concurrency, request_rate, num_prompts, output_len, ignore_eos, temperature,
@@ -63,17 +63,9 @@ from dspark.core.serving_methods import (
 )
 from dspark.core.target import prepare_target, resolve_target
 from dspark.core.vllm_engine import run_headless_workers
+from dspark.export.stage import export_path, read_exports, wait_for_export
 from eval.acceptance import TAU, TOKENS_PER_STEP
-from eval.inputs import (
-    claim_out_dir,
-    engine_kwargs,
-    engine_window,
-    eval_set,
-    export_all,
-    export_path,
-    make_out_dir,
-    wait_for_export,
-)
+from eval.inputs import claim_out_dir, engine_kwargs, engine_window, eval_set, make_out_dir
 from eval.results import nan_to_none
 from eval.serve_bench.client import NEW_CONNECTION_PER_REQUEST, Level, client_argv, level_record, run_client
 from eval.serve_bench.report import BenchOutcome, assemble, merged_configs, write_outputs
@@ -144,21 +136,22 @@ def llama_cpp_configuration(cfg: RunConfig, target_dir: Path, name: str) -> Conf
     return Configuration(name, m.name if m.spec_types else None, draft, engine="llama.cpp")
 
 
+def serves_exports(cfg: RunConfig) -> bool:
+    """Whether ``serve_bench.configs`` serves this run's drafter (``ours``, or a method with a
+    layout): the export stage then runs before this one."""
+    for name in cfg.serve_bench.configs:
+        m = llama_cpp_method(name) if name.startswith(LLAMA_CPP_PREFIX) else BY_NAME.get(name)
+        if name == OURS or (m is not None and m.layout is not None):
+            return True
+    return False
+
+
 def ensure_export(cfg: RunConfig, target_dir: Path, layout: str, *, required: bool) -> Optional[Path]:
-    """This run's export in ``layout`` (the eval stage writes it; exported here when missing and the
-    checkpoint is there). None when the drafter has no such layout and ``required`` is False."""
-    path = export_path(cfg, "dspark", layout)
-    exported = any((export_path(cfg, "dspark", x) / "export.json").is_file() for x in (layout, "dspark"))
-    if not exported:  # export_all writes the dspark layout always, the dflash one where the drafter has it
-        ckpt = Path(cfg.eval.checkpoint or cfg.train.checkpoint_dir).expanduser()
-        if not ckpt.exists():
-            raise ServeBenchError(
-                f"serve_bench: no {layout} export at {path} and no checkpoint at {ckpt}; train first "
-                "(stages=[extract,train]) or set eval.checkpoint"
-            )
-        export_all(cfg, ckpt, target_dir, "dspark")
-    if (path / "export.json").is_file():
-        return path
+    """This run's export in ``layout``, as the export stage's record lists it (the export stage runs
+    before this one). None when the drafter has no such layout and ``required`` is False."""
+    ours = read_exports(cfg).exports["ours"]
+    if layout in ours:
+        return ours[layout].out_dir
     if required:
         raise ServeBenchError(
             f"serve_bench.configs has {layout}, but this drafter has no {layout} export (the dflash layout "
@@ -541,7 +534,7 @@ def run_headless(cfg: RunConfig, target_dir: Path) -> None:
     name = sb.configs[0]
     # multi-node engines run on GPUs, where every drafter has the layout ours is served in
     m = export_method(gpu=True, has_layout=lambda x: True) if name == OURS else BY_NAME[name]
-    draft = export_path(cfg, "dspark", m.layout) if m.layout is not None else None
+    draft = export_path(cfg, "ours", m.layout) if m.layout is not None else None
     if draft is not None:
         wait_for_export(draft)  # node 0 exports first
     c = Configuration.serving(name, m, draft)
@@ -577,6 +570,10 @@ def main() -> None:
                 run_headless(cfg, target)
                 return
             heads, target_dir = prepare_target(cfg)
+            if serves_exports(cfg):  # as train.py does: the export stage first, a no-op when up to date
+                from dspark.export.stage import run_export
+
+                run_export(cfg, target_dir)
             outcome = run_serve_bench(cfg, heads, target_dir)
             print(f"serve_bench: {outcome.summary_line()}\nreport {outcome.markdown}")
 

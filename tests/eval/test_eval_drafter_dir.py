@@ -1,4 +1,4 @@
-"""``eval.checkpoint`` names a trained drafter's directory (issue #38, item 1: "the eval evaluates
+"""``export.checkpoint`` names a trained drafter's directory (issue #38, item 1: "the eval evaluates
 one"): a speculators DSpark checkpoint is measured as it is, and measures exactly what the DeepSpeed
 checkpoint it was converted from measures (same weights, same answers, same counts)."""
 
@@ -18,7 +18,7 @@ from tests.toy import overrides
 def eval_config(compose_config, target: Path, data: Path, out: Path, checkpoint: Path, *extra: str):
     return compose_config(
         *overrides(target, data, out),
-        f"eval.checkpoint={checkpoint}",
+        f"export.checkpoint={checkpoint}",
         "eval.ablation_checkpoint=null",
         "eval.context_bins=[256,512]",
         "eval.prompts_per_bin=2",
@@ -32,12 +32,21 @@ def eval_config(compose_config, target: Path, data: Path, out: Path, checkpoint:
     )
 
 
+def run_eval(cfg, heads, target: Path):
+    """As ``python train.py stages=[eval]`` runs it: the export stage first (a no-op when its
+    record is up to date), then the eval, which reads the record."""
+    from dspark.export.stage import run_export
+    from eval.run import run_eval as eval_only
+
+    run_export(cfg, target)
+    return eval_only(cfg, heads, target)
+
+
 @pytest.mark.slow
 def test_a_speculators_checkpoint_is_measured_as_the_checkpoint_it_came_from(
     tiny_trained_drafter, tmp_path, compose_config
 ):
     from dspark.core.target import load_target_heads
-    from eval.run import run_eval
 
     target, data, ckpt = tiny_trained_drafter
     export(ckpt, tmp_path / "ours", target_dir=target)
@@ -69,10 +78,9 @@ def test_a_speculators_checkpoint_is_measured_as_the_checkpoint_it_came_from(
 
 @pytest.mark.slow
 def test_an_export_is_evaluated_as_it_is_never_exported_again(tiny_trained_drafter, tmp_path, compose_config):
-    """Issue #60 item 3: eval.checkpoint= the main job's export ended in "--out ...: it holds the
+    """Issue #60 item 3: export.checkpoint= the main job's export ended in "--out ...: it holds the
     checkpoint ... being exported": the eval exported the export into its own default directory."""
     from dspark.core.target import load_target_heads
-    from eval.run import run_eval
 
     target, data, ckpt = tiny_trained_drafter
     exports = tmp_path / "exports"
@@ -81,7 +89,7 @@ def test_an_export_is_evaluated_as_it_is_never_exported_again(tiny_trained_draft
     before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in mine.iterdir()}
     heads = load_target_heads(target)
     ours = run_eval(eval_config(compose_config, target, data, tmp_path / "a", ckpt), heads, target)
-    cfg = eval_config(compose_config, target, data, tmp_path / "b", mine, f"eval.export_dir={exports}")
+    cfg = eval_config(compose_config, target, data, tmp_path / "b", mine, f"export.out_dir={exports}")
     got = run_eval(cfg, heads, target)
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in mine.iterdir()} == before  # untouched
     assert got.results.conditions.checkpoint == str(mine)

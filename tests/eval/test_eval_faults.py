@@ -102,6 +102,8 @@ from dspark.core.target import load_target_heads
 
 with initialize_config_dir(config_dir=f"{repo}/conf", version_base="1.3"):
     cfg = load_config(compose(config_name="config", overrides=overrides))
+from dspark.export.stage import run_export
+run_export(cfg, Path(target))  # as train.py and eval.run's command do: the export stage first
 eval.run.run_eval(cfg, load_target_heads(Path(target)), Path(target))
 """
 
@@ -124,7 +126,7 @@ def eval_overrides(trained, out: Path) -> list[str]:
     target, data, ckpt, _ = trained
     return [
         *overrides(target, data, out),
-        f"eval.checkpoint={ckpt}",
+        f"export.checkpoint={ckpt}",
         "eval.ablation_checkpoint=null",
         "eval.context_bins=[256,512]",
         "eval.prompts_per_bin=2",
@@ -263,7 +265,7 @@ def test_which_eval_fields_feed_which_fingerprint_is_pinned():
     from dspark.core.config import EVAL_PARTS, EvalConfig, eval_fields
     from eval.run import LLAMA_CPP_SETTINGS, NOT_LLAMA_CPP_SETTINGS, NOT_SETTINGS
 
-    assert set(NOT_SETTINGS) == {"force", "vllm_timeout_s", "llama_cpp_timeout_s", "out_dir", "export_dir"}
+    assert set(NOT_SETTINGS) == {"force", "vllm_timeout_s", "llama_cpp_timeout_s", "out_dir"}
     assert set(LLAMA_CPP_SETTINGS) == {
         "llama_cpp",
         "llama_cpp_methods",
@@ -296,9 +298,7 @@ def test_which_eval_fields_feed_which_fingerprint_is_pinned():
         "seed",
         "gamma",
         "confidence_threshold",
-        "checkpoint",
         "ablation_checkpoint",
-        "export_dtype",
     }
     assert set(eval_fields(None)) == every
     parts = [eval_fields(p) for p in EVAL_PARTS] + [eval_fields(None)]
@@ -312,31 +312,34 @@ def test_llama_cpp_settings_leave_the_reference_and_vllm_parts_kept(tmp_path, co
     """Another llama.cpp target or method list measures llama.cpp's rows again and keeps the
     reference loop's and vLLM's parts (their key leaves llama.cpp's settings out); the report's
     fingerprint still changes, and a setting they read (gamma) changes theirs."""
+    from dspark.export.stage import ExportRecord
     from eval.run import LLAMA_CPP_SETTINGS, NOT_LLAMA_CPP_SETTINGS, fingerprint
 
-    ckpt = tmp_path / "step00000001"
-    ckpt.mkdir()
-    (ckpt / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    record = ExportRecord(tmp_path / "exports.json", "0123456789abcdef", {"ours": tmp_path / "step00000001"}, {}, {})
     base = compose_config()
     for other in ("eval.llama_cpp_target=f32", "eval.llama_cpp_methods=[none,dspark]", "eval.llama_cpp_timeout_s=9"):
         changed = compose_config(other)
-        assert fingerprint(changed, [ckpt], without=LLAMA_CPP_SETTINGS) == fingerprint(
-            base, [ckpt], without=LLAMA_CPP_SETTINGS
+        assert fingerprint(changed, record, without=LLAMA_CPP_SETTINGS) == fingerprint(
+            base, record, without=LLAMA_CPP_SETTINGS
         ), other
         if "timeout" not in other:  # how long to wait is not what is measured
-            assert fingerprint(changed, [ckpt]) != fingerprint(base, [ckpt]), other
+            assert fingerprint(changed, record) != fingerprint(base, record), other
     gamma = compose_config("eval.gamma=3")
-    assert fingerprint(gamma, [ckpt], without=LLAMA_CPP_SETTINGS) != fingerprint(
-        base, [ckpt], without=LLAMA_CPP_SETTINGS
+    assert fingerprint(gamma, record, without=LLAMA_CPP_SETTINGS) != fingerprint(
+        base, record, without=LLAMA_CPP_SETTINGS
     )
     # and the other way: the reference loop turned on (for a parity table), other vLLM baselines or
     # another report directory keep llama.cpp's rows; gamma, which llama.cpp's rows read, does not
     for other in ("eval.reference=false", "eval.baselines=[]", "eval.out_dir=elsewhere", "eval.target_tau=9"):
         changed = compose_config(other)
-        assert fingerprint(changed, [ckpt], without=NOT_LLAMA_CPP_SETTINGS) == fingerprint(
-            base, [ckpt], without=NOT_LLAMA_CPP_SETTINGS
+        assert fingerprint(changed, record, without=NOT_LLAMA_CPP_SETTINGS) == fingerprint(
+            base, record, without=NOT_LLAMA_CPP_SETTINGS
         ), other
-    assert fingerprint(gamma, [ckpt], without=NOT_LLAMA_CPP_SETTINGS) != fingerprint(
-        base, [ckpt], without=NOT_LLAMA_CPP_SETTINGS
+    assert fingerprint(gamma, record, without=NOT_LLAMA_CPP_SETTINGS) != fingerprint(
+        base, record, without=NOT_LLAMA_CPP_SETTINGS
     )
-    assert fingerprint(compose_config("eval.out_dir=elsewhere"), [ckpt]) == fingerprint(base, [ckpt])
+    assert fingerprint(compose_config("eval.out_dir=elsewhere"), record) == fingerprint(base, record)
+    # the exports it serves are in every fingerprint: another checkpoint file or export dtype measures again
+    other = ExportRecord(record.path, "fedcba9876543210", record.sources, {}, {})
+    for without in ((), LLAMA_CPP_SETTINGS, NOT_LLAMA_CPP_SETTINGS):
+        assert fingerprint(base, other, without=without) != fingerprint(base, record, without=without)

@@ -6,7 +6,7 @@ import pytest
 
 from dspark.core.config import ConfigError
 from eval.results import DrafterResult
-from eval.run import greedy_outputs_equal
+from eval.agreement import greedy_outputs_equal
 
 
 def _row(name: str, runner: str, outputs: dict[str, list[int]]) -> DrafterResult:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dspark.export.stage import ExportRecordError
 from eval.serve_bench.client import METRICS, client_argv, level_record
 from eval.serve_bench.report import TABLE_COLUMNS, assemble, table_rows, wandb_scalars, write_outputs
 from eval.serve_bench.server import (
@@ -31,11 +32,11 @@ from eval.serve_bench.server import (
 )
 from eval.serve_bench.stage import (
     BenchSetup,
-    ServeBenchError,
     TrafficFileError,
     load_traffic,
     resolve_configs,
     server_max_model_len,
+    serves_exports,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -446,11 +447,15 @@ def test_configurations_resolve_and_a_missing_drafter_is_named(compose_config, t
     base = ("+experiment=smollm2_cpu_smoke", f"paths.output_dir={tmp_path}")
     cfg = compose_config(*base, "serve_bench.configs=[none,ngram]")
     assert resolve_configs(cfg, tmp_path, gpu=False) == [Configuration("none"), Configuration("ngram", "ngram")]
+    assert not serves_exports(cfg)  # the export stage is not brought in: nothing of ours is served
     cfg = compose_config(*base, "serve_bench.configs=[none,dflash]")
+    assert serves_exports(cfg)
     with pytest.raises(
-        ServeBenchError, match=r"no dflash export at .*dspark-dflash and no checkpoint at .*; train first"
+        ExportRecordError, match=r"exports\.json: no export record \(nothing exported there yet\); run the export stage"
     ):
         resolve_configs(cfg, tmp_path, gpu=False)
+    for configs, served in (("[ours]", True), ("[llama.cpp-dspark]", True), ("[llama.cpp-none,ngram]", False)):
+        assert serves_exports(compose_config(*base, f"serve_bench.configs={configs}")) is served, configs
 
 
 def test_output_len_null_takes_each_requests_own_length(tmp_path, compose_config):

@@ -8,7 +8,7 @@ import logging
 from types import SimpleNamespace
 
 from dspark.core.config import DSparkConfig
-from eval.inputs import _warn_past_training_window
+from dspark.export.stage import _warn_past_training_window
 
 
 def _ckpt(window, trained):

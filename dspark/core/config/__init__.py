@@ -9,7 +9,7 @@ starts; it returns the typed :class:`RunConfig` that the stages receive. The yam
 One module per config group, as ``conf/`` has them, each group's keys with their defaults,
 docstrings and checks: :mod:`.target`, :mod:`.drafter` (composed from every drafter family's
 fields, :mod:`dspark.core.families`), :mod:`.data` (with its extraction engine's and the online
-stream's), :mod:`.train` (the loss's settings and the trainer's), :mod:`.deepspeed`, :mod:`.eval`,
+stream's), :mod:`.train` (the loss's settings and the trainer's), :mod:`.deepspeed`, :mod:`.export`, :mod:`.eval`,
 :mod:`.serve_bench`, :mod:`.logging_paths`; the checks they share in :mod:`.checks`; the whole
 tree, its checks across groups and :func:`load_config` in :mod:`.run`. Everything is imported
 from here (``from dspark.core.config import RunConfig``); importing this package registers the
@@ -52,6 +52,7 @@ from dspark.core.config.eval import (
     EvalConfig,
     eval_fields,
 )
+from dspark.core.config.export import ExportConfig
 from dspark.core.config.logging_paths import WANDB_MODES, LoggingConfig, PathsConfig, default_cache_dir
 from dspark.core.config.run import (
     DEFAULT_STAGES,
@@ -107,6 +108,7 @@ __all__ = [
     "SUPERVISE",
     "DeepSpeedConfig",
     "ZeroConfig",
+    "ExportConfig",
     "EvalConfig",
     "EVAL_PARTS",
     "eval_fields",

@@ -1,4 +1,4 @@
-"""The ``eval`` group (``conf/eval/``): export, then acceptance on long-context prompts per
+"""The ``eval`` group (``conf/eval/``): acceptance on long-context prompts per
 context length, from the reference loop, vLLM and llama.cpp. Each field says which of the eval's
 results depend on it (:func:`eval_fields`)."""
 
@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from omegaconf import II
 
-from dspark.core.config.checks import _at_least, _check, _choice, _compute_dtype
+from dspark.core.config.checks import _at_least, _check, _choice
 from dspark.core.serving_methods import BASELINES, LLAMA_CPP_BY_NAME
 
 EVAL_SOURCES = ("offline", "aa_lcr", "fixed_passage")
@@ -35,7 +35,7 @@ reference loop on for a parity table keeps llama.cpp's measured rows."""
 
 @dataclass
 class EvalConfig:
-    """Export + acceptance on AA-LCR-style long-context prompts, binned by context length (tokens)."""
+    """Acceptance on AA-LCR-style long-context prompts, binned by context length (tokens)."""
 
     source: str = "offline"
     """offline (built from documents on the machine) | aa_lcr (the release: aa_lcr_csv + aa_lcr_texts) |
@@ -65,18 +65,10 @@ class EvalConfig:
     it is its tau), reported by the main job's checks (not enforced)."""
     target_pos1: Optional[float] = field(default=None, metadata=_NOT_LLAMA_CPP)
     """A preset's goal for first-position acceptance on the eval set, reported likewise."""
-    checkpoint: Optional[str] = None
-    """A training checkpoint (dir with 'latest' or a stepNNNNNNNN tag), or a trained drafter's
-    directory (our export, or a speculators DSpark checkpoint), evaluated as it is; None = this run's."""
     ablation_checkpoint: Optional[str] = "auto"
     """The Markov-off run beside ours: auto = this config's run with drafter.markov_rank=0, if it
     was trained; a path; None = none."""
-    export_dir: str = field(
-        default="${paths.output_dir}/exports/${target.name}/${train.run_name}", metadata=_RUN_CONTROL
-    )
     out_dir: str = field(default="${paths.output_dir}/eval/${target.name}/${train.run_name}", metadata=_RUN_CONTROL)
-    export_dtype: Optional[str] = None
-    """None = the run's train.dtype."""
     reference: bool = field(default=True, metadata=_NOT_LLAMA_CPP)
     """The PyTorch reference loop (tau, calibration, r, wall clock)."""
     reference_proposers: list[str] = field(
@@ -139,8 +131,6 @@ class EvalConfig:
             _choice("eval.baselines[]", b, BASELINES)
         for r in self.reference_proposers:
             _choice("eval.reference_proposers[]", r, REFERENCE_PROPOSERS)
-        if self.export_dtype is not None:
-            _compute_dtype("eval.export_dtype", self.export_dtype)
         _check(
             bool(self.context_bins) and all(b >= 16 for b in self.context_bins),
             "eval.context_bins",

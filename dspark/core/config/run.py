@@ -18,16 +18,17 @@ from dspark.core.config.data import DataConfig
 from dspark.core.config.deepspeed import DeepSpeedConfig
 from dspark.core.config.drafter import DSparkConfig, drafter_tag
 from dspark.core.config.eval import EvalConfig
+from dspark.core.config.export import ExportConfig
 from dspark.core.config.logging_paths import LoggingConfig, PathsConfig, default_cache_dir
 from dspark.core.config.serve_bench import ServeBenchConfig
 from dspark.core.config.target import TargetConfig, resolve_target_config, target_name_from_path
 from dspark.core.config.train import TrainConfig
-from dspark.core.errors import closest_key, exit_on_user_error
+from dspark.core.errors import closest_key, exit_on_user_error, renamed_key_message
 from dspark.core.families import FAMILIES
 
-STAGES = ("extract", "train", "eval", "serve_bench")
+STAGES = ("extract", "train", "export", "eval", "serve_bench")
 """Every stage ``stages=[...]`` may name, in the order the main job runs them."""
-DEFAULT_STAGES = ("extract", "train", "eval")
+DEFAULT_STAGES = ("extract", "train", "export", "eval")
 """What ``python train.py`` runs unless told: the serving benchmark (minutes per configuration
 and concurrency level) is asked for by name."""
 
@@ -40,6 +41,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DSparkConfig = field(default_factory=DSparkConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
@@ -49,7 +51,8 @@ class RunConfig:
     serve_bench: ServeBenchConfig = field(default_factory=ServeBenchConfig)
     stages: list[str] = field(default_factory=lambda: list(DEFAULT_STAGES))
     """What ``python train.py`` runs, in this order; e.g. stages=[train]; serve_bench is asked for
-    by name (stages=[extract,train,eval,serve_bench])."""
+    by name (stages=[extract,train,export,eval,serve_bench]). A stage that reads the exports (eval,
+    serve_bench) brings the export stage before it, a no-op when exports.json is up to date."""
     ablation_dir: Optional[str] = None
     """Set by :func:`load_config`: where this config's Markov-off ablation trains (its
     ``train.checkpoint_dir`` with drafter.markov_rank=0); None for a Markov-off run."""
@@ -184,6 +187,9 @@ def _unknown_key_error(cfg: Any) -> Optional[ConfigError]:
     bad = unknown_keys(cfg, RunConfig)
     if not bad:
         return None
+    moved = [m for m in map(renamed_key_message, bad) if m]
+    if moved:
+        return ConfigError("; ".join(moved))
     parts = []
     for key in bad:
         close = closest_key(cfg, key, exclude=bad)
