@@ -5,8 +5,8 @@ import json
 import pytest
 
 from dspark.core.config import ConfigError
-from eval.results import DrafterResult
 from eval.agreement import greedy_outputs_equal
+from eval.results import DrafterResult
 
 
 def _row(name: str, runner: str, outputs: dict[str, list[int]]) -> DrafterResult:
