@@ -118,7 +118,8 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     assert re.search(
         r"eval     ngram +tokens/step \d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]  \(tau \d\.\d{3} over drafted steps", log
     )
-    clock = r"\d+\.\d tok/s = \d\.\d\dx \[\d\.\d\d, \d\.\d\d\] none"  # the speedup with its interval
+    # the speedup with its interval (10x and more where `none` ran on busy cores)
+    clock = r"\d+\.\d tok/s = \d+\.\d\dx \[\d+\.\d\d, \d+\.\d\d\] none"
     assert re.search(r"eval     llama.cpp-dspark +tokens/step .*; llama.cpp, " + clock + r"\)", log)
     assert re.search(r"check    wall-clock speedup over plain decoding \(bs=1, llama.cpp-dspark\): ", log)
     assert list((tmp_path / "wandb").glob("offline-run-*")) or list(report_dir.glob("wandb/offline-run-*"))
