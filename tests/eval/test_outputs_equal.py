@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from dspark.core.config import ConfigError
-from eval.results import DrafterResult
+from dspark.config import ConfigError
 from eval.agreement import greedy_outputs_equal
+from eval.results import DrafterResult
 
 
 def _row(name: str, runner: str, outputs: dict[str, list[int]]) -> DrafterResult:
