@@ -19,9 +19,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from dspark.core.config import DSparkConfig, RunConfig, load_config  # also registers the schemas
+from dspark.config import DSparkConfig, RunConfig, load_config  # also registers the schemas
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
-from dspark.core.target import TargetHeads, prepare_target
+from dspark.target import TargetHeads, prepare_target
 
 log = logging.getLogger("train")
 
@@ -149,7 +149,7 @@ def online_source(cfg: RunConfig, target_dir: Path):  # noqa: ANN201 - a Sequenc
         return None
     online = cfg.data.online
     if online.trainer_addr:
-        from dspark.core.stream_remote import RemoteSource
+        from dspark.formats.stream_remote import RemoteSource
 
         return RemoteSource(
             online.trainer_addr,

@@ -51,9 +51,9 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
     from transformers import AutoModelForCausalLM
 
-    from dspark.core.config import load_config
-    from dspark.core.target import prepare_target
+    from dspark.config import load_config
     from dspark.recipe import build_drafter
+    from dspark.target import prepare_target
     from eval.reference import DraftRunner, TargetRunner
 
     conf = Path(__file__).resolve().parents[1] / "conf"

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from dspark.core.config import TargetConfig
+from dspark.config import TargetConfig
 from dspark.core.files import read_jsonl
-from dspark.core.target import resolve_target
 from dspark.data.shards import ShardDataset
+from dspark.target import resolve_target
 
 SIZES = (4096, 8192, 16384, 32768)
 VOCAB = 49152  # SmolLM2-135M

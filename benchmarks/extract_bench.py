@@ -51,10 +51,10 @@ def main() -> None:
     from data_tools.extract import Request, capture_rows, engine_kwargs, make_engine
     from data_tools.prompts import bundled_conversations, dedupe_and_split
     from data_tools.shard_writer import finalize, write_shard
-    from dspark.core.config import DataConfig, TargetConfig
-    from dspark.core.shard_format import Manifest
-    from dspark.core.target import resolve_target
+    from dspark.config import DataConfig, TargetConfig
     from dspark.data.shards import ShardDataset
+    from dspark.formats.shard_format import Manifest
+    from dspark.target import resolve_target
 
     spec = TargetConfig()
     path = resolve_target(spec).path

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from hydra import compose, initialize_config_dir
 
-    from dspark.core.config import load_config
-    from dspark.core.families import FAMILIES
+    from dspark.config import load_config
+    from dspark.families import FAMILIES
     from dspark.flops import step_flops
     from dspark.model import resolve_dims, trainable_parameter_shapes
 

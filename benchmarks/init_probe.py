@@ -28,9 +28,9 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from dspark.core.config import load_config
-    from dspark.core.target import prepare_target
+    from dspark.config import load_config
     from dspark.recipe import build_trainer
+    from dspark.target import prepare_target
 
     report = {}
     heads = None

@@ -45,10 +45,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "llama_cpp_window_cost")
     args = ap.parse_args(argv)
 
-    from dspark.core.llama_cpp.build import find
-    from dspark.core.serving_methods import LLAMA_CPP_BY_NAME
-    from dspark.core.target import embedded_gguf_path
     from dspark.export.gguf import convert_export
+    from dspark.serving.llama_cpp.build import find
+    from dspark.serving.methods import LLAMA_CPP_BY_NAME
+    from dspark.target import embedded_gguf_path
     from eval.acceptance import AcceptanceCounts
     from eval.checks import interval_text
     from eval.eval_set import load_eval_set
@@ -59,7 +59,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     tree = find()
     if tree is None:
         raise SystemExit(
-            "error: llama.cpp is not built (bash scripts/setup.sh, or python -m dspark.core.llama_cpp build)"
+            "error: llama.cpp is not built (bash scripts/setup.sh, or python -m dspark.serving.llama_cpp build)"
         )
     prompts = load_eval_set(args.eval_set, key=None)
     bins = args.bins or sorted({p.bin for p in prompts})

@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     from family_costs import K2_SIZED_TEXT
     from hydra import compose, initialize_config_dir
 
-    from dspark.core.config import load_config
-    from dspark.core.families import FAMILIES
+    from dspark.config import load_config
+    from dspark.families import FAMILIES
     from dspark.model import resolve_dims, trainable_parameter_shapes
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

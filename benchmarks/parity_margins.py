@@ -14,7 +14,7 @@ drafter cannot change a greedy target's text at all). Rows without a drafter (``
 
 With ``--llama-cpp-target GGUF`` (issue #49) both targets are teacher-forced through the reference
 loop's text, prompt and answer: PyTorch in one forward, llama.cpp one token a call through
-``llama-server`` (f32 caches for an f32 GGUF: ``dspark.core.llama_cpp.server.server_spec``), reading
+``llama-server`` (f32 caches for an f32 GGUF: ``dspark.serving.llama_cpp.server.server_spec``), reading
 llama.cpp's own log-probabilities of its top ``--n-probs`` tokens at every answer position. Per
 prompt it prints max and p99 |delta log-prob| over those tokens (a log-prob is a logit less one
 log-sum-exp per position, so the margin between two tokens is a logit margin on each side), the
@@ -101,15 +101,15 @@ def teacher_forced(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dspark.core.config import GGUF_TYPES
-    from dspark.core.llama_cpp.build import ensure_built
-    from dspark.core.llama_cpp.server import llama_server, next_token_logprobs, server_spec
-    from dspark.core.server_lifecycle import choose_port
-    from dspark.core.serving_methods import LLAMA_CPP_BY_NAME
+    from dspark.config import GGUF_TYPES
+    from dspark.serving.llama_cpp.build import ensure_built
+    from dspark.serving.llama_cpp.server import llama_server, next_token_logprobs, server_spec
+    from dspark.serving.methods import LLAMA_CPP_BY_NAME
+    from dspark.serving.server_lifecycle import choose_port
 
     if str(gguf) in GGUF_TYPES:
-        from dspark.core.target import cache_root
         from dspark.export.gguf import target_gguf
+        from dspark.target import cache_root
 
         gguf = target_gguf(ensure_built(), Path(results["conditions"]["target_path"]), str(gguf), cache=cache_root())
     gguf = Path(gguf)

@@ -32,9 +32,9 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dspark.core.shard_format import CACHE_DIR, MANIFEST, SCHEMA, Manifest  # noqa: E402
-from dspark.core.shard_rows import check_row  # noqa: E402
 from dspark.data.shards import ShardDataset  # noqa: E402
+from dspark.formats.shard_format import CACHE_DIR, MANIFEST, SCHEMA, Manifest  # noqa: E402
+from dspark.formats.shard_rows import check_row  # noqa: E402
 
 
 def parts(directory: Path) -> dict[str, float]:
@@ -154,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
 def other_checks(train_s: float | None) -> str:
     """What a rerun's other checks of derived files cost (issue #58): the converted target's files
     against its marker, and the llama.cpp build's binaries against theirs (hashed, 21 MB)."""
-    from dspark.core.config import TargetConfig
-    from dspark.core.llama_cpp.build import find
-    from dspark.core.target import resolve_target
+    from dspark.config import TargetConfig
+    from dspark.serving.llama_cpp.build import find
+    from dspark.target import resolve_target
 
     rows = ["| check on a rerun | s (median of 5) | share of --train-s |", "|---|---|---|"]
     for what, fn in (

@@ -6,7 +6,7 @@ quantize/dequantize throughput, measured on an existing dataset's states (read-o
 
 The first N sequences of the split are read straight from the Parquet shards (no Arrow cache is
 written next to them) and converted in memory to each store dtype through the extractor's own
-encoder (``dspark.core.shard_rows.encode_hidden_states``). Bytes per token are the raw cell
+encoder (``dspark.formats.shard_rows.encode_hidden_states``). Bytes per token are the raw cell
 (fp8: values + one fp32 scale per token and layer) against the bf16 floor, and after zstd in a
 Parquet file of the same rows. The error is ||x - x_hat|| / ||x|| per token against the states as
 stored (fp32 shards give the exact error; 16-bit ones the error on top of their own rounding).
@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dspark.core import fp8  # noqa: E402
-from dspark.core.shard_format import SCHEMA, Manifest, bytes_per_token  # noqa: E402
-from dspark.core.shard_rows import decode_hidden_states, encode_hidden_states  # noqa: E402
+from dspark.formats.shard_format import SCHEMA, Manifest, bytes_per_token  # noqa: E402
+from dspark.formats.shard_rows import decode_hidden_states, encode_hidden_states  # noqa: E402
 
 FORMATS = ("bfloat16", "float16", "float8_e4m3", "float8_e5m2")
 

@@ -34,9 +34,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dspark.core.shard_format import Manifest  # noqa: E402
 from dspark.data.batching import collate  # noqa: E402
 from dspark.data.shards import ShardDataset  # noqa: E402
+from dspark.formats.shard_format import Manifest  # noqa: E402
 
 
 def dir_bytes(path: Path) -> int:

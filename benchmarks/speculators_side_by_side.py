@@ -50,7 +50,7 @@ ARMS = ("ours", "speculators", "speculators-matched")
 def _config(overrides: list[str], tmp: str, steps: int, validate_at: list[int]) -> Any:
     from hydra import compose, initialize_config_dir
 
-    from dspark.core.config import load_config
+    from dspark.config import load_config
 
     extra = [
         "logging.wandb=false",
@@ -253,8 +253,8 @@ def main() -> None:
         return
     validate_at = sorted(set(args.validate_at) | {args.steps})
 
-    from dspark.core.target import prepare_target
     from dspark.recipe import build_trainer
+    from dspark.target import prepare_target
 
     report: dict[str, Any] = {"overrides": args.overrides, "steps": args.steps}
     heads = None

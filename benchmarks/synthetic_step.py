@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.core.config import DSparkConfig, LossSettings
+from dspark.config import DSparkConfig, LossSettings
 from dspark.loss import LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims, sample_anchors
 

@@ -32,12 +32,12 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from dspark.core.config import load_config
-    from dspark.core.target import prepare_target
+    from dspark.config import load_config
     from dspark.data.batching import collate
     from dspark.loss import _targets, topk_tv
     from dspark.model import sample_anchors
     from dspark.recipe import build_trainer
+    from dspark.target import prepare_target
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = load_config(compose(config_name="config", overrides=[*args.overrides, "logging.wandb=false"]))

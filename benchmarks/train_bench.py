@@ -33,7 +33,7 @@ def synthetic_shards(out: Path, heads, *, n: int, seq_len: int) -> None:
     """Random states in the real schema (timing does not depend on their values)."""
     from data_tools.shard_writer import finalize, write_shard
     from dspark.core.files import file_sha256
-    from dspark.core.shard_format import Manifest
+    from dspark.formats.shard_format import Manifest
 
     g = torch.Generator().manual_seed(0)
     Manifest(
@@ -71,11 +71,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
 
-    import dspark.core.config  # noqa: F401 - registers the schemas
-    from dspark.core.config import TargetConfig
-    from dspark.core.target import load_target_heads, resolve_target
+    import dspark.config  # noqa: F401 - registers the schemas
+    from dspark.config import TargetConfig
     from dspark.model import sample_anchors
     from dspark.recipe import build_trainer
+    from dspark.target import load_target_heads, resolve_target
 
     heads = load_target_heads(resolve_target(TargetConfig()).path)
     work = Path(tempfile.mkdtemp(prefix="dspark-train-bench-"))

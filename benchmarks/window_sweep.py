@@ -156,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from dspark.core.target import load_target_heads
+    from dspark.target import load_target_heads
     from eval.acceptance import per_bin_summary
     from eval.checks import interval_text
     from eval.eval_set import load_eval_set

@@ -32,8 +32,8 @@ from tqdm import tqdm
 from data_tools.extract import open_dataset_dir
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from dspark.core.errors import exit_on_user_error
-from dspark.core.shard_format import COMPRESSIONS, STORE_DTYPES, DatasetError, Manifest, scale_granularity_of
-from dspark.core.shard_rows import decode_hidden_states, encode_hidden_states
+from dspark.formats.shard_format import COMPRESSIONS, STORE_DTYPES, DatasetError, Manifest, scale_granularity_of
+from dspark.formats.shard_rows import decode_hidden_states, encode_hidden_states
 
 
 def convert(src: Path, dst: Path, *, store_dtype: str, compression: Optional[str] = None) -> Manifest:

@@ -39,15 +39,15 @@ from tqdm import tqdm
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from data_tools.storage import StorageEstimate, sequence_tokens, storage_estimate
-from dspark.core.config import ConfigError, DataConfig, RunConfig, TargetConfig, load_config
+from dspark.config import ConfigError, DataConfig, RunConfig, TargetConfig, load_config
+from dspark.config.wandb_run import init_wandb
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import file_sha256, foreign_listing, text_sha256, unwritable_cause
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
-from dspark.core.shard_format import SPLITS, DatasetError, Manifest, scale_granularity_of, shard_name
-from dspark.core.shard_rows import encode_hidden_states
-from dspark.core.target import read_config, resolve_target
-from dspark.core.vllm_engine import generate, run_headless_workers
-from dspark.core.wandb_run import init_wandb
+from dspark.formats.shard_format import SPLITS, DatasetError, Manifest, scale_granularity_of, shard_name
+from dspark.formats.shard_rows import encode_hidden_states
+from dspark.serving.vllm_engine import generate, run_headless_workers
+from dspark.target import read_config, resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def engine_kwargs(
 
 
 def make_engine(kwargs: dict[str, Any], data: DataConfig):
-    from dspark.core.vllm_engine import make_llm
+    from dspark.serving.vllm_engine import make_llm
 
     return make_llm(
         kwargs,

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from dspark.core.config import TORCH_DTYPES, DataConfig, TargetConfig
+from dspark.config import TORCH_DTYPES, DataConfig, TargetConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Online training's producer: a vLLM engine answers the train prompts in order, from a cursor,
 and hands each finished sequence (prompt + answer + captured states) to the trainer through a
-bounded buffer in memory (:class:`dspark.core.stream.BoundedBuffer`) instead of Parquet shards.
+bounded buffer in memory (:class:`dspark.formats.stream.BoundedBuffer`) instead of Parquet shards.
 
 The capture path is offline extraction's: :func:`data_tools.extract.plan_requests` fits each
 prompt to the window and :func:`data_tools.extract.capture_rows` runs a batch through the engine
@@ -11,7 +11,7 @@ as they are read; nothing else is written.
 On one machine the engine is started in the trainer's process (vLLM runs the model in its own
 engine-core process) and a background thread feeds it, ``data.batch_size`` prompts per call.
 Across nodes (``data.online.trainer_addr``) this module is the producer's command; it sends to
-the trainer's rank 0 over torch.distributed (:class:`dspark.core.stream_link.StreamLink`):
+the trainer's rank 0 over torch.distributed (:class:`dspark.formats.stream_link.StreamLink`):
 
     python -m data_tools.online +experiment=NAME data.mode=online data.online.trainer_addr=HOST
 
@@ -37,12 +37,12 @@ from omegaconf import DictConfig
 
 from data_tools.extract import capture_rows, engine_kwargs, make_engine, plan_requests
 from data_tools.prompts import Conversation, dedupe_and_split, load_source
-from dspark.core.config import ConfigError, RunConfig, load_config
+from dspark.config import ConfigError, RunConfig, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
-from dspark.core.stream import BlockProducer, StreamClosed, StreamMeta
-from dspark.core.stream_remote import stream_to_trainer
-from dspark.core.target import read_config, resolve_target
-from dspark.core.vllm_engine import interrupt_generate, run_headless_workers
+from dspark.formats.stream import BlockProducer, StreamClosed, StreamMeta
+from dspark.formats.stream_remote import stream_to_trainer
+from dspark.serving.vllm_engine import interrupt_generate, run_headless_workers
+from dspark.target import read_config, resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def default_work_dir(cfg: RunConfig) -> Path:
 
 
 class VllmSource(BlockProducer):
-    """A :class:`~dspark.core.stream.SequenceSource` over a vLLM engine in this process: its
+    """A :class:`~dspark.formats.stream.SequenceSource` over a vLLM engine in this process: its
     producer thread answers ``data.batch_size`` prompts per engine call (this producer's blocks,
     ``data.online.producer_rank`` of ``data.online.producers``)."""
 

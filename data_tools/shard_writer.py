@@ -1,6 +1,6 @@
 """Shard files of one dataset directory: write a shard under a temporary name and rename it
 when complete, find the complete ones on resume, and record them in ``manifest.json``.
-Format: :mod:`dspark.core.shard_format`."""
+Format: :mod:`dspark.formats.shard_format`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 from filelock import FileLock
 
 from dspark.core.files import atomic_path, atomic_write_text, file_sha256, reporting_disk_full
-from dspark.core.shard_format import SCHEMA, Manifest, ShardInfo, shard_name
+from dspark.formats.shard_format import SCHEMA, Manifest, ShardInfo, shard_name
 
 DISK_FULL_TODO = (
     "free space there (or set data.shards_dir elsewhere) and rerun the same command: "

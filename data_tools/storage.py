@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from dspark.core.shard_format import bytes_per_token
+from dspark.formats.shard_format import bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args, overrides = ap.parse_known_args(argv)
     from hydra import compose, initialize_config_dir
 
-    from dspark.core.config import load_config
+    from dspark.config import load_config
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = load_config(compose(config_name="config", overrides=overrides))

@@ -5,7 +5,7 @@
 Integrity: each planned shard is present inside the dataset (not a link out of it), matches the
 size, sha256, rows and tokens its manifest entry (or sidecar) records, has the declared schema,
 every row has consistent lengths and byte counts, and no value is NaN/inf; the same check
-training makes (:func:`dspark.core.shard_rows.read_shard`).
+training makes (:func:`dspark.formats.shard_rows.read_shard`).
 Numerics: on ``--recompute`` sampled sequences, the target is rerun in transformers and the
 max relative error per captured layer (||stored - ref|| / ||ref|| per sequence) is printed;
 above ``--max-rel-err`` the command fails. fp8 shards are dequantized first, and their scales
@@ -28,7 +28,7 @@ import torch
 from dspark.core import derived, fp8
 from dspark.core.errors import exit_on_user_error
 from dspark.core.layer_ids import reference_hidden_states
-from dspark.core.shard_format import (
+from dspark.formats.shard_format import (
     MANIFEST,
     SPLITS,
     TOPK_NAME,
@@ -40,7 +40,7 @@ from dspark.core.shard_format import (
     stale_caches,
     topk_source,
 )
-from dspark.core.shard_rows import decode_hidden_states, read_shard
+from dspark.formats.shard_rows import decode_hidden_states, read_shard
 
 
 def read_sidecar(path: Path) -> ShardInfo:

@@ -38,7 +38,7 @@ from dspark.checkpoint_tags import (
     tag_bytes,
     tag_name,
 )
-from dspark.core.config import RunConfig
+from dspark.config import RunConfig
 from dspark.core.files import (
     DiskFullError,
     atomic_write_text,

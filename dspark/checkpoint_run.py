@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from dspark.checkpoint_tags import RUN_FILE, CheckpointError, latest_tag, read_run_config, tag_step
-from dspark.core.config import DSparkConfig, RunConfig
+from dspark.config import DSparkConfig, RunConfig
 from dspark.core.files import file_sha256
 
 

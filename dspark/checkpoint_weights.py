@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from dspark.checkpoint_tags import RUN_FILE, CheckpointError, model_states_file, read_run_config, resolve_tag
-from dspark.core.config import DSparkConfig
+from dspark.config import DSparkConfig
 from dspark.model import DrafterDims, trainable_parameter_shapes
 
 SHARED_FROM_TARGET = ("embed_tokens.", "lm_head.", "target_lm_head.", "target_norm.")

@@ -2,7 +2,7 @@
 and the device peaks that turn a step's FLOP/s into MFU.
 
 Pure arithmetic on the drafter's sizes (:class:`~dspark.model.DrafterDims`, :class:`DSparkConfig`;
-each drafter family counts its own layers, :meth:`dspark.core.families.base.DrafterFamily.layer_flops`)
+each drafter family counts its own layers, :meth:`dspark.families.base.DrafterFamily.layer_flops`)
 and the batch shape; no torch. A matmul [m, k] x [k, n] is 2mkn FLOPs (a multiply and an add),
 as ``torch.utils.flop_counter`` counts it; norms, RoPE, softmaxes, the loss's elementwise terms,
 gathers and embedding lookups are not counted (tests/dspark/test_flops.py checks the total
@@ -35,11 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from dspark.core.families import get_family
-from dspark.core.families.base import linear_flops as _linear
+from dspark.families import get_family
+from dspark.families.base import linear_flops as _linear
 
 if TYPE_CHECKING:
-    from dspark.core.config import DSparkConfig
+    from dspark.config import DSparkConfig
     from dspark.model import DrafterDims
 
 #: The parts of a step, in report order (keys of :attr:`StepFlops.parts`).

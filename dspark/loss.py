@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dspark.core.config import LossSettings
+from dspark.config import LossSettings
 from dspark.model import DraftOutput, DSparkDrafter
 
 CHUNK_ROWS = 1024

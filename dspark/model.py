@@ -6,7 +6,7 @@ mirrored here so training = serving):
 
 * context: the chosen target layers' states, concatenated per token, ``fc`` -> ``hidden_norm``;
   in every layer that layer's own projections turn it into extra keys/values (its drafter
-  family's layers, :mod:`dspark.core.families`: GQA ``k_proj``/``v_proj`` for Qwen3, the MLA latent
+  family's layers, :mod:`dspark.families`: GQA ``k_proj``/``v_proj`` for Qwen3, the MLA latent
   for K3), RoPE at the context position. Queries come only from the block.
 * block for an anchor at position a (the last verified token):
   ``sample_from_anchor=True``  inputs [x_a, m, ..., m] (gamma) at a..a+gamma-1; query i
@@ -37,9 +37,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dspark.core.config import ConfigError, DSparkConfig
-from dspark.core.families import DrafterDims, get_family
-from dspark.core.families.layers import RMSNorm
+from dspark.config import ConfigError, DSparkConfig
+from dspark.families import DrafterDims, get_family
+from dspark.families.layers import RMSNorm
 
 
 def resolve_dims(
@@ -47,7 +47,7 @@ def resolve_dims(
 ) -> DrafterDims:
     """Derive sizes left open in ``DSparkConfig`` from the target: width and head layout copy
     the target's when the drafter is as wide as the target (the usual DFlash/DSpark choice);
-    the family fills in its own sizes (:meth:`dspark.core.families.base.DrafterFamily.resolve_dims`)."""
+    the family fills in its own sizes (:meth:`dspark.families.base.DrafterFamily.resolve_dims`)."""
     t_hidden = int(target_config["hidden_size"])
     hidden = cfg.hidden_size or t_hidden
     if hidden == t_hidden and cfg.head_dim is None:
@@ -247,7 +247,7 @@ class DSparkDrafter(nn.Module):
     @torch.no_grad()
     def init_layers_from(self, layers: list[dict[str, torch.Tensor]]) -> None:
         """Copy target decoder layers into the drafter's (one per layer, names relative to the
-        layer as :func:`dspark.core.target.load_target_layer` gives them). Norms the target lacks
+        layer as :func:`dspark.target.load_target_layer` gives them). Norms the target lacks
         (Llama has no q/k norm) keep their identity init; a shape that differs is an error."""
         if len(layers) != len(self.layers):
             raise ValueError(f"{len(layers)} target layers for {len(self.layers)} drafter layers")
@@ -411,7 +411,7 @@ def unloaded_drafter(cfg: DSparkConfig, dims: DrafterDims, device: str = "meta")
 def trainable_parameter_shapes(cfg: DSparkConfig, dims: DrafterDims) -> dict[str, tuple[int, ...]]:
     """Every trainable tensor of the drafter and its shape, read off the model itself (built on
     the meta device, so nothing is allocated): the checkpoint's names (the served names through
-    the family's :meth:`~dspark.core.families.base.DrafterFamily.to_serving`), plus the draft
+    the family's :meth:`~dspark.families.base.DrafterFamily.to_serving`), plus the draft
     vocabulary's ``d2t`` map when the drafter has one (a buffer, kept with the weights)."""
     model = unloaded_drafter(cfg, dims)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}

@@ -22,17 +22,17 @@ import torch
 from omegaconf import DictConfig
 
 from dspark.checkpoint import Checkpointer, TrainState
-from dspark.core.config import TORCH_DTYPES, ConfigError, LossSettings, RunConfig, load_config
-from dspark.core.stream import SequenceSource
-from dspark.core.target import TargetHeads, load_target_layer
-from dspark.core.wandb_run import init_wandb
+from dspark.config import TORCH_DTYPES, ConfigError, LossSettings, RunConfig, load_config
+from dspark.config.wandb_run import init_wandb
 from dspark.data.batching import Batch
 from dspark.distributed import init_distributed
+from dspark.formats.stream import SequenceSource
 from dspark.loss import LossOutput, dspark_loss
 from dspark.model import DSparkDrafter, resolve_dims
 from dspark.optim import build_optimizer
 from dspark.precision import Autocast, resolve_autocast
 from dspark.recipe_data import attach_target_topk, data_mode
+from dspark.target import TargetHeads, load_target_layer
 from dspark.trainer import Trainer, TrainParts
 
 log = logging.getLogger(__name__)

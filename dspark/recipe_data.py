@@ -10,7 +10,7 @@ validation set; and feeds the trainer its micro-batches, from the resumed positi
   generated once and held in memory.
 
 :func:`dspark.recipe.build_trainer` looks the mode up here; ``RunConfig`` refuses any mode the
-table does not have (``data.mode``'s choices are :data:`dspark.core.config.DATA_MODES`).
+table does not have (``data.mode``'s choices are :data:`dspark.config.DATA_MODES`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from dspark.checkpoint import TrainState
-from dspark.core.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig
+from dspark.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig
 from dspark.core.files import file_sha256, text_sha256
-from dspark.core.shard_format import DatasetError
-from dspark.core.stream import SequenceSource, StreamMeta
-from dspark.core.target import TargetHeads
 from dspark.data.batching import RankBatches
 from dspark.data.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
 from dspark.data.online import (
@@ -40,7 +37,10 @@ from dspark.data.online import (
 )
 from dspark.data.shards import ShardDataset, ShardSequence, check_dataset, require_dataset
 from dspark.data.target_topk import SequenceTopK, TargetTopK, head_fingerprint, sequence_topk
+from dspark.formats.shard_format import DatasetError
+from dspark.formats.stream import SequenceSource, StreamMeta
 from dspark.model import DSparkDrafter
+from dspark.target import TargetHeads
 
 log = logging.getLogger(__name__)
 
@@ -304,4 +304,4 @@ MODES: dict[str, DataMode] = {
     "colocated": DataMode(check=require_shards, load=colocated_datasets, batches=rank_batches),
     "online": DataMode(check=check_online_ranks, load=online_data, batches=online_batches),
 }
-"""``data.mode`` -> how it trains: every one of :data:`dspark.core.config.DATA_MODES`, nothing else."""
+"""``data.mode`` -> how it trains: every one of :data:`dspark.config.DATA_MODES`, nothing else."""

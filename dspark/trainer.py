@@ -25,14 +25,14 @@ import torch
 from dspark.calibration import calibration_sums, expected_calibration_error
 from dspark.checkpoint import Checkpointer, TrainState
 from dspark.checkpoint_tags import tag_name
-from dspark.core.config import TORCH_DTYPES, LossSettings, RunConfig
-from dspark.core.stream import SequenceSource
+from dspark.config import TORCH_DTYPES, LossSettings, RunConfig
 from dspark.data.batching import Batch, DataPosition, collate
 from dspark.data.colocated import ColocatedDataset
 from dspark.data.online import OnlineBatches
 from dspark.data.shards import ShardSequence
 from dspark.data.target_topk import supervised_tokens
 from dspark.flops import StepFlops, TargetShape, peak_flops, step_flops
+from dspark.formats.stream import SequenceSource
 from dspark.loss import scalar_names
 from dspark.model import DSparkDrafter, sample_anchors
 from dspark.precision import Autocast

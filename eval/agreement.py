@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from dspark.core.config import ConfigError, RunConfig
+from dspark.config import ConfigError, RunConfig
 from dspark.core.files import read_json
 from eval.results import DrafterResult, outputs_equal
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from dspark.core.config import EvalConfig
+from dspark.config import EvalConfig
 from eval.acceptance import ACCEPT_PER_POS, TOKENS_PER_STEP
 from eval.intervals import STATS, ratio_interval
 from eval.results import Check, DrafterResult, EvalResults, speedup_row

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.core.config import RunConfig
+from dspark.config import RunConfig
 from dspark.core.errors import UserError
 from dspark.core.files import foreign_listing
 from eval.eval_set import EvalPrompt, eval_set_sha256, load_eval_set, save_eval_set

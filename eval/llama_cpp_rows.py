@@ -1,5 +1,5 @@
 """Acceptance and wall clock as llama.cpp serves them, on CPU: ``llama-server`` with the target's
-GGUF and one method of :data:`~dspark.core.serving_methods.LLAMA_CPP_METHODS` (none, its n-gram proposer,
+GGUF and one method of :data:`~dspark.serving.methods.LLAMA_CPP_METHODS` (none, its n-gram proposer,
 our drafter as ``draft-dspark`` with its Markov head, the Markov-off/fill-in export as
 ``draft-dflash``, the chain n-gram then dspark), the eval's prompts one at a time (batch size 1).
 
@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.core.llama_cpp.build import LlamaCpp
-from dspark.core.llama_cpp.server import (
+from dspark.serving.llama_cpp.build import LlamaCpp
+from dspark.serving.llama_cpp.server import (
     complete,
     counters_after,
     llama_server,
@@ -32,8 +32,8 @@ from dspark.core.llama_cpp.server import (
     server_spec,
     steps_problem,
 )
-from dspark.core.server_lifecycle import choose_port
-from dspark.core.serving_methods import LLAMA_CPP_PREFIX, LlamaCppMethod
+from dspark.serving.methods import LLAMA_CPP_PREFIX, LlamaCppMethod
+from dspark.serving.server_lifecycle import choose_port
 from eval.acceptance import AcceptanceCounts
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def llama_cpp_wanted(cfg: Any) -> bool:
     """``eval.llama_cpp``: auto = no GPU here (vLLM serves dspark there) and llama.cpp is built."""
     import torch
 
-    from dspark.core.llama_cpp.build import BUILT_MARKER, cache_dir
+    from dspark.serving.llama_cpp.build import BUILT_MARKER, cache_dir
 
     use = cfg.eval.llama_cpp
     if use == "never" or not cfg.eval.llama_cpp_methods:
@@ -163,7 +163,7 @@ def llama_cpp_wanted(cfg: Any) -> bool:
         return False
     if not (cache_dir() / BUILT_MARKER).is_file():  # built, if damaged: ensure_built builds it again
         log.info(
-            "llama.cpp is not built here: no llama.cpp rows (build it once: python -m dspark.core.llama_cpp build; "
+            "llama.cpp is not built here: no llama.cpp rows (build it once: python -m dspark.serving.llama_cpp build; "
             "or eval.llama_cpp=always)"
         )
         return False
@@ -172,8 +172,8 @@ def llama_cpp_wanted(cfg: Any) -> bool:
 
 def target_gguf_for(cfg: Any, tree: LlamaCpp, target_dir: Path) -> Path:
     """``eval.llama_cpp_target`` as a file (``auto``: :func:`dspark.export.gguf.target_gguf_type`)."""
-    from dspark.core.target import cache_root, embedded_gguf_path
     from dspark.export.gguf import target_gguf, target_gguf_type
+    from dspark.target import cache_root, embedded_gguf_path
 
     embedded = embedded_gguf_path() if cfg.target.source == "embedded_smollm2" else None
     kind = target_gguf_type(cfg.eval.llama_cpp_target, embedded)
@@ -184,9 +184,9 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
     """The rows of ``eval.llama_cpp_methods`` (our export; its Markov-off ablation as dspark),
     each one server over the eval set; a method already measured by a killed run is kept
     (``parts``). ``none`` is measured first: every row's speedup is over it, in this eval."""
-    from dspark.core.llama_cpp.build import ensure_built
-    from dspark.core.serving_methods import LLAMA_CPP_BY_NAME
     from dspark.export.gguf import check_pair, convert_export, export_problem
+    from dspark.serving.llama_cpp.build import ensure_built
+    from dspark.serving.methods import LLAMA_CPP_BY_NAME
     from eval.inputs import vllm_max_model_len
     from eval.results import DrafterResult
 

@@ -137,7 +137,7 @@ def _table(prompts: Sequence[EvalPrompt], bins: Sequence[int]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from dspark.core.config import EvalConfig
+    from dspark.config import EvalConfig
 
     defaults = EvalConfig()  # one home for the eval defaults: the config schema
     parser = argparse.ArgumentParser(description="Build AA-LCR-style eval prompts per context bin.")

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from dspark.calibration import NUM_BINS, calibration_sums, expected_calibration_error
-from dspark.core.config import EvalConfig
+from dspark.config import EvalConfig
 from eval.acceptance import AcceptanceCounts
 from eval.results import Calibration
 

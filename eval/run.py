@@ -22,12 +22,12 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from dspark.core.config import RunConfig, config_fingerprint, eval_fields, load_config
+from dspark.config import RunConfig, config_fingerprint, eval_fields, load_config
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import atomic_write_json, holding
-from dspark.core.serving_methods import export_method
 from dspark.export import ExportSummary
 from dspark.export.stage import ExportRecord, read_exports, run_export
+from dspark.serving.methods import export_method
 from eval.acceptance import AcceptanceCounts
 from eval.agreement import greedy_outputs_equal, llama_cpp_parity
 from eval.checks import quality_checks
@@ -322,7 +322,7 @@ def _up_to_date(out_dir: Path, fp: str) -> Optional[EvalOutcome]:
 
 
 def _wandb(cfg: RunConfig, out_dir: Path):  # noqa: ANN202
-    from dspark.core.wandb_run import init_wandb
+    from dspark.config.wandb_run import init_wandb
 
     return init_wandb(cfg, out_dir, job_type="eval")
 
@@ -330,8 +330,8 @@ def _wandb(cfg: RunConfig, out_dir: Path):  # noqa: ANN202
 def main() -> None:
     import hydra
 
-    import dspark.core.config  # noqa: F401
-    from dspark.core.target import prepare_target
+    import dspark.config  # noqa: F401
+    from dspark.target import prepare_target
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(raw: DictConfig) -> None:

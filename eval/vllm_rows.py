@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.core.config import EvalConfig, ExtractEngineConfig, TargetConfig
+from dspark.config import EvalConfig, ExtractEngineConfig, TargetConfig
 from dspark.core.files import atomic_write_json
-from dspark.core.serving_methods import BY_NAME, SPECULATIVE, speculative_config
-from dspark.core.vllm_engine import generate, make_llm
+from dspark.serving.methods import BY_NAME, SPECULATIVE, speculative_config
+from dspark.serving.vllm_engine import generate, make_llm
 from eval.acceptance import AcceptanceCounts
 
 log = logging.getLogger(__name__)
@@ -325,7 +325,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         engine_kwargs=dict(a.engine_kwargs),
     )
     if a.headless:
-        from dspark.core.vllm_engine import run_headless_workers
+        from dspark.serving.vllm_engine import run_headless_workers
 
         run_headless_workers(spec.llm_kwargs())
         return 0

@@ -96,7 +96,7 @@ read -r CKPT EVAL_DIR < <("$PY" - "${preset[@]}" "$@" <<'EOF'
 import sys
 from hydra import compose, initialize_config_dir
 from pathlib import Path
-from dspark.core.config import load_config
+from dspark.config import load_config
 with initialize_config_dir(config_dir=str(Path("conf").resolve()), version_base="1.3"):
     cfg = load_config(compose(config_name="config", overrides=sys.argv[1:]))
 print(Path(cfg.train.checkpoint_dir).expanduser(), Path(cfg.eval.out_dir).expanduser())

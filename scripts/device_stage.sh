@@ -168,8 +168,8 @@ last=$(find "$STAGE" -maxdepth 1 -name 'call*' | sort -V | tail -1)
 read -r target bins per_bin new gamma < <("$PY" - <<'PYEOF'
 from hydra import compose, initialize_config_dir
 from pathlib import Path
-from dspark.core.config import load_config
-from dspark.core.target import resolve_target
+from dspark.config import load_config
+from dspark.target import resolve_target
 with initialize_config_dir(config_dir=str(Path("conf").resolve()), version_base="1.3"):
     cfg = load_config(compose(config_name="config", overrides=["+experiment=smollm2_gpu"]))
 e = cfg.eval

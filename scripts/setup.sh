@@ -5,7 +5,7 @@
 #
 # Env: DSPARK_VENV (default .venv), PYTHON (default python3), DSPARK_LLAMA_CPP (default 1 on cpu,
 # 0 on gpu): build llama.cpp's llama-server once into ~/.cache/dspark/llama.cpp (about 8 min on
-# 2 cores; dspark.core.llama_cpp), the engine that serves the drafter on CPU.
+# 2 cores; dspark.serving.llama_cpp), the engine that serves the drafter on CPU.
 # A second run with unchanged pyproject.toml/setup.sh is a no-op (stamp file in the venv; the
 # llama.cpp build is cached apart and checked each time).
 set -euo pipefail
@@ -27,7 +27,7 @@ key="$flavor $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 stamp="$venv/.dspark-setup"
 llama_cpp=${DSPARK_LLAMA_CPP:-$([ "$flavor" = cpu ] && echo 1 || echo 0)}
 build_llama_cpp() {
-  if [ "$llama_cpp" = 1 ]; then "$venv/bin/python" -m dspark.core.llama_cpp build; fi
+  if [ "$llama_cpp" = 1 ]; then "$venv/bin/python" -m dspark.serving.llama_cpp build; fi
 }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
   echo "setup.sh: $venv is up to date ($flavor)"

@@ -21,7 +21,7 @@
 #   -h, --help       this text
 #
 # Before anything is submitted (a dry run too), every stage's config is composed and checked
-# (python -m dspark.core.compose): a misspelt experiment or key, or a value out of range, ends
+# (python -m dspark.config.compose): a misspelt experiment or key, or a value out of range, ends
 # this script with Hydra's or the check's error and exit status 2, not a job failing after the
 # queue wait.
 #
@@ -74,7 +74,7 @@ python=${PYTHON:-.venv/bin/python}
 command -v "$python" >/dev/null 2>&1 \
   || die "PYTHON=$python is not an executable in $PWD; expected the project's virtualenv interpreter" \
     "(.venv/bin/python, made by 'bash scripts/setup.sh gpu') or an absolute path to one"
-"$python" -m dspark.core.compose --stages "$stages" -- +experiment="$EXPERIMENT" "${overrides[@]}" >/dev/null \
+"$python" -m dspark.config.compose --stages "$stages" -- +experiment="$EXPERIMENT" "${overrides[@]}" >/dev/null \
   || die "+experiment=$EXPERIMENT ${overrides[*]}: the config does not compose (above), nothing submitted;" \
     "check it with: $python train.py +experiment=$EXPERIMENT ${overrides[*]} --cfg job"
 logs=${DSPARK_OUTPUT_DIR:-outputs}/slurm

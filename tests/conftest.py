@@ -30,8 +30,8 @@ def need_speculators():
 def smollm2_dir() -> Path:
     """The embedded target converted to a transformers dir (in the user cache, so converted
     once per machine, not once per test run)."""
-    from dspark.core.config import TargetConfig
-    from dspark.core.target import resolve_target
+    from dspark.config import TargetConfig
+    from dspark.target import resolve_target
 
     return resolve_target(TargetConfig()).path
 
@@ -48,7 +48,7 @@ def tiny_qwen3_dir(smollm2_dir) -> Path:
     from filelock import FileLock
 
     from dspark.core.files import atomic_path
-    from dspark.core.target import cache_root
+    from dspark.target import cache_root
     from tests.toy import TINY_QWEN3, TOKENIZER_FILES, save_target, tiny_qwen3_target
 
     recipe = json.dumps({"config": TINY_QWEN3, "seed": TINY_QWEN3_SEED, "tokenizer": TOKENIZER_FILES}, sort_keys=True)
@@ -85,8 +85,8 @@ def tiny_trained_drafter(tmp_path_factory, tiny_target_and_shards) -> tuple[Path
     (``tests.toy.overrides(..., "train.max_steps=2", "train.save_every=2")``, one checkpoint,
     step00000002) on :func:`tiny_target_and_shards`, once per session. Read-only: a test that writes
     into the checkpoint copies the directory first."""
-    from dspark.core.config import load_config
-    from dspark.core.target import load_target_heads
+    from dspark.config import load_config
+    from dspark.target import load_target_heads
     from tests.toy import overrides, train_drafter
 
     target, data = tiny_target_and_shards
@@ -107,7 +107,7 @@ def compose_raw(*overrides: str):
 @pytest.fixture
 def compose_config():
     """The typed, validated RunConfig that `python train.py OVERRIDES...` hands to its stages."""
-    from dspark.core.config import load_config
+    from dspark.config import load_config
 
     return lambda *overrides: load_config(compose_raw(*overrides))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.core.config import ConfigError, load_config
+from dspark.config import ConfigError, load_config
 from dspark.core.errors import UserError, check_composition, closest_key
 from tests.conftest import compose_raw
 

@@ -13,7 +13,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from dspark.core.config import (
+from dspark.config import (
     _TAG_NAMES,
     _TAG_SPELLED,
     ConfigError,
@@ -142,7 +142,7 @@ def test_kimi_k3_preset():
 
 
 def test_family_presets_set_what_their_run_names_take_as_given():
-    from dspark.core.families import FAMILIES
+    from dspark.families import FAMILIES
 
     for family, fam in FAMILIES.items():
         preset = REPO / "conf" / "drafter" / f"{family}.yaml"
@@ -317,7 +317,7 @@ def test_keys_the_schema_lacks_are_refused_naming_them(compose_config):
     """Issue #37: ``+train.lrr=1`` (what Hydra's own error suggests typing) and ``+foo=1`` were
     accepted and ignored; ``+drafter.foo=1`` failed on eval.export_dir. A dict-typed field still
     takes any key."""
-    from dspark.core.config import ConfigError, load_config
+    from dspark.config import ConfigError, load_config
     from tests.conftest import compose_raw
 
     for extra, message in (
@@ -348,7 +348,7 @@ def test_every_config_error_exits_2_hydras_own_too(tmp_path):
 
 
 def test_generic_target_reads_name_shape_and_layers_from_its_checkpoint(tiny_qwen3_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="dspark.core.config"):
+    with caplog.at_level(logging.INFO, logger="dspark.config"):
         cfg = _load("+experiment=smollm2_cpu_smoke", "target=hf", f"target.path={tiny_qwen3_dir}")
     name = tiny_qwen3_dir.name  # tiny-qwen3-<hash>: already a slug
     t = cfg.target
@@ -371,7 +371,7 @@ def test_generic_target_reads_name_shape_and_layers_from_its_checkpoint(tiny_qwe
 
 
 def test_generic_target_keeps_what_is_given(tiny_qwen3_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="dspark.core.config"):
+    with caplog.at_level(logging.INFO, logger="dspark.config"):
         cfg = _load("target=hf", f"target.path={tiny_qwen3_dir}", "target.name=mine", "target.layer_ids=[2,5]")
     assert (cfg.target.name, cfg.target.layer_ids, cfg.target.hidden_size) == ("mine", [2, 5], 64)
     assert cfg.data.shards_dir.endswith("/data/mine")
@@ -428,7 +428,7 @@ def test_target_name_from_path(path, name):
 
 
 def test_missing_k3_checkpoint_is_reported_with_its_path():
-    from dspark.core.target import TargetError, resolve_target
+    from dspark.target import TargetError, resolve_target
 
     cfg = _load("+experiment=kimi_k3_gb300", "paths.models_dir=/nonexistent")
     with pytest.raises(TargetError, match="/nonexistent/moonshotai/Kimi-K3: target.path is not a directory"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.core.shard_format import Manifest
+from dspark.formats.shard_format import Manifest
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = "markov16-L1-i256"  # the smoke experiment's tiny drafter

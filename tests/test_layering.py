@@ -1,14 +1,20 @@
 """The import rule, for every module of the project (docs/architecture.md):
 
-    dspark.core  ->  data_tools (stage 1) | dspark (stage 2)  ->  eval (stage 3)  ->  train.py
+    dspark's lower wings  ->  data_tools (stage 1) | dspark (stage 2)  ->  eval (stage 3)  ->  train.py
 
-Stage 2 has two wings: dspark.data (what the trainer reads) stands on the core alone; dspark.export
-(checkpoint -> the served formats) reads the rest of stage 2.
+The lower wings are subpackages of dspark/ that every stage may use, on floors, each importing
+only the floors below it:
 
-Each layer imports only the layers left of it (and itself); nothing imports train.py; there is no
-import cycle between modules, counting imports inside functions too. DeepSpeed stays out of the
-core, extraction and eval; outside extraction (which runs inside vLLM) vLLM is imported only in
-the functions that start an engine, never at module level.
+    dspark.core (errors, files, waits, ...)  ->  dspark.serving  ->  dspark.families  ->  dspark.config
+        ->  dspark.formats | dspark.target
+
+Stage 2 has two wings of its own: dspark.data (what the trainer reads) stands on the lower wings
+alone; dspark.export (checkpoint -> the served formats) reads the rest of stage 2.
+
+Each layer imports only the layers it is allowed (below it, and itself); nothing imports train.py;
+there is no import cycle between modules, counting imports inside functions too. DeepSpeed stays
+out of the lower wings, extraction and eval; outside extraction (which runs inside vLLM) vLLM is
+imported only in the functions that start an engine, never at module level.
 """
 
 from __future__ import annotations
@@ -21,17 +27,29 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("dspark", "data_tools", "eval")
 
+FLOORS = (("core",), ("serving",), ("families",), ("config",), ("formats", "target"))
+"""dspark's lower wings (``dspark/<wing>/``), bottom up; a wing imports the floors below its own.
+Two wings on one floor import neither each other."""
+WINGS = tuple(w for floor in FLOORS for w in floor)
+LOWER = set(WINGS)
+
+
+def _below(wing: str) -> set[str]:
+    floor = next(i for i, f in enumerate(FLOORS) if wing in f)
+    return {w for f in FLOORS[:floor] for w in f} | {wing}
+
+
 LAYERS = {  # layer -> the layers it may import
-    "core": {"core"},
-    "data_tools": {"core", "data_tools"},
-    "data": {"core", "data"},  # dspark/data/: stage 2's data wing
-    "dspark": {"core", "data", "dspark", "export"},  # recipe's train.init_from reads an export
-    "export": {"core", "data", "dspark", "export"},  # dspark/export/: stage 2's export wing
-    "eval": {"core", "data", "dspark", "export", "eval"},
-    "entry": {"core", "data_tools", "data", "dspark", "export", "eval"},
+    **{wing: _below(wing) for wing in WINGS},
+    "data_tools": LOWER | {"data_tools"},
+    "data": LOWER | {"data"},  # dspark/data/: stage 2's data wing
+    "dspark": LOWER | {"data", "dspark", "export"},  # recipe's train.init_from reads an export
+    "export": LOWER | {"data", "dspark", "export"},  # dspark/export/: stage 2's export wing
+    "eval": LOWER | {"data", "dspark", "export", "eval"},
+    "entry": LOWER | {"data_tools", "data", "dspark", "export", "eval"},
 }
 NEVER = {  # layer -> third-party packages it must not import anywhere
-    "core": {"deepspeed"},
+    **{wing: {"deepspeed"} for wing in WINGS},
     "data_tools": {"deepspeed"},
     "eval": {"deepspeed"},
 }
@@ -40,10 +58,10 @@ NEVER = {  # layer -> third-party packages it must not import anywhere
 def layer_of(module: str) -> str:
     if module == "train":
         return "entry"
-    for package, layer in (("dspark.core", "core"), ("dspark.data", "data"), ("dspark.export", "export")):
-        if module == package or module.startswith(package + "."):
-            return layer
-    return module.split(".")[0]
+    parts = module.split(".")
+    if parts[0] == "dspark" and len(parts) > 1 and parts[1] in LAYERS and parts[1] not in ("dspark", "entry"):
+        return parts[1]  # dspark/<wing>/: a lower wing, or stage 2's data or export wing
+    return parts[0]
 
 
 def project_modules() -> dict[str, Path]:
@@ -87,29 +105,50 @@ MODULES = project_modules()
 GRAPH = {m: imports_of(p, MODULES) for m, p in MODULES.items()}
 
 
-def test_the_tree_has_the_three_stages_and_the_core():
+def test_the_tree_has_the_three_stages_and_the_wings():
     layers = {layer_of(m) for m in MODULES}
     assert layers == set(LAYERS), layers
     assert len(MODULES) > 30  # every module is checked, not a hand-picked few
 
 
-def test_the_core_is_imported_without_stage_2():
-    """dspark/core stays under dspark/ (docs/architecture.md says why): that holds while
-    importing ``dspark.core.*`` runs nothing of stage 2, i.e. ``dspark/__init__.py`` imports
-    nothing."""
+def test_the_lower_wings_import_one_way():
+    """The table itself: below each lower wing only lower floors, so no two wings may import each
+    other, and stage 1 is allowed no layer of stage 2 (data_tools never imports the trainer, model,
+    export or recipe)."""
+    for a in LAYERS:
+        for b in LAYERS[a] - {a}:
+            if {a, b} != {"dspark", "export"}:  # stage 2's top and its export wing: one way module by module
+                assert a not in LAYERS[b], f"{a} and {b} may import each other"
+    assert LAYERS["data_tools"] & {"data", "dspark", "export", "eval"} == set()
+
+
+def test_each_lower_wing_is_imported_without_what_is_above_it():
+    """The wings stay under dspark/ (docs/architecture.md says why): that holds while importing
+    ``dspark.<wing>.*`` runs nothing of stage 2, i.e. ``dspark/__init__.py`` imports nothing. In one
+    process, bottom up: importing each wing's modules loads no module of a layer that wing may not
+    import (what the layers below it loaded already is not counted again)."""
     import subprocess
     import sys
 
     tree = ast.parse((REPO / "dspark" / "__init__.py").read_text())
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
-    core = sorted(m for m in MODULES if layer_of(m) == "core")
-    code = f"import sys\nfor m in {core!r}: __import__(m)\n" + (
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dspark', 'data_tools', 'eval') "
-        "and not m.startswith('dspark.core') and m != 'dspark'))"
+    wings = {w: sorted(m for m in MODULES if layer_of(m) == w and not m.endswith(".__main__")) for w in WINGS}
+    code = (
+        "import sys\n"
+        "def ours():\n"
+        "    return {m for m in sys.modules if m.split('.')[0] in ('dspark', 'data_tools', 'eval') and m != 'dspark'}\n"
+        f"for wing, mods in {wings!r}.items():\n"
+        "    before = ours()\n"
+        "    for m in mods: __import__(m)\n"
+        "    print(wing, sorted(ours() - before))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"  # every core module loaded, nothing of a stage
+    loaded = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    assert sorted(loaded) == sorted(WINGS), out.stdout
+    for wing, mods in loaded.items():
+        wrong = [m for m in ast.literal_eval(mods) if layer_of(m) not in LAYERS[wing]]
+        assert not wrong, f"importing dspark.{wing} loaded {wrong}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -158,9 +197,17 @@ def test_no_import_cycles():
 
 
 def test_the_rule_catches_a_violation(tmp_path):
-    """The checker itself: an eval-style import inside a core module is reported."""
+    """The checker itself: an eval-style import inside a core module is reported, and so is a lower
+    wing reaching up a floor (the config reading the shard format) or across its own."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from eval.run import run_eval\n    import deepspeed\n")
+    bad.write_text(
+        "def f():\n    from eval.run import run_eval\n    import deepspeed\n"
+        "    from dspark.formats.shard_format import Manifest\n"
+    )
     ours, third, _ = imports_of(bad, MODULES)
-    assert ours == {"eval.run"} and "deepspeed" in third
+    assert ours == {"eval.run", "dspark.formats.shard_format"} and "deepspeed" in third
     assert layer_of("eval.run") not in LAYERS["core"]
+    assert layer_of("dspark.formats.shard_format") == "formats"
+    assert "formats" not in LAYERS["config"] and "target" not in LAYERS["formats"]
+    assert layer_of("dspark.config.run") == "config" and "config" not in LAYERS["serving"]
+    assert layer_of("dspark.model") == "dspark" and "dspark" not in LAYERS["data_tools"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.core.shard_format import Manifest
+from dspark.formats.shard_format import Manifest
 from train import run
 
 REPO = Path(__file__).resolve().parents[1]

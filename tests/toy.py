@@ -7,15 +7,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dspark.core.shard_format import Manifest, scale_granularity_of
+from dspark.formats.shard_format import Manifest, scale_granularity_of
 
 if TYPE_CHECKING:  # the heavy imports stay inside the builders: most tests need none of them
     import torch
     from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
-    from dspark.core.config import DSparkConfig, RunConfig
-    from dspark.core.target import TargetHeads
+    from dspark.config import DSparkConfig, RunConfig
     from dspark.model import DSparkDrafter
+    from dspark.target import TargetHeads
     from dspark.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,7 +173,7 @@ def save_target(model, path: Path, tokenizer_from: Path | None = None, **save_kw
 
 def tiny_drafter_config(**fields: Any) -> DSparkConfig:
     """A DSparkConfig: :data:`TINY_DRAFTER` with ``fields`` replaced."""
-    from dspark.core.config import DSparkConfig
+    from dspark.config import DSparkConfig
 
     return DSparkConfig(**{**TINY_DRAFTER, **fields})
 
@@ -330,7 +330,7 @@ def build_tiny_k3_target(root: Path, like: Path) -> Path:
 
     from safetensors.torch import save_file
 
-    from dspark.core.target import load_target_heads
+    from dspark.target import load_target_heads
 
     heads = load_target_heads(like)
     root.mkdir(parents=True, exist_ok=True)
@@ -404,8 +404,8 @@ def train_drafter(cfg: RunConfig, heads: TargetHeads) -> Any:
 def make_trainer(compose_config: Any, tiny: tuple[Path, Path], out: Path, *extra: str) -> Trainer:
     """The trainer of a run on ``tiny`` (the ``tiny`` fixture's target and shards: :func:`overrides`
     into ``out``, then ``extra``), built in this process; ``compose_config``: the fixture."""
-    from dspark.core.target import load_target_heads
     from dspark.recipe import build_trainer
+    from dspark.target import load_target_heads
 
     target, data = tiny
     return build_trainer(compose_config(*overrides(target, data, out, *extra)), load_target_heads(target))

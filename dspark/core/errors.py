@@ -115,7 +115,7 @@ def task_started() -> None:
 
 def check_path_env() -> None:
     """Refuse a ``DSPARK_*`` directory variable that is set but empty, the filesystem root, or holds
-    a control character (:func:`dspark.core.config.logging_paths.path_env_problem`): one line,
+    a control character (:func:`dspark.core.path_env.path_env_problem`): one line,
     before anything is created under it."""
     problem = path_env_problem()
     if problem:

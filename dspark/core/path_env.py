@@ -1,6 +1,6 @@
 """The environment variables that place the project's directories (``paths.*``), checked before
-anything is created under them. No project import: the config schema and the error handling of
-every command both read it."""
+anything is created under them. No project import: the config schema, the error handling of
+every command and the caches of the serving and target wings read it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 from typing import Optional
 
 PATH_ENV = ("DSPARK_OUTPUT_DIR", "DSPARK_CACHE", "DSPARK_MODELS_DIR")
-"""Environment variables that place the project's directories (``dspark.core.config.PathsConfig``)."""
+"""Environment variables that place the project's directories (``dspark.config.PathsConfig``)."""
 
 
 def path_env_problem(environ: Optional[dict[str, str]] = None) -> Optional[str]:
@@ -31,3 +31,9 @@ def path_env_problem(environ: Optional[dict[str, str]] = None) -> Optional[str]:
         if any(ord(c) < 32 for c in value):
             return f"{name}={value!r}: a control character in a path; set it to a plain directory name"
     return None
+
+
+def default_cache_dir() -> str:
+    """``$DSPARK_CACHE`` or ``~/.cache/dspark``: converted targets, compiled ops."""
+    value = os.environ.get("DSPARK_CACHE")
+    return value if value and value.strip() else "~/.cache/dspark"

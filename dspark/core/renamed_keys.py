@@ -1,6 +1,6 @@
 """Config keys that moved, the old key -> the new one: an old key on a command line or in a config
 is refused with one line naming the new one (:func:`dspark.core.errors.renamed_key_message`), read
-by both the composition check and :func:`dspark.core.config.load_config`."""
+by both the composition check and :func:`dspark.config.load_config`."""
 
 RENAMED_KEYS = {
     # issue #59: export became a stage of its own, with its own group

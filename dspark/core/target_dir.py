@@ -1,8 +1,8 @@
 """A target directory's ``config.json``: which architecture it is, where that architecture keeps
 the tensors the drafter shares, and the text model's fields (hidden size, layer count...).
 
-Both the config loader (:func:`dspark.core.config.load_config` reads the values a generic target
-leaves open) and the target loader (:mod:`dspark.core.target`) use it, so it imports neither.
+Both the config loader (:func:`dspark.config.load_config` reads the values a generic target
+leaves open) and the target loader (:mod:`dspark.target`) use it, so it imports neither.
 """
 
 from __future__ import annotations

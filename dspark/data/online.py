@@ -39,11 +39,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from dspark.core.files import atomic_write_text
-from dspark.core.shard_format import DatasetError
-from dspark.core.stream import SequenceSource, StreamItem, StreamMeta
 from dspark.data.batching import Batch, DataPosition, collate
 from dspark.data.shards import ShardSequence, decode_states
 from dspark.data.target_topk import SequenceTopK
+from dspark.formats.shard_format import DatasetError
+from dspark.formats.stream import SequenceSource, StreamItem, StreamMeta
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Reader for the hidden-state shards that ``data_tools.extract`` writes (format in
-``dspark.core.shard_format``).
+``dspark.formats.shard_format``).
 
 Parquet is the storage format; for training each shard is converted once into an uncompressed
 Arrow IPC file (``<dataset>/.arrow_cache/``) that is memory-mapped, so a random sequence is a
@@ -21,9 +21,17 @@ import pyarrow as pa
 import torch
 
 from dspark.core import derived, fp8
-from dspark.core.shard_format import MANIFEST, SCHEMA, DatasetError, Manifest, ShardInfo, arrow_cache_source, cache_path
-from dspark.core.shard_rows import decode_hidden_states, read_shard, split_scaled
 from dspark.data.target_topk import SequenceTopK
+from dspark.formats.shard_format import (
+    MANIFEST,
+    SCHEMA,
+    DatasetError,
+    Manifest,
+    ShardInfo,
+    arrow_cache_source,
+    cache_path,
+)
+from dspark.formats.shard_rows import decode_hidden_states, read_shard, split_scaled
 
 
 @dataclass
@@ -138,7 +146,7 @@ class ShardDataset:
             ) from e
 
     def _read_shard(self, info: ShardInfo) -> pa.Table:
-        """One Parquet shard, checked by :func:`~dspark.core.shard_rows.read_shard` (the check
+        """One Parquet shard, checked by :func:`~dspark.formats.shard_rows.read_shard` (the check
         ``data_tools.verify`` makes); any problem is a :class:`DatasetError` that says how to check
         the dataset and rebuild the shard."""
         table, problem, bad_rows = read_shard(self.directory, info, self.manifest)

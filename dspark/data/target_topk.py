@@ -26,9 +26,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from dspark.config import SUPERVISE
 from dspark.core import derived, fp8
-from dspark.core.config import SUPERVISE
-from dspark.core.shard_format import ShardInfo, topk_source
+from dspark.formats.shard_format import ShardInfo, topk_source
 
 log = logging.getLogger(__name__)
 

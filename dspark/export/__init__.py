@@ -22,10 +22,8 @@ from safetensors.torch import save_file
 
 from dspark.checkpoint_tags import latest_tag
 from dspark.checkpoint_weights import TrainingCheckpoint, load_training_checkpoint
-from dspark.core.config import TORCH_DTYPES, TargetConfig
+from dspark.config import TORCH_DTYPES, TargetConfig
 from dspark.core.errors import exit_on_user_error
-from dspark.core.families import DEFAULT_FAMILY, get_family
-from dspark.core.families.base import serves_zero_markov_head
 from dspark.core.files import (
     atomic_path,
     default_file_mode,
@@ -35,8 +33,6 @@ from dspark.core.files import (
     reporting_disk_full,
 )
 from dspark.core.layer_ids import CONVENTION
-from dspark.core.layouts import layout_named
-from dspark.core.serving_methods import BY_LAYOUT, LAYOUTS
 from dspark.core.target_dir import read_text_config
 from dspark.export.gguf import GGUF_TYPES
 from dspark.export.vllm_format import (
@@ -51,6 +47,10 @@ from dspark.export.vllm_format import (
     reduces_vocab,
     serving_weights,
 )
+from dspark.families import DEFAULT_FAMILY, get_family
+from dspark.families.base import serves_zero_markov_head
+from dspark.serving.layouts import layout_named
+from dspark.serving.methods import BY_LAYOUT, LAYOUTS
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class ExportSummary:
 
 def _target_config(ckpt: TrainingCheckpoint, target_dir: Optional[Path]) -> tuple[dict[str, Any], Path]:
     if target_dir is None:
-        from dspark.core.target import cache_root, resolve_target
+        from dspark.target import cache_root, resolve_target
 
         spec = TargetConfig(**ckpt.run_config["target"])
         cache = Path(ckpt.run_config.get("paths", {}).get("cache_dir") or cache_root()).expanduser()
@@ -120,7 +120,7 @@ def _target_lm_head(ckpt: TrainingCheckpoint, target_dir: Path) -> Optional[Any]
     """The target's LM head [V, H] when the drafter's reduced vocabulary exports its own rows of it."""
     if not reduces_vocab(ckpt.drafter, ckpt.dims):
         return None
-    from dspark.core.target import load_target_heads
+    from dspark.target import load_target_heads
 
     head = load_target_heads(target_dir).lm_head
     if tuple(head.shape) != (ckpt.dims.vocab_size, ckpt.dims.hidden_size):
@@ -294,7 +294,7 @@ def _export_gguf(args: argparse.Namespace) -> None:
     ckpt_target = TargetConfig(**load_training_checkpoint(args.checkpoint).run_config["target"])
     embedded = None
     if ckpt_target.source == "embedded_smollm2":
-        from dspark.core.target import embedded_gguf_path
+        from dspark.target import embedded_gguf_path
 
         embedded = embedded_gguf_path()
     draft, check = export_gguf(

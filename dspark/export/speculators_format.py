@@ -39,12 +39,12 @@ from typing import Any, Optional
 from safetensors.torch import load_file
 
 from dspark.checkpoint_weights import check_weights
-from dspark.core.config import DSparkConfig
-from dspark.core.families import DEFAULT_FAMILY, DrafterDims, get_family, speculators_families
-from dspark.core.families.base import served_window
+from dspark.config import DSparkConfig
 from dspark.core.files import atomic_path, read_json, remove_stale_temporaries, replace_problem
-from dspark.core.shard_format import layer_ids_problem
 from dspark.export.vllm_format import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, ExportedDrafter, ExportError
+from dspark.families import DEFAULT_FAMILY, DrafterDims, get_family, speculators_families
+from dspark.families.base import served_window
+from dspark.formats.shard_format import layer_ids_problem
 
 SPECULATORS_VERSION = "0.9.0"
 """The speculators release whose format this writes (and whose loader the tests run, when installed)."""

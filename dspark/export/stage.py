@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from dspark.checkpoint_tags import checkpoint_model_file, latest_tag
 from dspark.checkpoint_weights import TrainingCheckpoint, load_training_checkpoint
-from dspark.core.config import RunConfig, config_fingerprint
+from dspark.config import RunConfig, config_fingerprint
 from dspark.core.errors import UserError
 from dspark.core.files import atomic_write_json, holding, read_json
 from dspark.core.waits import WaitTimedOut

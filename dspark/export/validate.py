@@ -24,13 +24,13 @@ from typing import Any, Optional
 
 import torch
 
-from dspark.core.families import get_family
 from dspark.core.files import free_port
-from dspark.core.layouts import ANCHOR_FIELD, layout_named
-from dspark.core.serving_methods import BY_LAYOUT
 from dspark.core.target_dir import read_text_config
 from dspark.export.speculators_format import read_drafter_dir, verifier_dir
 from dspark.export.vllm_format import ExportError
+from dspark.families import get_family
+from dspark.serving.layouts import ANCHOR_FIELD, layout_named
+from dspark.serving.methods import BY_LAYOUT
 
 SHARED_IN_VLLM = ("model.embed_tokens.", "lm_head.", "model.mask_embedding", "draft_id_to_target_id")
 

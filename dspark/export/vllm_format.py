@@ -1,6 +1,6 @@
 """The serving format: the directory vLLM loads as a draft model, declared once.
 
-The layout (below) is the vLLM method; the drafter family (:mod:`dspark.core.families`) says which
+The layout (below) is the vLLM method; the drafter family (:mod:`dspark.families`) says which
 vLLM class serves it (``architectures[0]``), the config.json that class reads and the names
 its loader reads. For the default family, ``qwen3``:
 
@@ -39,21 +39,21 @@ from safetensors.torch import load_file
 
 from dspark.checkpoint_tags import CheckpointError
 from dspark.checkpoint_weights import DRAFT_MAP, SHARED_FROM_TARGET, TrainingCheckpoint, check_weights
-from dspark.core.config import DSparkConfig
-from dspark.core.families import family_of_architecture, get_family, served_architectures
-from dspark.core.families.base import (
+from dspark.config import DSparkConfig
+from dspark.core.files import read_json
+from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
+from dspark.data.draft_vocab import target_ids
+from dspark.families import family_of_architecture, get_family, served_architectures
+from dspark.families.base import (
     confidence_zero_columns,
     missing_served_fields,
     served_window,
     without_zero_markov_head,
     zero_markov_head,
 )
-from dspark.core.files import read_json
-from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
-from dspark.core.layouts import layout_named
-from dspark.core.serving_methods import LAYOUTS
-from dspark.data.draft_vocab import target_ids
 from dspark.model import DrafterDims
+from dspark.serving.layouts import layout_named
+from dspark.serving.methods import LAYOUTS
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from typing import Any, Optional
 
 from matplotlib.figure import Figure
 
-from dspark.core.config import RunConfig
+from dspark.config import RunConfig
+from dspark.config.wandb_run import init_wandb
 from dspark.core.files import atomic_write_json, atomic_write_text
-from dspark.core.serving_methods import BENCH_CONFIGS, LLAMA_CPP_PREFIX
-from dspark.core.wandb_run import init_wandb
+from dspark.serving.methods import BENCH_CONFIGS, LLAMA_CPP_PREFIX
 from eval.acceptance import ACCEPTANCE_METRICS, TAU, TOKENS_PER_STEP
 from eval.report import fmt, metric_text
 from eval.results import nan_to_none

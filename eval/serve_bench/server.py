@@ -1,6 +1,6 @@
 """A vLLM OpenAI server for the serving benchmark: its command line with the eval's engine
 arguments, and the peak memory of its process tree while it serves. Its life (a free port,
-healthy within a bound, always stopped with its whole tree) is :mod:`dspark.core.server_lifecycle`', which
+healthy within a bound, always stopped with its whole tree) is :mod:`dspark.serving.server_lifecycle`', which
 llama.cpp's server shares; the names are re-exported here for the benchmark's callers, the port
 and the start-up bound under the benchmark's own settings (:data:`PORT_SETTING`,
 :data:`START_TIMEOUT_SETTING`).
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from dspark.core import server_lifecycle
-from dspark.core.server_lifecycle import (  # noqa: F401  (re-exported: the benchmark's callers import them here)
+from dspark.serving import server_lifecycle
+from dspark.serving.methods import OURS, ServingMethod, speculative_config
+from dspark.serving.server_lifecycle import (  # noqa: F401  (re-exported: the benchmark's callers import them here)
     REPO,
     PortInUseError,
     Server,
@@ -35,7 +36,6 @@ from dspark.core.server_lifecycle import (  # noqa: F401  (re-exported: the benc
     tree_rss,
     wait_healthy,
 )
-from dspark.core.serving_methods import OURS, ServingMethod, speculative_config
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,12 @@ START_TIMEOUT_SETTING = "serve_bench.start_timeout_s"
 
 
 def choose_port(host: str, port: int) -> int:
-    """:func:`dspark.core.server_lifecycle.choose_port` for :data:`PORT_SETTING`."""
+    """:func:`dspark.serving.server_lifecycle.choose_port` for :data:`PORT_SETTING`."""
     return server_lifecycle.choose_port(host, port, setting=PORT_SETTING)
 
 
 def running_server(cmd: list[str], **kwargs: Any) -> contextlib.AbstractContextManager[Server]:
-    """:func:`dspark.core.server_lifecycle.running_server` bounded by :data:`START_TIMEOUT_SETTING`."""
+    """:func:`dspark.serving.server_lifecycle.running_server` bounded by :data:`START_TIMEOUT_SETTING`."""
     return server_lifecycle.running_server(cmd, timeout_key=START_TIMEOUT_SETTING, **kwargs)
 
 

@@ -25,7 +25,7 @@ steps with a draft only (ngram drafts only where the last tokens match earlier o
         serve_bench.concurrency=[1,8,32] serve_bench.request_rate=4 serve_bench.num_prompts=200
     python train.py +experiment=... stages=[extract,train,export,eval,serve_bench]  # as a stage of the main job
 
-Keys (``serve_bench.KEY=VALUE``; types and defaults: dspark/core/config/serve_bench.py, ServeBenchConfig):
+Keys (``serve_bench.KEY=VALUE``; types and defaults: dspark/config/serve_bench.py, ServeBenchConfig):
 configs, concurrency, request_rate, num_prompts, output_len, ignore_eos, temperature,
 traffic_file, max_model_len, num_warmups, host, port, start_timeout_s, level_timeout_s, out_dir.
 
@@ -48,12 +48,12 @@ from typing import Any, Optional
 
 import torch
 
-from dspark.core.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
+from dspark.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
 from dspark.core.errors import CONF_DIR, UserError, exit_on_user_error, run_hydra_command, task_started
 from dspark.core.files import atomic_write_json, file_sha256, not_a_file, read_jsonl, write_jsonl
-from dspark.core.llama_cpp.server import Counters, complete, counters_after, llama_server, read_counters, server_spec
-from dspark.core.server_lifecycle import Server
-from dspark.core.serving_methods import (
+from dspark.export.stage import export_path, read_exports, wait_for_export
+from dspark.serving.llama_cpp.server import Counters, complete, counters_after, llama_server, read_counters, server_spec
+from dspark.serving.methods import (
     BY_NAME,
     LLAMA_CPP_PREFIX,
     OURS,
@@ -61,9 +61,9 @@ from dspark.core.serving_methods import (
     llama_cpp_method,
     speculative_config,
 )
-from dspark.core.target import prepare_target, resolve_target
-from dspark.core.vllm_engine import run_headless_workers
-from dspark.export.stage import export_path, read_exports, wait_for_export
+from dspark.serving.server_lifecycle import Server
+from dspark.serving.vllm_engine import run_headless_workers
+from dspark.target import prepare_target, resolve_target
 from eval.acceptance import TAU, TOKENS_PER_STEP
 from eval.inputs import claim_out_dir, engine_kwargs, engine_window, eval_set, make_out_dir
 from eval.results import nan_to_none
@@ -98,7 +98,7 @@ class TrafficFileError(ServeBenchError):
 
 def resolve_configs(cfg: RunConfig, target_dir: Path, *, gpu: bool) -> list[Configuration]:
     """``serve_bench.configs`` as servers: a method by name, and ``ours`` served as
-    :func:`~dspark.core.serving_methods.export_method` says (``dspark`` on GPUs, the ``dflash`` export on
+    :func:`~dspark.serving.methods.export_method` says (``dspark`` on GPUs, the ``dflash`` export on
     CPU; left out, with a log line, when the drafter has no dflash layout)."""
     out = []
     for name in cfg.serve_bench.configs:
@@ -125,8 +125,8 @@ def resolve_configs(cfg: RunConfig, target_dir: Path, *, gpu: bool) -> list[Conf
 def llama_cpp_configuration(cfg: RunConfig, target_dir: Path, name: str) -> Configuration:
     """``llama.cpp-METHOD``: llama-server with that method; a drafter's export converted to GGUF
     by llama.cpp's own converter (``eval.llama_cpp_draft_type``), as the eval serves it."""
-    from dspark.core.llama_cpp.build import ensure_built
     from dspark.export.gguf import convert_export
+    from dspark.serving.llama_cpp.build import ensure_built
 
     m = llama_cpp_method(name)
     draft = None
@@ -484,7 +484,7 @@ def run_serve_bench(cfg: RunConfig, heads: Any, target_dir: Path) -> BenchOutcom
     make_out_dir(out_dir)
     llama = None
     if any(c.engine == "llama.cpp" for c in configs):
-        from dspark.core.llama_cpp.build import ensure_built
+        from dspark.serving.llama_cpp.build import ensure_built
         from eval.llama_cpp_rows import target_gguf_for
 
         tree = ensure_built()

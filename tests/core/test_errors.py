@@ -4,11 +4,11 @@ import pytest
 
 from data_tools.prompts import PromptFileError
 from dspark.checkpoint_tags import CheckpointError
-from dspark.core.config import ConfigError
+from dspark.config import ConfigError
 from dspark.core.errors import UserError, exit_on_user_error
-from dspark.core.shard_format import DatasetError
-from dspark.core.target import TargetError
 from dspark.export.vllm_format import ExportError
+from dspark.formats.shard_format import DatasetError
+from dspark.target import TargetError
 from eval.eval_set import EvalPromptError
 
 
@@ -99,7 +99,7 @@ def test_an_interrupt_during_an_engine_call_is_noted_and_still_raised():
     import os
     import signal
 
-    from dspark.core.vllm_engine import _noting_interrupts
+    from dspark.serving.vllm_engine import _noting_interrupts
 
     before = signal.getsignal(signal.SIGINT)
     try:

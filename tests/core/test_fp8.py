@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dspark.core import fp8
-from dspark.core.shard_format import STORE_DTYPES
+from dspark.formats.shard_format import STORE_DTYPES
 
 FORMATS = list(fp8.FORMATS.values())
 

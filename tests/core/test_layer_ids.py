@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dspark.core.config import TargetConfig
+from dspark.config import TargetConfig
 from dspark.core.layer_ids import (
     reference_hidden_states,
     spread_layer_ids,
@@ -39,7 +39,7 @@ def test_data_tools_imports_no_training_code():
     import sys
 
     code = (
-        "import sys, data_tools.extract, data_tools.verify, dspark.core.shard_format, dspark.core.shard_rows; "
+        "import sys, data_tools.extract, data_tools.verify, dspark.formats.shard_format, dspark.formats.shard_rows; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed' or m in ('dspark.trainer', "
         "'dspark.model')); "
         "print(bad); sys.exit(1 if bad else 0)"

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from dspark.core.llama_cpp import build as lb
+from dspark.serving.llama_cpp import build as lb
 
 
 def _fake_build(tmp_path, monkeypatch, *, record=True):
@@ -60,8 +60,8 @@ def test_a_damaged_server_is_refused_naming_it_and_the_rebuild_then_rebuilt(tmp_
         lb.require(tmp_path)
     msg = str(err.value)
     assert msg.startswith(f"the llama.cpp build in {tree.root} is damaged ({tree.bin_dir}/") and says in msg
-    assert msg.endswith("rebuild it (about 10 min on 2 cores): .venv/bin/python -m dspark.core.llama_cpp build")
-    again = lb.ensure_built(tmp_path)  # what `python -m dspark.core.llama_cpp build` and the eval call
+    assert msg.endswith("rebuild it (about 10 min on 2 cores): .venv/bin/python -m dspark.serving.llama_cpp build")
+    again = lb.ensure_built(tmp_path)  # what `python -m dspark.serving.llama_cpp build` and the eval call
     assert len(built) == 2 and lb.damage(again) is None and lb.find(tmp_path) == again
 
 

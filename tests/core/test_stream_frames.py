@@ -1,4 +1,4 @@
-"""The online stream's frames (dspark/core/frames.py, dspark/core/stream_link.py): rows round-trip
+"""The online stream's frames (dspark/formats/frames.py, dspark/formats/stream_link.py): rows round-trip
 exactly, and nothing but a well-formed frame of a message the stream carries is accepted; no
 sender's code ever runs."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dspark.core.errors import UserError
-from dspark.core.frames import (
+from dspark.formats.frames import (
     FRAME_MAGIC,
     FRAME_PREFIX,
     FRAME_VERSION,
@@ -21,9 +21,9 @@ from dspark.core.frames import (
     decode_row,
     encode_row,
 )
-from dspark.core.shard_rows import encode_hidden_states
-from dspark.core.stream import BLOCK_END, STREAM_END, VAL_END, VAL_ROW, StreamItem
-from dspark.core.stream_link import StreamLink, check_message
+from dspark.formats.shard_rows import encode_hidden_states
+from dspark.formats.stream import BLOCK_END, STREAM_END, VAL_END, VAL_ROW, StreamItem
+from dspark.formats.stream_link import StreamLink, check_message
 
 LAYERS, HIDDEN = 3, 8
 
@@ -251,7 +251,7 @@ def _meta(**change):
     ids=["list", "missing", "type", "layers", "range", "dtype"],
 )
 def test_a_producers_meta_is_checked_as_data(meta, message):
-    from dspark.core.stream import StreamMeta
+    from dspark.formats.stream import StreamMeta
 
     with pytest.raises(StreamError, match=message):
         StreamMeta.from_json(meta, "online: producer 0")
@@ -266,8 +266,8 @@ def test_the_link_is_bounded_by_its_stream_binds_its_address_and_names_what_is_m
     import psutil
 
     from dspark.core.files import free_port
-    from dspark.core.stream import StreamMeta
-    from dspark.core.stream_remote import RemoteSource
+    from dspark.formats.stream import StreamMeta
+    from dspark.formats.stream_remote import RemoteSource
 
     bound = StreamMeta.from_json(_meta(), "p").frame_bound()
     assert bound == FRAME_PREFIX.size + (1 << 20) + 1024 * (3 * 576 * 4 + 16) and bound < 16 << 20

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from dspark.core.config import TargetConfig
-from dspark.core.target import COMPLETE_MARKER, TargetError, load_target_heads, resolve_target
+from dspark.config import TargetConfig
+from dspark.target import COMPLETE_MARKER, TargetError, load_target_heads, resolve_target
 from tests.toy import copy_tokenizer, save_target, tiny_llama_target
 
 
@@ -44,8 +44,8 @@ def test_second_resolution_reuses_cache(smollm2_dir):
 
 CONVERT = """
 import json, logging, sys
-from dspark.core.config import TargetConfig
-from dspark.core.target import resolve_target
+from dspark.config import TargetConfig
+from dspark.target import resolve_target
 r = resolve_target(TargetConfig())
 print(json.dumps({"path": str(r.path), "converted": r.converted}))
 """
@@ -224,7 +224,7 @@ def test_a_damaged_conversion_is_converted_again_from_the_gguf_with_a_warning(tm
     damaged 30-layer weights). Here the conversion is a stand-in that writes two files."""
     import os
 
-    from dspark.core import target as tgt
+    import dspark.target as tgt
 
     calls = []
 

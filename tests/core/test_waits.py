@@ -93,7 +93,7 @@ class LLM:
 fake.LLM = LLM
 sys.modules["vllm"] = fake
 from dspark.core.errors import exit_on_user_error
-from dspark.core.vllm_engine import make_llm
+from dspark.serving.vllm_engine import make_llm
 with exit_on_user_error():
     make_llm({"model": "/models/t"}, cpu_kvcache_gib=1, start_timeout_s=3, timeout_key="data.vllm.start_timeout_s")
 """
@@ -141,7 +141,7 @@ def test_a_child_dies_with_the_process_that_started_it(tmp_path):
 REAL_VLLM_START = r"""
 import os, subprocess, sys
 from dspark.core.errors import exit_on_user_error
-from dspark.core.vllm_engine import make_llm
+from dspark.serving.vllm_engine import make_llm
 
 try:
     with exit_on_user_error():

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from dspark.core.wandb_run import init_wandb, run_group, wandb_mode
+from dspark.config.wandb_run import init_wandb, run_group, wandb_mode
 
 FAKE_KEY = "a" * 40  # the shape wandb checks (40+ word characters), never sent anywhere
 

@@ -9,8 +9,8 @@ import torch
 from data_tools.convert import convert, main
 from data_tools.verify import main as verify
 from dspark.core import fp8
-from dspark.core.shard_format import Manifest
 from dspark.data.shards import ShardDataset
+from dspark.formats.shard_format import Manifest
 from tests.dspark.test_shards import make_dataset
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from data_tools.extract import assign, default_rank_world, engine_kwargs, open_dataset_dir, prompt_settings
-from dspark.core.config import DataConfig
-from dspark.core.shard_format import DatasetError, Manifest
+from dspark.config import DataConfig
+from dspark.formats.shard_format import DatasetError, Manifest
 from tests.toy import toy_manifest
 
 
@@ -112,7 +112,7 @@ def test_a_window_past_the_targets_is_refused_before_vllm_starts(compose_config,
     """data.max_seq_len up to the target's window (issue #47): vLLM's capture generates one token, so
     8191 is SmolLM2's longest; 8192 gets one line naming the field, the file and the bound."""
     from data_tools.extract import extract
-    from dspark.core.config import ConfigError
+    from dspark.config import ConfigError
 
     cfg = compose_config("+experiment=smollm2_cpu_demo", f"paths.output_dir={tmp_path}", "data.max_seq_len=8192")
     with pytest.raises(ConfigError, match=r"data.max_seq_len=8192: expected at most 8191, the target's window of 8192"):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.core.shard_format import Manifest
 from dspark.data.shards import ShardDataset
+from dspark.formats.shard_format import Manifest
 from tests.toy import SHORT_QUESTIONS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -267,7 +267,7 @@ def test_ctrl_c_mid_extraction_is_one_line_from_the_driver_and_the_rerun_complet
     assert rc == 130, text[-3000:]
     assert "error: interrupted (Ctrl-C). Kept: every complete shard" in text
     driver = [
-        line for line in text.splitlines() if "data_tools/extract.py" in line or "dspark/core/vllm_engine" in line
+        line for line in text.splitlines() if "data_tools/extract.py" in line or "dspark/serving/vllm_engine" in line
     ]
     assert not driver, driver  # no traceback through the driver's own code
     _run(_cmd(prompts, out))

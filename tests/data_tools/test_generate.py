@@ -5,7 +5,7 @@ import torch
 
 from data_tools.extract import Request
 from data_tools.generate import TransformersAnswers, answer_of
-from dspark.core.config import DataConfig, TargetConfig
+from dspark.config import DataConfig, TargetConfig
 
 
 def test_an_answer_ends_after_its_first_eos_or_at_its_limit():

@@ -9,8 +9,8 @@ import time
 from types import SimpleNamespace
 
 from data_tools.online import VllmSource
-from dspark.core.stream import BlockProducer, StreamClosed, StreamMeta
-from dspark.core.vllm_engine import interrupt_generate
+from dspark.formats.stream import BlockProducer, StreamClosed, StreamMeta
+from dspark.serving.vllm_engine import interrupt_generate
 
 
 class EndlessEngine:

@@ -20,7 +20,7 @@ from data_tools.prompts import (
     dedupe_and_split,
     load_source,
 )
-from dspark.core.config import DataConfig
+from dspark.config import DataConfig
 
 OPENAI = {
     "messages": [

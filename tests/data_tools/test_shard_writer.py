@@ -14,7 +14,7 @@ import torch
 
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from dspark.core.files import DiskFullError
-from dspark.core.shard_format import Manifest
+from dspark.formats.shard_format import Manifest
 from tests.toy import toy_manifest
 
 REPO = Path(__file__).resolve().parents[2]

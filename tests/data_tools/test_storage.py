@@ -7,7 +7,7 @@ import pytest
 from data_tools.extract import estimate_storage
 from data_tools.prompts import Conversation
 from data_tools.storage import main, sequence_tokens, storage_estimate
-from dspark.core.config import DataConfig
+from dspark.config import DataConfig
 from tests.toy import toy_manifest
 
 

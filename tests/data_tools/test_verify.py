@@ -15,7 +15,7 @@ from data_tools.shard_writer import finalize, write_shard
 from data_tools.verify import main
 from dspark.core import fp8
 from dspark.core.layer_ids import reference_hidden_states
-from dspark.core.shard_rows import encode_hidden_states
+from dspark.formats.shard_rows import encode_hidden_states
 from tests.toy import save_target, tiny_llama_target, toy_manifest
 
 REPO = Path(__file__).resolve().parents[2]

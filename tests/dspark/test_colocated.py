@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.core.config import ConfigError
+from dspark.config import ConfigError
 from dspark.core.layer_ids import reference_hidden_states
-from dspark.core.shard_format import DatasetError, Manifest
-from dspark.core.target import load_target_heads
 from dspark.data.colocated import ColocatedDataset, ColocatedTarget
 from dspark.data.shards import ShardDataset
+from dspark.formats.shard_format import DatasetError, Manifest
 from dspark.recipe import build_trainer
+from dspark.target import load_target_heads
 from tests.toy import TINY_LAYERS, overrides, two_rank_train
 
 CAPTURED = TINY_LAYERS + [4]

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from dspark.core.config import ConfigError, DSparkConfig, LossSettings
+from dspark.config import ConfigError, DSparkConfig, LossSettings
 from dspark.data.draft_vocab import build_d2t, map_problem, t2d_mask, target_ids, token_counts
 from dspark.loss import dspark_loss, topk_tv
 from tests.toy import tiny_drafter, tiny_drafter_config
@@ -64,7 +64,7 @@ def test_the_key_is_checked_and_refused_for_k3():
         DSparkConfig(draft_vocab_size=0)
     with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=16384: .*k3_mla serves the target's full"):
         DSparkConfig(family="k3_mla", draft_vocab_size=16384)
-    from dspark.core.config import DataConfig, RunConfig
+    from dspark.config import DataConfig, RunConfig
 
     with pytest.raises(ConfigError, match=r"drafter.draft_vocab_size=10: expected null with data.mode=online"):
         RunConfig(data=DataConfig(mode="online"), drafter=DSparkConfig(draft_vocab_size=10))
@@ -77,7 +77,7 @@ def test_k3_refusal_is_one_error_line_from_the_command_line(compose_config):
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "dspark.core.compose", "drafter=k3_mla", "drafter.draft_vocab_size=1000"],
+        [sys.executable, "-m", "dspark.config.compose", "drafter=k3_mla", "drafter.draft_vocab_size=1000"],
         capture_output=True,
         text=True,
     )
@@ -209,7 +209,7 @@ def test_acceptance_in_the_reference_loop_counts_target_tokens():
     """A drafter that always proposes the target's next token when it can (its draft vocabulary
     lacks some of the target's tokens): each step accepts the run of tokens up to the first one
     outside the vocabulary, computed here by hand from the target's own greedy answer."""
-    from dspark.core.config import EvalConfig
+    from dspark.config import EvalConfig
     from eval.reference import DecodeConfig, DraftRunner, TargetRunner, plain_generate, speculative_generate
     from tests.toy import tiny_llama_target
 
@@ -263,10 +263,10 @@ def test_a_reduced_export_loads_in_vllms_loader_with_its_head_and_map(tmp_path):
     from safetensors.torch import load_file
 
     from dspark.checkpoint_weights import TrainingCheckpoint
-    from dspark.core.target import load_target_heads
     from dspark.export import export
     from dspark.export.validate import validate
     from dspark.export.vllm_format import load_drafter, read_export
+    from dspark.target import load_target_heads
     from tests.dspark.test_export_bytes import DIMS, fixed_weights
     from tests.dspark.test_speculators_format import tiny_verifier
 
@@ -316,12 +316,12 @@ def test_training_builds_the_map_from_the_answers_and_a_resumed_run_keeps_it(
     carries it."""
     from safetensors.torch import load_file, save_file
 
-    from dspark.core.target import load_target_heads
     from dspark.data.draft_vocab import CACHE_DIR
     from dspark.data.shards import ShardDataset
     from dspark.export import export
     from dspark.export.vllm_format import read_export
     from dspark.recipe import build_trainer
+    from dspark.target import load_target_heads
     from tests.toy import overrides
 
     target, data = tiny_target_and_shards

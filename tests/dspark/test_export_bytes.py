@@ -3,7 +3,7 @@ model.safetensors) from a checkpoint of fixed weights, pinned by SHA-256.
 
 The digests were recorded with the code from before the drafter-family seam (commit ac0119a,
 ``python -m pytest tests/dspark/test_export_bytes.py`` printing them). Moving the Qwen3 layers
-behind dspark.core.families must not change one byte of what is served; a deliberate format change
+behind dspark.families must not change one byte of what is served; a deliberate format change
 updates them here, with its reason in the commit.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dspark.checkpoint_weights import TrainingCheckpoint
-from dspark.core.config import DSparkConfig
+from dspark.config import DSparkConfig
 from dspark.export import export
 from dspark.model import DrafterDims, trainable_parameter_shapes
 
@@ -151,8 +151,8 @@ def test_confidence_head_on_the_state_alone_is_served_over_state_and_markov_with
     reads back as it was trained."""
     from safetensors.torch import load_file
 
-    from dspark.core.families import get_family
     from dspark.export.vllm_format import read_export
+    from dspark.families import get_family
     from dspark.model import DSparkDrafter
 
     target = tmp_path / "target"

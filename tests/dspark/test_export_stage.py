@@ -165,7 +165,7 @@ def test_a_missing_checkpoint_names_the_key(run, compose_config, tmp_path):
 )
 def test_the_moved_keys_name_their_new_place(old, new, compose_config):
     """Issue #59: the three keys moved to the export group; the old one is refused in one line."""
-    from dspark.core.config import ConfigError
+    from dspark.config import ConfigError
     from dspark.core.errors import UserError, check_composition
 
     want = f"{old} is now {new} (export is a stage of its own): write {new}=... instead"

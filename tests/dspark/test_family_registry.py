@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from dspark.core.families.base import dspark_head_fields, served_fields
-from dspark.core.families.qwen3 import Qwen3Family
+from dspark.families.base import dspark_head_fields, served_fields
+from dspark.families.qwen3 import Qwen3Family
 
 
 @dataclass
@@ -72,8 +72,8 @@ import torch
 assert Path(dspark.__file__).resolve().is_relative_to(Path.cwd().resolve()), dspark.__file__
 
 from dspark.checkpoint_weights import TrainingCheckpoint
-from dspark.core.compose import compose_run
-from dspark.core.config import ConfigError, DSparkConfig
+from dspark.config.compose import compose_run
+from dspark.config import ConfigError, DSparkConfig
 from dspark.export import export
 from dspark.model import DSparkDrafter, resolve_dims, trainable_parameter_shapes
 from dspark.export.vllm_format import read_export
@@ -125,11 +125,11 @@ def _project_with_a_dummy_family(root: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "local")
     for name in ("dspark", "conf"):
         shutil.copytree(REPO / name, root / name, ignore=ignore)
-    (root / "dspark/core/families/toy.py").write_text(TOY_MODULE)
-    registry = root / "dspark/core/families/__init__.py"
+    (root / "dspark/families/toy.py").write_text(TOY_MODULE)
+    registry = root / "dspark/families/__init__.py"
     text = registry.read_text()
     for old, new in (
-        ("from dspark.core.families import k3_mla, qwen3", "from dspark.core.families import k3_mla, qwen3, toy"),
+        ("from dspark.families import k3_mla, qwen3", "from dspark.families import k3_mla, qwen3, toy"),
         ("(qwen3.FAMILY, k3_mla.FAMILY)", "(qwen3.FAMILY, k3_mla.FAMILY, toy.FAMILY)"),
     ):
         assert text.count(old) == 1, f"the registry line changed: {old!r}"
@@ -165,9 +165,9 @@ def test_a_family_config_without_the_shared_fields_is_refused_at_export(tmp_path
     naming the family and the field."""
     import pytest
 
-    from dspark.core.families import qwen3
     from dspark.export import export
     from dspark.export.vllm_format import ExportError
+    from dspark.families import qwen3
     from tests.dspark.test_export_bytes import TARGET_CONFIG, checkpoint
 
     written = qwen3.Qwen3Family.config_json

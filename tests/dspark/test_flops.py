@@ -12,7 +12,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dspark.core.config import LossSettings
+from dspark.config import LossSettings
 from dspark.flops import PARTS, TargetShape, peak_flops, step_flops, target_forward_flops
 from dspark.loss import dspark_loss
 from dspark.model import sample_anchors

@@ -19,11 +19,11 @@ import torch
 from safetensors import safe_open
 
 from dspark.checkpoint_weights import load_training_checkpoint
-from dspark.core.config import ConfigError
-from dspark.core.target import load_target_heads
+from dspark.config import ConfigError
 from dspark.export import export
 from dspark.export.vllm_format import ExportError, load_drafter, read_export
 from dspark.recipe import build_trainer
+from dspark.target import load_target_heads
 from eval.reference import DraftRunner
 from tests.conftest import compose_raw
 from tests.toy import TINY_K3_TEXT, TINY_LAYERS, build_tiny_k3_target, overrides
@@ -175,7 +175,7 @@ def test_family_fields_and_layouts_are_checked(tiny_trained_drafter, tmp_path):
         ConfigError, match=r"init_from_target_layers=\[0, 1, 2, 3, 4\]: implemented for drafter.family=qwen3"
     ):
         load(["drafter=k3_mla", "train.init_from_target_layers=[0,1,2,3,4]"])
-    from dspark.core.config import DSparkConfig
+    from dspark.config import DSparkConfig
     from dspark.export.vllm_format import check_layout
 
     with pytest.raises(
@@ -186,6 +186,6 @@ def test_family_fields_and_layouts_are_checked(tiny_trained_drafter, tmp_path):
 
 
 def load(overrides_list):
-    from dspark.core.config import load_config
+    from dspark.config import load_config
 
     return load_config(compose_raw(*overrides_list))

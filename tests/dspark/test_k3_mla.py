@@ -1,4 +1,4 @@
-"""Kimi K3's MLA drafter layers (dspark/core/families/k3_mla_layers.py) against an independent
+"""Kimi K3's MLA drafter layers (dspark/families/k3_mla_layers.py) against an independent
 implementation of the same math: transformers' ``DeepseekV3Attention`` with the same weights and
 the block mask.
 
@@ -37,7 +37,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.core.families.k3_mla_layers import MLAAttention, MLAConfig, MLADecoderLayer
+from dspark.families.k3_mla_layers import MLAAttention, MLAConfig, MLADecoderLayer
 from dspark.model import DSparkDrafter
 
 TOL = 1e-5

@@ -4,7 +4,7 @@ anchors and the CE schedule (their trainer wiring is in test_trainer.py)."""
 import pytest
 import torch
 
-from dspark.core.config import LossSettings, TrainConfig
+from dspark.config import LossSettings, TrainConfig
 from dspark.data.batching import collate
 from dspark.data.shards import ShardSequence
 from dspark.data.target_topk import SequenceTopK, cached_positions

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dspark.core.config import LossSettings
+from dspark.config import LossSettings
 from dspark.loss import dspark_loss
 from dspark.model import DraftOutput, DSparkDrafter
 from tests.toy import tiny_drafter, tiny_drafter_config

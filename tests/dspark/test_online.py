@@ -8,15 +8,15 @@ import time
 import pytest
 import torch
 
-from dspark.core.config import ConfigError
-from dspark.core.shard_rows import encode_hidden_states
-from dspark.core.stream import BlockProducer, BoundedBuffer, StreamClosed, StreamMeta, producer_blocks
-from dspark.core.stream_remote import RemoteSource, stream_to_trainer
-from dspark.core.target import load_target_heads
+from dspark.config import ConfigError
 from dspark.data.batching import DataPosition
 from dspark.data.online import PROMPT_LOG, OnlineBatches, read_prompt_log, stream_meta
 from dspark.data.shards import ShardDataset
+from dspark.formats.shard_rows import encode_hidden_states
+from dspark.formats.stream import BlockProducer, BoundedBuffer, StreamClosed, StreamMeta, producer_blocks
+from dspark.formats.stream_remote import RemoteSource, stream_to_trainer
 from dspark.recipe import build_trainer
+from dspark.target import load_target_heads
 from tests.toy import REPO, make_trainer, overrides, torchrun
 
 LAYERS, HIDDEN = 3, 8
@@ -161,10 +161,10 @@ def test_resume_from_the_cursor_enters_the_same_prompts_and_cuts_the_log(tmp_pat
 def test_streamed_fp8_rows_stay_fp8_until_the_batch_is_on_the_device(store_dtype):
     """fp8 is also the wire format: a streamed row keeps a byte per value in the window and the
     batch dequantizes where it lands, to the same numbers as dequantizing on arrival."""
-    from dspark.core.shard_rows import decode_hidden_states
     from dspark.data.batching import collate
     from dspark.data.online import row_to_sequence
     from dspark.data.shards import ShardSequence
+    from dspark.formats.shard_rows import decode_hidden_states
 
     g = torch.Generator().manual_seed(3)
     rows = [
@@ -260,7 +260,7 @@ def test_two_producers_enter_the_prompts_in_the_order_one_producer_gives(slow_ra
 
 
 def test_producers_that_disagree_with_the_trainer_are_refused():
-    from dspark.core.config import ConfigError
+    from dspark.config import ConfigError
     from dspark.core.files import free_port
 
     rows, port = [fake_row(i) for i in range(4)], free_port(span=2)
@@ -362,8 +362,8 @@ def test_online_trainer_trains_validates_resumes_at_the_cursor_and_writes_only_c
 PRODUCER = r"""
 import logging
 import sys
-from dspark.core.stream import BlockProducer, StreamMeta
-from dspark.core.stream_remote import stream_to_trainer
+from dspark.formats.stream import BlockProducer, StreamMeta
+from dspark.formats.stream_remote import stream_to_trainer
 from dspark.data.shards import ShardDataset
 
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)

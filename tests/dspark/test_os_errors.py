@@ -184,7 +184,7 @@ def test_the_earlier_output_comes_back_when_the_swap_fails(tmp_path, monkeypatch
 
 def test_a_shards_dir_that_is_a_file_is_named_with_its_key(compose_config, smollm2_dir, tmp_path):
     from data_tools.extract import extract
-    from dspark.core.config import ConfigError
+    from dspark.config import ConfigError
 
     shards = tmp_path / "shards"
     shards.write_text("mine")

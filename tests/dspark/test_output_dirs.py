@@ -11,8 +11,8 @@ import pytest
 
 from dspark.checkpoint_tags import CheckpointError
 from dspark.core.path_env import path_env_problem
-from dspark.core.target import load_target_heads
 from dspark.recipe import build_trainer
+from dspark.target import load_target_heads
 from tests.toy import overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,8 +102,8 @@ def test_a_resume_under_another_zero_stage_is_refused_naming_it(tmp_path):
     (zero_pp_rank_0_mp_rank_00_optim_states.pt): DeepSpeed keeps each stage's optimizer state apart."""
     from dspark.checkpoint_run import run_differences
     from dspark.checkpoint_tags import RUN_FILE
-    from dspark.core.config import RunConfig
-    from dspark.core.config.deepspeed import DeepSpeedConfig, ZeroConfig
+    from dspark.config import RunConfig
+    from dspark.config.deepspeed import DeepSpeedConfig, ZeroConfig
 
     saved = RunConfig()
     (tmp_path / RUN_FILE).write_text(json.dumps({"config": saved.to_dict()}))
@@ -114,7 +114,7 @@ def test_a_resume_under_another_zero_stage_is_refused_naming_it(tmp_path):
 
 def test_a_window_at_or_past_the_targets_context_is_refused_naming_it(compose_config, tiny, tmp_path):
     """Item 14: drafter.attention_window=1000000000 trained and exported as a sliding window of 10^9."""
-    from dspark.core.config import ConfigError
+    from dspark.config import ConfigError
 
     target, data = tiny
     positions = json.loads((target / "config.json").read_text())["max_position_embeddings"]
@@ -159,7 +159,7 @@ def test_a_wrong_typed_run_json_field_is_named_with_its_file(tiny_trained_drafte
 
 def test_a_name_that_becomes_a_path_refuses_control_characters_and_overlong_names():
     """Item 11 (a run_name with a newline became a directory name) and item 8 (300 characters)."""
-    from dspark.core.config import ConfigError, TrainConfig
+    from dspark.config import ConfigError, TrainConfig
 
     with pytest.raises(ConfigError, match=r"train.run_name='a\\nb': a control character"):
         TrainConfig(run_name="a\nb")
@@ -171,7 +171,7 @@ def test_a_name_that_becomes_a_path_refuses_control_characters_and_overlong_name
 def test_a_shards_dir_holding_a_users_files_is_refused_before_anything_is_written(tmp_path):
     """'Every output directory follows export's rule': the data directory too."""
     from data_tools.extract import claim_shards_dir
-    from dspark.core.config import ConfigError
+    from dspark.config import ConfigError
 
     mine = tmp_path / "mine"
     mine.mkdir()

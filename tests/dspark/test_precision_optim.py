@@ -6,11 +6,11 @@ import io
 import pytest
 import torch
 
-from dspark.core.config import ConfigError, TrainConfig
-from dspark.core.target import load_target_heads
+from dspark.config import ConfigError, TrainConfig
 from dspark.optim import MuonWithAdamW, build_optimizer, split_for_muon
 from dspark.precision import cpu_flags, resolve_autocast
 from dspark.recipe import build_trainer
+from dspark.target import load_target_heads
 from tests.toy import overrides, tiny_drafter, tiny_drafter_config
 
 CPU = torch.device("cpu")

@@ -10,10 +10,10 @@ import torch
 
 from data_tools.shard_writer import finalize, write_shard
 from dspark.core import fp8
-from dspark.core.shard_format import DatasetError, Manifest
-from dspark.core.shard_rows import encode_hidden_states
 from dspark.data.batching import collate
 from dspark.data.shards import ShardDataset, open_dataset, require_dataset
+from dspark.formats.shard_format import DatasetError, Manifest
+from dspark.formats.shard_rows import encode_hidden_states
 from tests.toy import toy_manifest
 
 

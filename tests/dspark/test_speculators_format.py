@@ -192,9 +192,9 @@ def test_a_run_starts_from_a_speculators_checkpoint_of_its_own_drafter(tiny_trai
     """train.init_from: the tiny run's drafter, exported and converted to speculators' format, is
     where a new run starts (at lr 0 its first checkpoint holds exactly those weights); a run whose
     drafter differs is refused with the field that differs."""
-    from dspark.core.config import ConfigError, load_config
-    from dspark.core.target import load_target_heads
+    from dspark.config import ConfigError, load_config
     from dspark.recipe import build_drafter, init_from_drafter
+    from dspark.target import load_target_heads
     from tests.conftest import compose_raw
     from tests.toy import overrides, train_drafter
 

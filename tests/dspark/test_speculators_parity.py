@@ -49,7 +49,7 @@ def pair(tmp_path):
         ["embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"]
     )
     theirs.load_verifier_weights()
-    heads = SimpleNamespace(  # the verifier's shared tensors, as dspark.core.target hands a target's over
+    heads = SimpleNamespace(  # the verifier's shared tensors, as dspark.target hands a target's over
         embed_tokens=verifier.model.embed_tokens.weight.detach(),
         lm_head=verifier.lm_head.weight.detach(),
         final_norm=verifier.model.norm.weight.detach(),
@@ -106,7 +106,7 @@ def test_public_forward_loss_and_metrics_agree_with_ours_at_speculators_defaults
     1 - TV. A change in speculators' forward, its anchor selection or its metrics shows here."""
     from speculators.losses import resolve_loss_config
 
-    from dspark.core.config import LossSettings
+    from dspark.config import LossSettings
     from dspark.loss import dspark_loss
 
     theirs, ours, verifier = pair

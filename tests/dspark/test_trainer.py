@@ -18,9 +18,9 @@ from collections import Counter
 import pytest
 import torch
 
-from dspark.core.shard_format import Manifest
-from dspark.core.target import load_target_heads
+from dspark.formats.shard_format import Manifest
 from dspark.recipe import build_trainer
+from dspark.target import load_target_heads
 from dspark.trainer import Trainer
 from tests.toy import REPO, build_target_and_shards, make_trainer, overrides, two_rank_train
 
@@ -146,14 +146,14 @@ def test_shards_for_another_target_are_refused(compose_config, tiny, tmp_path):
 
 
 def test_every_data_mode_the_config_takes_has_its_builders():
-    from dspark.core.config import DATA_MODES
+    from dspark.config import DATA_MODES
     from dspark.recipe_data import MODES
 
     assert set(MODES) == set(DATA_MODES)
 
 
 def test_training_without_a_dataset_says_to_extract_first_and_writes_nothing(compose_config, tiny, tmp_path):
-    from dspark.core.shard_format import DatasetError
+    from dspark.formats.shard_format import DatasetError
 
     target, _ = tiny
     with pytest.raises(
@@ -165,7 +165,7 @@ def test_training_without_a_dataset_says_to_extract_first_and_writes_nothing(com
 
 def test_a_dataset_of_another_target_is_refused_unless_allowed(compose_config, tiny, tmp_path, caplog):
     """Issue #37: a manifest naming another model, 36 layers and another chat template trained."""
-    from dspark.core.shard_format import DatasetError
+    from dspark.formats.shard_format import DatasetError
 
     target, data = tiny
     other = tmp_path / "other"
@@ -189,7 +189,7 @@ def test_a_dataset_of_another_target_is_refused_unless_allowed(compose_config, t
 
 def test_a_non_finite_state_stops_training_naming_shard_row_and_sequence(compose_config, tmp_path, smollm2_dir):
     """Issue #37: it was a FloatingPointError from the step naming sequence ids, not the shard."""
-    from dspark.core.shard_format import DatasetError
+    from dspark.formats.shard_format import DatasetError
 
     target, data = build_target_and_shards(tmp_path, smollm2_dir, n_train=4, n_val=0, nan_in=("train", 2))
     tr = build_trainer(
@@ -270,8 +270,8 @@ def test_cached_target_topk_is_computed_once_and_trains(compose_config, tiny, tm
 
 
 def test_drafter_layers_start_from_the_targets(compose_config, tiny, tmp_path):
-    from dspark.core.config import ConfigError
-    from dspark.core.target import load_target_layer
+    from dspark.config import ConfigError
+    from dspark.target import load_target_layer
 
     with pytest.raises(ConfigError, match=r"drafter.rope_theta=1000000.0: expected the target's 10000.0"):
         make_trainer(compose_config, tiny, tmp_path / "a", "train.init_from_target_layers=[3]")

@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-from dspark.core.target import load_target_heads
+from dspark.target import load_target_heads
 from dspark.trainer import Preempted
 from tests.toy import REPO, make_trainer, overrides, torchrun
 
@@ -135,7 +135,7 @@ def test_a_run_recorded_before_a_shaping_key_existed_is_judged_by_what_it_traine
     zeros init: it differs from today's KL default, and equals a run that sets the old loss."""
     from dspark.checkpoint_run import run_differences
     from dspark.checkpoint_tags import RUN_FILE
-    from dspark.core.config import RunConfig, TrainConfig
+    from dspark.config import RunConfig, TrainConfig
 
     def recorded_without_the_new_keys(cfg: RunConfig) -> None:
         saved = cfg.to_dict()
@@ -361,8 +361,8 @@ import io, json, os, signal, sys
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from hydra import compose, initialize_config_dir
-from dspark.core.config import load_config
-from dspark.core.target import load_target_heads
+from dspark.config import load_config
+from dspark.target import load_target_heads
 from dspark.recipe import build_trainer
 
 repo, target, kill_tag, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dspark.checkpoint import TrainState
-from dspark.core.config import LossSettings
+from dspark.config import LossSettings
 from dspark.data.batching import Batch, DataPosition
 from dspark.loss import LossOutput, scalar_names
 from dspark.recipe import loss_settings

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from dspark.core.config import ConfigError, DSparkConfig
+from dspark.config import ConfigError, DSparkConfig
 from dspark.export import export
 from dspark.export.speculators_format import read_speculators, write_speculators
 from dspark.export.vllm_format import ExportError, read_export

@@ -46,7 +46,7 @@ def run_eval(cfg, heads, target: Path):
 def test_a_speculators_checkpoint_is_measured_as_the_checkpoint_it_came_from(
     tiny_trained_drafter, tmp_path, compose_config
 ):
-    from dspark.core.target import load_target_heads
+    from dspark.target import load_target_heads
 
     target, data, ckpt = tiny_trained_drafter
     export(ckpt, tmp_path / "ours", target_dir=target)
@@ -80,7 +80,7 @@ def test_a_speculators_checkpoint_is_measured_as_the_checkpoint_it_came_from(
 def test_an_export_is_evaluated_as_it_is_never_exported_again(tiny_trained_drafter, tmp_path, compose_config):
     """Issue #60 item 3: export.checkpoint= the main job's export ended in "--out ...: it holds the
     checkpoint ... being exported": the eval exported the export into its own default directory."""
-    from dspark.core.target import load_target_heads
+    from dspark.target import load_target_heads
 
     target, data, ckpt = tiny_trained_drafter
     exports = tmp_path / "exports"

@@ -97,8 +97,8 @@ elif point == "report":  # results.json half written (report.md and the plots ar
     eval.report.atomic_write_text = atomic_write_text
 
 from hydra import compose, initialize_config_dir
-from dspark.core.config import load_config
-from dspark.core.target import load_target_heads
+from dspark.config import load_config
+from dspark.target import load_target_heads
 
 with initialize_config_dir(config_dir=f"{repo}/conf", version_base="1.3"):
     cfg = load_config(compose(config_name="config", overrides=overrides))
@@ -262,7 +262,7 @@ def test_a_part_is_reused_only_whole_and_with_this_runs_key(tmp_path, caplog):
 def test_which_eval_fields_feed_which_fingerprint_is_pinned():
     """The fingerprints' partition of the eval fields (their ``part`` metadata on EvalConfig): a field
     moved to another part, or a new field, changes which results a rerun keeps; decide it here."""
-    from dspark.core.config import EVAL_PARTS, EvalConfig, eval_fields
+    from dspark.config import EVAL_PARTS, EvalConfig, eval_fields
     from eval.run import LLAMA_CPP_SETTINGS, NOT_LLAMA_CPP_SETTINGS, NOT_SETTINGS
 
     assert set(NOT_SETTINGS) == {"force", "vllm_timeout_s", "llama_cpp_timeout_s", "out_dir"}

@@ -19,8 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dspark.core.config import DSparkConfig
-from dspark.core.llama_cpp.server import (
+from dspark.config import DSparkConfig
+from dspark.export.gguf import llama_cpp_problem
+from dspark.serving.llama_cpp.server import (
     Counters,
     ServerSpec,
     prompt_chunks,
@@ -29,8 +30,7 @@ from dspark.core.llama_cpp.server import (
     speculation_problem,
     steps_problem,
 )
-from dspark.core.serving_methods import LLAMA_CPP_BY_NAME, LLAMA_CPP_METHODS
-from dspark.export.gguf import llama_cpp_problem
+from dspark.serving.methods import LLAMA_CPP_BY_NAME, LLAMA_CPP_METHODS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def test_the_counters_are_read_from_llama_servers_metrics():
 def test_counters_are_read_once_no_request_is_in_flight():
     """A request's figures fold in as its slot is released: counters_after waits for the gauge to
     fall to 0 even when the tokens it was told to expect already show (the count may be low)."""
-    from dspark.core.llama_cpp.server import counters_after
+    from dspark.serving.llama_cpp.server import counters_after
 
     busy = _Metrics(METRICS.replace("requests_processing 0", "requests_processing 1"))
     idle = _Metrics(METRICS)
@@ -200,7 +200,7 @@ def _gguf(path: Path, file_type: int | None) -> Path:
 
 def test_an_f32_target_is_served_with_f32_caches_for_target_and_drafter(tmp_path):
     """Issue #49: parity with the f32 reference loop needs f32 caches, not llama.cpp's f16 default."""
-    from dspark.core.llama_cpp.server import kv_cache_type_for, server_spec
+    from dspark.serving.llama_cpp.server import kv_cache_type_for, server_spec
 
     f32, f16, unknown = _gguf(tmp_path / "a.gguf", 0), _gguf(tmp_path / "b.gguf", 1), _gguf(tmp_path / "c.gguf", None)
     assert kv_cache_type_for(f32) == "f32" and kv_cache_type_for(f16) is None and kv_cache_type_for(unknown) is None
@@ -239,7 +239,7 @@ def test_the_auto_target_gguf_is_the_embedded_file_else_f16(tmp_path):
 def test_llama_cpp_refuses_a_family_by_its_flag_not_its_name(monkeypatch):
     """``DrafterFamily.served_by_llama_cpp`` decides (issue #50): qwen3 without the flag is refused,
     k3_mla with it is not, and the refusal names the families that have it."""
-    from dspark.core.families import FAMILIES
+    from dspark.families import FAMILIES
 
     monkeypatch.setattr(FAMILIES["qwen3"], "served_by_llama_cpp", False)
     monkeypatch.setattr(FAMILIES["k3_mla"], "served_by_llama_cpp", True)
@@ -257,11 +257,11 @@ def test_llama_cpp_refuses_a_family_by_its_flag_not_its_name(monkeypatch):
 @pytest.fixture(scope="session")
 def llama_cpp():
     """The build scripts/setup.sh made; CI (DSPARK_REQUIRE_LLAMA_CPP=1) fails without it."""
-    from dspark.core.llama_cpp.build import cache_dir, find
+    from dspark.serving.llama_cpp.build import cache_dir, find
 
     tree = find()
     if tree is None:
-        msg = f"llama.cpp is not built in {cache_dir()} (python -m dspark.core.llama_cpp build)"
+        msg = f"llama.cpp is not built in {cache_dir()} (python -m dspark.serving.llama_cpp build)"
         if os.environ.get("DSPARK_REQUIRE_LLAMA_CPP") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
@@ -316,7 +316,7 @@ def test_the_export_cli_writes_the_gguf_beside_and_llama_cpp_drafts_with_it(tmp_
 def test_a_drafter_of_another_target_is_refused_in_one_error_line(tmp_path, llama_cpp, tiny_pair):
     """The tiny drafter (2 layers x 64 wide) beside SmolLM2's Q4_1 file (576 wide): llama.cpp does
     not check a DSpark drafter against its target; we do, before serving."""
-    from dspark.core.target import embedded_gguf_path
+    from dspark.target import embedded_gguf_path
 
     run = _export_with_gguf(tiny_pair, tmp_path / "exp", embedded_gguf_path())
     assert run.returncode == 2, run.stderr[-3000:]
@@ -342,8 +342,8 @@ def _assert_served_as_reference(served: list, prompts: list, exp_dir: Path, targ
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dspark.core.target import load_target_heads
     from dspark.export.vllm_format import load_drafter, read_export
+    from dspark.target import load_target_heads
     from eval.reference import DecodeConfig, DraftRunner, TargetRunner, speculative_generate
 
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
@@ -370,8 +370,8 @@ def test_every_method_gives_the_targets_greedy_tokens_and_llama_cpp_accepts_what
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dspark.core.target import load_target_heads
     from dspark.export.vllm_format import load_drafter, read_export
+    from dspark.target import load_target_heads
     from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
     from eval.reference import DecodeConfig, DraftRunner, TargetRunner, plain_generate, speculative_generate
 
@@ -499,10 +499,10 @@ def test_a_reduced_draft_vocabulary_is_served_through_d2t_and_accepts_what_the_r
     import torch
 
     from dspark.checkpoint_weights import load_training_checkpoint
-    from dspark.core.target import load_target_heads
     from dspark.data.draft_vocab import build_d2t, target_ids
     from dspark.export import export
     from dspark.export.gguf import check_pair, convert_export, gguf_fields
+    from dspark.target import load_target_heads
     from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
 
     target, _, _, target_dir = tiny_pair
@@ -540,7 +540,7 @@ def test_the_serving_benchmark_drives_llama_server_with_vllms_client_and_counts_
     nothing left running."""
     import json
 
-    from dspark.core.config import ServeBenchConfig
+    from dspark.config import ServeBenchConfig
     from eval.serve_bench.server import Configuration
     from eval.serve_bench.stage import BenchSetup, bench_config
 
@@ -581,7 +581,7 @@ def test_the_serving_benchmark_drives_llama_server_with_vllms_client_and_counts_
 
 @pytest.mark.slow
 def test_a_server_that_does_not_come_up_is_one_error_naming_its_log_and_nothing_is_left(tmp_path, llama_cpp):
-    from dspark.core.server_lifecycle import ServerStartError
+    from dspark.serving.server_lifecycle import ServerStartError
     from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
 
     bad = tmp_path / "target.gguf"
@@ -595,7 +595,7 @@ def test_a_server_that_does_not_come_up_is_one_error_naming_its_log_and_nothing_
 
 
 def _fake_sdist(path: Path, cmakelists: str) -> Path:
-    from dspark.core.llama_cpp.build import SDIST_FILE
+    from dspark.serving.llama_cpp.build import SDIST_FILE
 
     name = SDIST_FILE.removesuffix(".tar.gz")
     with tarfile.open(path, "w:gz") as tar:
@@ -607,7 +607,7 @@ def _fake_sdist(path: Path, cmakelists: str) -> Path:
 
 
 def test_a_failed_build_names_its_log_and_leaves_nothing_that_looks_built(tmp_path, monkeypatch):
-    import dspark.core.llama_cpp.build as lc
+    import dspark.serving.llama_cpp.build as lc
 
     sdist = _fake_sdist(
         tmp_path / "sdist.tar.gz", 'cmake_minimum_required(VERSION 3.14)\nmessage(FATAL_ERROR "boom")\n'
@@ -625,7 +625,7 @@ def test_a_failed_build_names_its_log_and_leaves_nothing_that_looks_built(tmp_pa
 
 
 def test_a_sdist_that_is_not_the_pinned_one_is_refused(tmp_path, monkeypatch):
-    import dspark.core.llama_cpp.build as lc
+    import dspark.serving.llama_cpp.build as lc
 
     sdist = _fake_sdist(tmp_path / "sdist.tar.gz", "project(x)\n")
     monkeypatch.setenv(lc.SDIST_ENV, str(sdist))
@@ -637,7 +637,7 @@ def test_the_sdist_is_fetched_through_pips_own_index_settings(tmp_path, monkeypa
     """Issue #49: the sdist came from a hard-coded registry URL, so a user's mirror, proxy or
     private index (pip.conf, PIP_INDEX_URL) did not apply. Here pip's index is a local directory
     that only pip's settings name; the fetch finds the file there and checks its sha256."""
-    import dspark.core.llama_cpp.build as lc
+    import dspark.serving.llama_cpp.build as lc
 
     index = tmp_path / "simple"
     (index / lc.SDIST).mkdir(parents=True)
@@ -682,8 +682,8 @@ def test_no_package_registry_host_in_the_code():
 def test_the_quantized_files_run_on_the_portable_build(tmp_path, llama_cpp, tiny_pair):
     """The wheel's Q4_1 target and a q8_0 drafter: the build for every x86-64 machine runs them
     (a -march=native build died with SIGILL on both, issue #36) with a CPU variant it chose."""
-    from dspark.core.target import embedded_gguf_path
     from dspark.export.gguf import check_pair, convert_export
+    from dspark.target import embedded_gguf_path
     from eval.llama_cpp_rows import LlamaCppServing, serve_prompts
 
     target, _, exp_dir, target_dir = tiny_pair

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dspark.core.config import ConfigError
+from dspark.config import ConfigError
 from eval.agreement import greedy_outputs_equal
 from eval.results import DrafterResult
 

@@ -354,7 +354,7 @@ def test_wandb_offline_run_gets_scalars_plots_and_tables(results, tmp_path, no_n
 
 
 def test_preset_goals_are_reported_beside_the_measured_tau_and_pos1(results):
-    from dspark.core.config import EvalConfig
+    from dspark.config import EvalConfig
 
     ours = overall("dspark").summary()  # 9 steps: tau = 1 + 16/9, pos-1 = 7/9
     tau, pos1 = ours["tau"], ours["accept_per_pos"][0]

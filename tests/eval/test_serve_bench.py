@@ -340,7 +340,7 @@ def test_the_json_has_every_metric_the_counters_and_the_speedup(tmp_path):
 def test_llama_cpp_rows_count_from_its_counters_and_their_speedup_is_over_llama_cpp_none(tmp_path):
     """llama-server's /metrics counters go through the same counting as vLLM's, and each engine's
     rows are compared with no speculation on the same engine."""
-    from dspark.core.llama_cpp.server import Counters
+    from dspark.serving.llama_cpp.server import Counters
     from eval.serve_bench.stage import llama_cpp_level_fields
 
     mem = {"peak_rss_gib": 1.0, "peak_gpu_gib": None}
@@ -370,7 +370,7 @@ def test_llama_cpp_rows_count_from_its_counters_and_their_speedup_is_over_llama_
 def test_llama_cpp_levels_count_the_servers_tokens_not_the_clients_retokenized_text(tmp_path):
     """vLLM's client re-tokenizes llama-server's text (it misses the usage beside the last chunk's
     choices) and undercounts: steps, throughput and TPOT come from the server's own token count."""
-    from dspark.core.llama_cpp.server import Counters
+    from dspark.serving.llama_cpp.server import Counters
     from eval.serve_bench.stage import llama_cpp_level_fields
 
     mem = {"peak_rss_gib": 1.0, "peak_gpu_gib": None}
@@ -419,7 +419,7 @@ def test_steps_come_from_the_output_tokens_and_are_unknown_without_them(tmp_path
 
 
 def test_serve_bench_is_not_a_default_stage_and_its_keys_are_checked(compose_config):
-    from dspark.core.config import ConfigError
+    from dspark.config import ConfigError
 
     cfg = compose_config("+experiment=smollm2_cpu_demo")
     assert "serve_bench" not in cfg.stages and cfg.serve_bench.concurrency == [1, 2, 4]

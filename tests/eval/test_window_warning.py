@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from dspark.core.config import DSparkConfig
+from dspark.config import DSparkConfig
 from dspark.export.stage import _warn_past_training_window
 
 

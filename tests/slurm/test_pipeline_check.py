@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.core.compose import main as compose_main
+from dspark.config.compose import main as compose_main
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = """#!/bin/bash

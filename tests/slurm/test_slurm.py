@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dspark.core.shard_format import Manifest
 from dspark.data.online import PROMPT_LOG, read_prompt_log
+from dspark.formats.shard_format import Manifest
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "slurm"

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_submitit_slurm_launcher_composes_with_the_k3_experiment():
     from hydra import compose, initialize_config_dir
 
-    import dspark.core.config  # noqa: F401  (registers the config schemas, as train.py does)
+    import dspark.config  # noqa: F401  (registers the config schemas, as train.py does)
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(

@@ -1,2 +1,0 @@
-"""llama.cpp, the CPU serving engine: its build (:mod:`.build`, ``python -m dspark.core.llama_cpp
-build``) and its ``llama-server`` (:mod:`.server`: command line, counters, one completion)."""
