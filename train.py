@@ -114,7 +114,7 @@ def _export_wanted(cfg: RunConfig) -> bool:
     if "export" in cfg.stages or "eval" in cfg.stages:
         return True
     if "serve_bench" in cfg.stages:
-        from eval.serve_bench.stage import serves_exports
+        from eval.serve_bench.configs import serves_exports
 
         return serves_exports(cfg)
     return False

@@ -49,13 +49,12 @@ from typing import Any, Optional
 import torch
 
 from dspark.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
-from dspark.core.errors import CONF_DIR, UserError, exit_on_user_error, run_hydra_command, task_started
-from dspark.core.files import atomic_write_json, file_sha256, not_a_file, read_jsonl, write_jsonl
-from dspark.export.stage import export_path, read_exports, wait_for_export
+from dspark.core.errors import CONF_DIR, exit_on_user_error, run_hydra_command, task_started
+from dspark.core.files import atomic_write_json, file_sha256
+from dspark.export.stage import export_path, wait_for_export
 from dspark.serving.llama_cpp.server import Counters, complete, counters_after, llama_server, read_counters, server_spec
 from dspark.serving.methods import (
     BY_NAME,
-    LLAMA_CPP_PREFIX,
     OURS,
     export_method,
     llama_cpp_method,
@@ -65,9 +64,17 @@ from dspark.serving.server_lifecycle import Server
 from dspark.serving.vllm_engine import run_headless_workers
 from dspark.target import prepare_target, resolve_target
 from eval.acceptance import TAU, TOKENS_PER_STEP
-from eval.inputs import claim_out_dir, engine_kwargs, engine_window, eval_set, make_out_dir
+from eval.inputs import claim_out_dir, engine_kwargs, engine_window, make_out_dir
 from eval.results import nan_to_none
 from eval.serve_bench.client import NEW_CONNECTION_PER_REQUEST, Level, client_argv, level_record, run_client
+from eval.serve_bench.configs import (
+    ServeBenchError,
+    answer_len,
+    eval_set_traffic,
+    load_traffic,
+    resolve_configs,
+    serves_exports,
+)
 from eval.serve_bench.report import BenchOutcome, assemble, merged_configs, write_outputs
 from eval.serve_bench.server import (
     START_TIMEOUT_SETTING,
@@ -83,131 +90,6 @@ log = logging.getLogger(__name__)
 RENDEZVOUS = ("master_addr", "master_port", "node_rank")
 """Multi-node engine arguments left out of the conditions, so the configurations of one job
 (one srun step and rendezvous port each) make one report."""
-
-
-class ServeBenchError(UserError):
-    """Bad input or a drafter it cannot serve: the message names the file, key or log."""
-
-
-class TrafficFileError(ServeBenchError):
-    """A traffic file vLLM's custom dataset cannot read: names the file and line."""
-
-
-# --- configurations ----------------------------------------------------------------------------
-
-
-def resolve_configs(cfg: RunConfig, target_dir: Path, *, gpu: bool) -> list[Configuration]:
-    """``serve_bench.configs`` as servers: a method by name, and ``ours`` served as
-    :func:`~dspark.serving.methods.export_method` says (``dspark`` on GPUs, the ``dflash`` export on
-    CPU; left out, with a log line, when the drafter has no dflash layout)."""
-    out = []
-    for name in cfg.serve_bench.configs:
-        if name.startswith(LLAMA_CPP_PREFIX):
-            out.append(llama_cpp_configuration(cfg, target_dir, name))
-            continue
-        if name == OURS:
-            m = export_method(
-                gpu=gpu, has_layout=lambda x: ensure_export(cfg, target_dir, x, required=False) is not None
-            )
-        else:
-            m = BY_NAME[name]
-        if m is None:
-            log.info(
-                "serve_bench: vLLM on CPU serves only the dflash layout and this drafter has none "
-                "(sample_from_anchor or a Markov head); 'ours' is left out. On a GPU it is served as dspark."
-            )
-            continue
-        draft = ensure_export(cfg, target_dir, m.layout, required=True) if m.layout is not None else None
-        out.append(Configuration.serving(name, m, draft))
-    return out
-
-
-def llama_cpp_configuration(cfg: RunConfig, target_dir: Path, name: str) -> Configuration:
-    """``llama.cpp-METHOD``: llama-server with that method; a drafter's export converted to GGUF
-    by llama.cpp's own converter (``eval.llama_cpp_draft_type``), as the eval serves it."""
-    from dspark.export.gguf import convert_export
-    from dspark.serving.llama_cpp.build import ensure_built
-
-    m = llama_cpp_method(name)
-    draft = None
-    if m.layout is not None:
-        export = ensure_export(cfg, target_dir, m.layout, required=True)
-        draft = convert_export(ensure_built(), export, target_dir, cfg.eval.llama_cpp_draft_type)
-    return Configuration(name, m.name if m.spec_types else None, draft, engine="llama.cpp")
-
-
-def serves_exports(cfg: RunConfig) -> bool:
-    """Whether ``serve_bench.configs`` serves this run's drafter (``ours``, or a method with a
-    layout): the export stage then runs before this one."""
-    for name in cfg.serve_bench.configs:
-        m = llama_cpp_method(name) if name.startswith(LLAMA_CPP_PREFIX) else BY_NAME.get(name)
-        if name == OURS or (m is not None and m.layout is not None):
-            return True
-    return False
-
-
-def ensure_export(cfg: RunConfig, target_dir: Path, layout: str, *, required: bool) -> Optional[Path]:
-    """This run's export in ``layout``, as the export stage's record lists it (the export stage runs
-    before this one). None when the drafter has no such layout and ``required`` is False."""
-    ours = read_exports(cfg).exports["ours"]
-    if layout in ours:
-        return ours[layout].out_dir
-    if required:
-        raise ServeBenchError(
-            f"serve_bench.configs has {layout}, but this drafter has no {layout} export (the dflash layout "
-            "needs drafter.sample_from_anchor=false and drafter.markov_rank=0); use 'ours'"
-        )
-    return None
-
-
-# --- traffic -----------------------------------------------------------------------------------
-
-
-def load_traffic(path: Path, *, need_output_tokens: bool = False) -> list[dict[str, Any]]:
-    """A traffic file in vLLM's custom-dataset format, checked line by line before any server
-    starts: a JSON object per line with a non-empty string ``prompt`` and, optionally (on every
-    line with ``need_output_tokens``: serve_bench.output_len=null), a positive integer
-    ``output_tokens``."""
-    where = f"serve_bench.traffic_file={path}"
-    problem = not_a_file(path)
-    if problem:
-        raise TrafficFileError(f'{where}: {problem}, expected JSONL with one {{"prompt": ...}} per line')
-    if path.suffix != ".jsonl":
-        raise TrafficFileError(f"{where}: expected a .jsonl file (vLLM's custom dataset reads JSONL only)")
-    rows = []
-    try:
-        for n, rec in read_jsonl(path, error=TrafficFileError):
-            if not isinstance(rec, dict):
-                raise TrafficFileError(f'{path}:{n}: expected a JSON object with a "prompt" string, got {rec!r:.80}')
-            prompt = rec.get("prompt")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise TrafficFileError(f'{path}:{n}: field "prompt" is {prompt!r:.80}, expected a non-empty string')
-            tokens = rec.get("output_tokens")
-            if "output_tokens" in rec and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-                raise TrafficFileError(f'{path}:{n}: field "output_tokens" is {tokens!r}, expected an integer >= 1')
-            if need_output_tokens and "output_tokens" not in rec:
-                raise TrafficFileError(
-                    f'{path}:{n}: no "output_tokens", expected one on every line with serve_bench.output_len=null'
-                )
-            rows.append(rec)
-    except UnicodeDecodeError as e:
-        raise TrafficFileError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not rows:
-        raise TrafficFileError(f'{where}: no requests in it, expected one {{"prompt": ...}} per line')
-    return rows
-
-
-def eval_set_traffic(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[Path, int]:
-    """The eval set (what the eval measures tau on) as a traffic file: each prompt's tokens (the
-    chat template applied already) decoded to text; the longest prompt, in tokens."""
-    prompts, _ = eval_set(cfg, heads, out_dir)
-    path = out_dir / "traffic_eval_set.jsonl"
-    tok = heads.tokenizer
-    write_jsonl(
-        path,
-        [{"prompt": tok.decode(list(p.prompt_token_ids)), "output_tokens": answer_len(cfg)} for p in prompts],
-    )
-    return path, max(p.num_tokens for p in prompts)
 
 
 # --- the benchmark -----------------------------------------------------------------------------
@@ -278,11 +160,6 @@ def server_max_model_len(cfg: RunConfig, longest_prompt: int = 0, longest_answer
     if sb.max_model_len or e.vllm_max_model_len:
         return int(sb.max_model_len or e.vllm_max_model_len)
     return engine_window(max(max(e.context_bins), longest_prompt), longest_answer or answer_len(cfg), e.gamma)
-
-
-def answer_len(cfg: RunConfig) -> int:
-    """Tokens per answer: serve_bench.output_len, or eval.max_new_tokens where it is null."""
-    return cfg.serve_bench.output_len or cfg.eval.max_new_tokens
 
 
 @dataclass

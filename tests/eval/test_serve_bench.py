@@ -18,6 +18,12 @@ import pytest
 
 from dspark.export.stage import ExportRecordError
 from eval.serve_bench.client import METRICS, client_argv, level_record
+from eval.serve_bench.configs import (
+    TrafficFileError,
+    load_traffic,
+    resolve_configs,
+    serves_exports,
+)
 from eval.serve_bench.report import TABLE_COLUMNS, assemble, table_rows, wandb_scalars, write_outputs
 from eval.serve_bench.server import (
     Configuration,
@@ -32,11 +38,7 @@ from eval.serve_bench.server import (
 )
 from eval.serve_bench.stage import (
     BenchSetup,
-    TrafficFileError,
-    load_traffic,
-    resolve_configs,
     server_max_model_len,
-    serves_exports,
 )
 
 REPO = Path(__file__).resolve().parents[2]
