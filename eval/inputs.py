@@ -19,6 +19,25 @@ from eval.prompts import build_eval_set
 log = logging.getLogger(__name__)
 
 
+def warn_past_training_window(cfg: RunConfig, attention_window: Optional[int], trained: Optional[int]) -> None:
+    """A full-attention drafter evaluated on prompts longer than it was trained on reads context
+    farther back than any distance it has seen: say so, with the two ways out (issue #47).
+    ``trained``: the train.max_seq_len it was trained on (the export stage's record; None where
+    its checkpoint does not say, as for a speculators directory)."""
+    longest = max(cfg.eval.context_bins)
+    if attention_window is None and isinstance(trained, int) and longest > trained:
+        log.warning(
+            "eval: the drafter attends over the whole context (drafter.attention_window=null) and was trained on "
+            "windows of train.max_seq_len=%d tokens; the eval's prompts reach %d tokens, where it reads context %.0fx "
+            "farther back than it was trained on and acceptance may fade. Train with drafter.attention_window "
+            "(served as a sliding window by vLLM and llama.cpp) or on windows as long as the served context "
+            '(docs/guide.md, "Long context")',
+            trained,
+            longest,
+            longest / trained,
+        )
+
+
 class OutDirInUseError(UserError):
     """An output directory that holds what no earlier run of this stage wrote."""
 

@@ -32,7 +32,7 @@ from eval.acceptance import AcceptanceCounts
 from eval.agreement import greedy_outputs_equal, llama_cpp_parity
 from eval.checks import quality_checks
 from eval.eval_set import eval_set_sha256
-from eval.inputs import claim_out_dir, engine_kwargs, eval_set, vllm_max_model_len
+from eval.inputs import claim_out_dir, engine_kwargs, eval_set, vllm_max_model_len, warn_past_training_window
 from eval.llama_cpp_rows import llama_cpp_results, llama_cpp_wanted
 from eval.reference_rows import reference_results
 from eval.results import (
@@ -149,6 +149,8 @@ def _run_eval(cfg: RunConfig, heads: Any, target_dir: Path, out_dir: Path) -> Ev
         )
         return done
     t0 = time.perf_counter()
+    for window, trained in record.windows.values():  # ours and the ablation, as the export stage read them
+        warn_past_training_window(cfg, window, trained)
     prompts, prompts_file = eval_set(cfg, heads, out_dir)
     exports = record.exports
     seconds = {"eval set": round(time.perf_counter() - t0, 1)}  # every part's wall clock, in the order run

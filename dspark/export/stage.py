@@ -30,7 +30,7 @@ from dspark.export.vllm_format import CONFIG_FILE, EXPORT_FORMAT_VERSION, WEIGHT
 log = logging.getLogger(__name__)
 
 RECORD_FILE = "exports.json"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the windows the eval warns from
 EXPORT_WAIT_S = 3600
 """How long the other nodes of a multi-node engine wait for node 0's export."""
 
@@ -52,6 +52,9 @@ class ExportRecord:
     checks: dict[str, str]  # export directory -> how it was checked
     files: dict[str, dict[str, Optional[list[int]]]] = field(default_factory=dict)
     """export directory -> file name -> [size, mtime_ns] as the stage wrote it"""
+    windows: dict[str, list[Optional[int]]] = field(default_factory=dict)
+    """who -> [drafter.attention_window, the train.max_seq_len it was trained on (None where its
+    checkpoint does not say)]: what the eval's long-context warning reads"""
 
     def export_dir(self, who: str = "ours", layout: str = "dspark") -> Path:
         return self.exports[who][layout].out_dir
@@ -172,17 +175,17 @@ def run_export(cfg: RunConfig, target_dir: Path) -> ExportRecord:
             log.info("export: %s is up to date (same checkpoint files and settings), skipped", earlier.path)
             return earlier
         t0 = time.perf_counter()
-        exports, checks = {}, {}
+        exports, checks, windows = {}, {}, {}
         for who, c in checkpoints.items():
             if who == "ablation":
                 log.info("Markov-off ablation: %s", c)
-            exports[who] = export_all(cfg, who, c, target_dir, checks)
+            exports[who], windows[who] = export_all(cfg, who, c, target_dir, checks)
         files = {
             str(s.out_dir): {n: _stat(s.out_dir / n) for n in EXPORT_FILES}
             for v in exports.values()
             for s in v.values()
         }
-        record = ExportRecord(out_dir / RECORD_FILE, fp, checkpoints, exports, checks, files)
+        record = ExportRecord(out_dir / RECORD_FILE, fp, checkpoints, exports, checks, files, windows)
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(record.path, _record_json(record), indent=2)
         log.info("export: %s in %.1f s", record.summary_line(), time.perf_counter() - t0)
@@ -191,13 +194,15 @@ def run_export(cfg: RunConfig, target_dir: Path) -> ExportRecord:
 
 def export_all(
     cfg: RunConfig, who: str, ckpt_path: Path, target_dir: Path, checks: dict[str, str]
-) -> dict[str, ExportSummary]:
+) -> tuple[dict[str, ExportSummary], list[Optional[int]]]:
     """Every layout the drafter can be served in (the dspark one always, the dflash one where the
     drafter has it), each checked with vLLM's own classes at ``eval.gamma`` draft tokens (where
     vLLM is installed). A drafter directory that is itself an export of ours is listed as it is,
-    never exported again (into itself)."""
+    never exported again (into itself). Also the drafter's attention window and the sequence
+    length it was trained on (:attr:`ExportRecord.windows`)."""
     ckpt = read_checkpoint(cfg, ckpt_path)
-    _warn_past_training_window(cfg, ckpt)
+    trained = ((ckpt.run_config or {}).get("train") or {}).get("max_seq_len")
+    window = [ckpt.drafter.attention_window, trained if isinstance(trained, int) else None]
     own = exported_layout(ckpt_path) if is_drafter_dir(ckpt_path) else None
     out = {}
     for layout in drafter_layouts(ckpt.drafter):
@@ -211,7 +216,7 @@ def export_all(
         log.info("%s", s.render())
         checks[str(s.out_dir)] = _check(s.out_dir, target_dir, cfg.eval.gamma)
         out[layout] = s
-    return out
+    return out, window
 
 
 def _check(d: Path, target_dir: Path, gamma: int) -> str:
@@ -229,24 +234,6 @@ def _check(d: Path, target_dir: Path, gamma: int) -> str:
 
     log.info("%s", validate(d, target_dir=target_dir, num_speculative_tokens=gamma).render())
     return f"vLLM classes, {gamma} draft tokens: ok"
-
-
-def _warn_past_training_window(cfg: RunConfig, ckpt: Any) -> None:
-    """A full-attention drafter evaluated on prompts longer than it was trained on reads context
-    farther back than any distance it has seen: say so, with the two ways out (issue #47)."""
-    trained = ((getattr(ckpt, "run_config", None) or {}).get("train") or {}).get("max_seq_len")
-    longest = max(cfg.eval.context_bins)
-    if ckpt.drafter.attention_window is None and isinstance(trained, int) and longest > trained:
-        log.warning(
-            "eval: the drafter attends over the whole context (drafter.attention_window=null) and was trained on "
-            "windows of train.max_seq_len=%d tokens; the eval's prompts reach %d tokens, where it reads context %.0fx "
-            "farther back than it was trained on and acceptance may fade. Train with drafter.attention_window "
-            "(served as a sliding window by vLLM and llama.cpp) or on windows as long as the served context "
-            '(docs/guide.md, "Long context")',
-            trained,
-            longest,
-            longest / trained,
-        )
 
 
 # --- the record -----------------------------------------------------------------------------------
@@ -287,6 +274,7 @@ def _record_json(record: ExportRecord) -> dict[str, Any]:
         "fingerprint": record.fingerprint,
         "sources": {who: str(p) for who, p in record.sources.items()},
         "exports": {who: {layout: summary(s) for layout, s in v.items()} for who, v in record.exports.items()},
+        "windows": record.windows,
     }
 
 
@@ -326,7 +314,8 @@ def _read_record(path: Path, *, quiet: bool = False) -> Optional[ExportRecord]:
                 checks[str(kw["out_dir"])] = str(s.get("check", ""))
                 files[str(kw["out_dir"])] = dict(s.get("files") or {})
         sources_ = {w: Path(p) for w, p in d["sources"].items()}
-        record = ExportRecord(path, str(d["fingerprint"]), sources_, exports, checks, files)
+        windows = {str(w): list(v) for w, v in (d.get("windows") or {}).items()}
+        record = ExportRecord(path, str(d["fingerprint"]), sources_, exports, checks, files, windows)
     except (KeyError, TypeError, AttributeError) as e:
         if quiet:
             log.warning("export: %s is unreadable (%s: %s): written again", path, type(e).__name__, e)

@@ -67,6 +67,8 @@ def test_the_stage_writes_the_exports_and_their_record_which_the_readers_get(run
     )
     got = read_exports(cfg)
     assert got.fingerprint == record.fingerprint and got.sources == record.sources
+    # what the eval's long-context warning reads: the window and the training length (not in this run.json)
+    assert record.windows == got.windows == {"ours": [None, None]}
     assert got.exports["ours"]["dspark"] == record.exports["ours"]["dspark"]
     assert record.summary_line() == f"1 exports (ours dspark), 1 checked with vLLM's classes -> {record.path}"
 
@@ -136,7 +138,7 @@ def test_no_record_and_an_unreadable_one(run, caplog):
         "python train.py +experiment=... stages=[export]"
     )
     run_export(cfg, target)
-    path.write_text('{"record_version": 1, "fingerprint": "x"}')  # cut short
+    path.write_text('{"record_version": 2, "fingerprint": "x"}')  # cut short
     with pytest.raises(ExportRecordError, match=rf"{path}: unreadable field 'exports'"):
         read_exports(cfg)
     with caplog.at_level(logging.WARNING):

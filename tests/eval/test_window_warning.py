@@ -8,19 +8,18 @@ import logging
 from types import SimpleNamespace
 
 from dspark.config import DSparkConfig
-from dspark.export.stage import _warn_past_training_window
+from eval.inputs import warn_past_training_window
 
 
 def _ckpt(window, trained):
-    return SimpleNamespace(
-        drafter=DSparkConfig(attention_window=window), run_config={"train": {"max_seq_len": trained}}
-    )
+    """What the export stage records of a checkpoint: [drafter.attention_window, train.max_seq_len]."""
+    return DSparkConfig(attention_window=window).attention_window, trained
 
 
 def test_a_full_attention_drafter_past_its_training_window_is_named(caplog):
     cfg = SimpleNamespace(eval=SimpleNamespace(context_bins=[1024, 7168]))
     with caplog.at_level(logging.WARNING):
-        _warn_past_training_window(cfg, _ckpt(None, 512))
+        warn_past_training_window(cfg, *_ckpt(None, 512))
     (rec,) = caplog.records
     assert (
         "train.max_seq_len=512" in rec.message and "reach 7168 tokens" in rec.message and "14x farther" in rec.message
@@ -28,7 +27,7 @@ def test_a_full_attention_drafter_past_its_training_window_is_named(caplog):
     assert "drafter.attention_window" in rec.message
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        _warn_past_training_window(cfg, _ckpt(512, 512))  # windowed: it never reads past W
-        _warn_past_training_window(cfg, _ckpt(None, 8192))  # trained as long as it is served
-        _warn_past_training_window(cfg, SimpleNamespace(drafter=DSparkConfig(), run_config=None))  # an export
+        warn_past_training_window(cfg, *_ckpt(512, 512))  # windowed: it never reads past W
+        warn_past_training_window(cfg, *_ckpt(None, 8192))  # trained as long as it is served
+        warn_past_training_window(cfg, DSparkConfig().attention_window, None)  # a drafter directory: no training length
     assert not caplog.records
