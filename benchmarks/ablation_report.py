@@ -40,7 +40,7 @@ import math
 import statistics
 from pathlib import Path
 
-from dspark.core.files import read_jsonl
+from dspark.core.file_reads import read_jsonl
 
 Z95 = 1.96  # two-sided 95 % quantile of the normal distribution
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from dspark.config import TargetConfig
-from dspark.core.files import read_jsonl
+from dspark.core.file_reads import read_jsonl
 from dspark.data.shards import ShardDataset
 from dspark.target import resolve_target
 

@@ -21,7 +21,7 @@ import re
 import statistics
 from pathlib import Path
 
-from dspark.core.files import read_jsonl
+from dspark.core.file_reads import read_jsonl
 
 RUN_NAME = re.compile(r"^lever-(?P<lever>.+)-seed(?P<seed>[0-9]+)$")
 

@@ -64,7 +64,7 @@ def parts(directory: Path) -> dict[str, float]:
 def reader_open(directory: Path) -> tuple[float, float, float]:
     """(first open with no caches, rerun with them, rerun with every cache's mtime changed): the
     reader's own path, both splits. A rerun checks each cache against the record of its build
-    (issue #48, :mod:`dspark.core.derived`): a stat when its (size, mtime) were confirmed, a full
+    (issue #48, :mod:`dspark.core.derived_files`): a stat when its (size, mtime) were confirmed, a full
     hash when not (a copied or touched dataset)."""
     cache = directory / CACHE_DIR
     aside = Path(tempfile.mkdtemp(dir=directory.parent)) / "cache"

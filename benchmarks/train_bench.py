@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 def synthetic_shards(out: Path, heads, *, n: int, seq_len: int) -> None:
     """Random states in the real schema (timing does not depend on their values)."""
     from data_tools.shard_writer import finalize, write_shard
-    from dspark.core.files import file_sha256
+    from dspark.core.file_reads import file_sha256
     from dspark.formats.shard_format import Manifest
 
     g = torch.Generator().manual_seed(0)

@@ -41,8 +41,9 @@ from data_tools.shard_writer import ShardWriter, complete_shard, finalize
 from data_tools.storage import StorageEstimate, sequence_tokens, storage_estimate
 from dspark.config import ConfigError, DataConfig, RunConfig, TargetConfig, load_config
 from dspark.config.wandb_run import init_wandb
+from dspark.core.atomic_files import foreign_listing, unwritable_cause
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
-from dspark.core.files import file_sha256, foreign_listing, text_sha256, unwritable_cause
+from dspark.core.file_reads import file_sha256, text_sha256
 from dspark.core.layer_ids import CONVENTION, vllm_aux_layer_ids
 from dspark.formats.shard_format import SPLITS, DatasetError, Manifest, scale_granularity_of, shard_name
 from dspark.formats.shard_rows import encode_hidden_states

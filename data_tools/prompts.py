@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from dspark.core.errors import UserError
-from dspark.core.files import not_a_file, read_jsonl
+from dspark.core.file_reads import not_a_file, read_jsonl
 from dspark.core.prompt_format import format_lcr_prompt
 
 SHAREGPT_ROLES = {

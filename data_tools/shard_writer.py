@@ -16,7 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from filelock import FileLock
 
-from dspark.core.files import atomic_path, atomic_write_text, file_sha256, reporting_disk_full
+from dspark.core.atomic_files import atomic_path, atomic_write_text
+from dspark.core.disk_space import reporting_disk_full
+from dspark.core.file_reads import file_sha256
 from dspark.formats.shard_format import SCHEMA, Manifest, ShardInfo, shard_name
 
 DISK_FULL_TODO = (

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from dspark.core import derived, fp8
+from dspark.core import derived_files, fp8
 from dspark.core.errors import exit_on_user_error
 from dspark.core.layer_ids import reference_hidden_states
 from dspark.formats.shard_format import (
@@ -109,21 +109,21 @@ def check_shards(directory: Path, manifest: Manifest) -> tuple[list[str], list[d
 def damaged_caches(directory: Path, manifest: Manifest) -> list[tuple[Path, str]]:
     """Every derived file the dataset holds for this manifest (the shards' Arrow caches, the
     target's top-k caches, the token counts), hashed in full against the record of its build
-    (:mod:`dspark.core.derived`): (path, why) for each that training would not reuse."""
+    (:mod:`dspark.core.derived_files`): (path, why) for each that training would not reuse."""
     checks: list[tuple[Path, Optional[str]]] = [
         (cache_path(directory, info), arrow_cache_source(info)) for info in manifest.shards
     ]
     checks = [(p, src) for p, src in checks if p.is_file()]
     by_name = {(info.split, info.name, info.sha256[:12]): info for info in manifest.shards}
-    for path in sorted((directory / derived.TOPK_DIR).rglob("*.safetensors")):
+    for path in sorted((directory / derived_files.TOPK_DIR).rglob("*.safetensors")):
         m = TOPK_NAME.match(path.name)  # bound to the shard its name says it was built from
         info = by_name.get((path.parent.name, m["shard"], m["sha"])) if m else None
         src = topk_source(info, k=int(m["k"]), rule=m["rule"], head_id=m["head"]) if m and info else None
         checks.append((path, src))
-    checks += [(p, None) for p in sorted((directory / derived.COUNTS_DIR).rglob("*.safetensors"))]
+    checks += [(p, None) for p in sorted((directory / derived_files.COUNTS_DIR).rglob("*.safetensors"))]
     out = []
     for path, src in checks:
-        why = derived.problem(path, full=True, source=src)
+        why = derived_files.problem(path, full=True, source=src)
         if why:
             out.append((path, why))
     return out
@@ -174,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     problems, pool = check_shards(args.directory, manifest)
     stale = stale_caches(args.directory, manifest)
     for cache in stale:  # built from other bytes than the manifest's shards, or before shards were verified
-        derived.remove(cache)
+        derived_files.remove(cache)
     if stale:
         print(f"dropped {len(stale)} Arrow cache(s) no verified shard of this manifest produced: " + ", ".join(
             str(c.relative_to(args.directory)) for c in stale[:5]) + (" ..." if len(stale) > 5 else ""))  # fmt: skip
     rows = len(pool)
     for cache, why in damaged_caches(args.directory, manifest):
-        derived.remove(cache)
+        derived_files.remove(cache)
         print(f"dropped {cache}: {why}; the next run rebuilds it from its verified source")
     print(f"{args.directory}: {len(manifest.shards)} shards in manifest, {rows} rows decoded, {len(problems)} problems")
     for p in problems:

@@ -39,14 +39,8 @@ from dspark.checkpoint_tags import (
     tag_name,
 )
 from dspark.config import RunConfig
-from dspark.core.files import (
-    DiskFullError,
-    atomic_write_text,
-    disk_full_message,
-    free_bytes,
-    is_disk_full,
-    reporting_disk_full,
-)
+from dspark.core.atomic_files import atomic_write_text
+from dspark.core.disk_space import DiskFullError, disk_full_message, free_bytes, is_disk_full, reporting_disk_full
 from dspark.data.batching import DataPosition
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import torch
 
 from dspark.checkpoint_tags import RUN_FILE, CheckpointError, latest_tag, read_run_config, tag_step
 from dspark.config import DSparkConfig, RunConfig
-from dspark.core.files import file_sha256
+from dspark.core.file_reads import file_sha256
 
 
 def checkpoint_config_differences(tag_dir: Path, cfg: RunConfig) -> list[str]:

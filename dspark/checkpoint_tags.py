@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from dspark.core.atomic_files import atomic_write_json, atomic_write_text, foreign_listing
 from dspark.core.errors import UserError
-from dspark.core.files import atomic_write_json, atomic_write_text, foreign_listing, lock_or_name_holder
+from dspark.core.locks import lock_or_name_holder
 
 RUN_FILE = "run.json"
 LATEST_FILE = "latest"

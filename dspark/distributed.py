@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.core.files import free_port
+from dspark.core.ports import free_port
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import torch
 
 from dspark.checkpoint import TrainState
 from dspark.config import TORCH_DTYPES, ConfigError, RunConfig, TargetConfig
-from dspark.core.files import file_sha256, text_sha256
+from dspark.core.file_reads import file_sha256, text_sha256
 from dspark.data.batching import RankBatches
 from dspark.data.colocated import ColocatedDataset, ColocatedTarget, device_for_rank
 from dspark.data.online import (

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config import ConfigError, RunConfig
-from dspark.core.files import read_json
+from dspark.core.file_reads import read_json
 from eval.results import DrafterResult, outputs_equal
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dspark.core.atomic_files import write_jsonl
 from dspark.core.errors import UserError
-from dspark.core.files import not_a_file, read_jsonl, write_jsonl
+from dspark.core.file_reads import not_a_file, read_jsonl
 
 log = logging.getLogger(__name__)
 

@@ -187,7 +187,7 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
     from dspark.export.gguf import check_pair, convert_export, export_problem
     from dspark.serving.llama_cpp.build import ensure_built
     from dspark.serving.methods import LLAMA_CPP_BY_NAME
-    from eval.inputs import vllm_max_model_len
+    from eval.engine_args import vllm_max_model_len
     from eval.results import DrafterResult
 
     e = cfg.eval

@@ -41,12 +41,18 @@ import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from dspark.core.target_dir import read_text_config
-from eval.eval_set import EvalPrompt, EvalPromptError, PathLike, eval_set_sha256, save_eval_set
+from eval.eval_set import EvalPrompt, EvalPromptError, PathLike, eval_set_sha256, load_eval_set, save_eval_set
+from eval.out_dir import make_out_dir
 from eval.prompt_bins import DocumentTokens, OfflinePool, aa_lcr_bin, fixed_passage_set, offline_bin
 from eval.prompt_documents import LcrQuestion, load_aa_lcr, reference_topics, subpackage_sources
+
+if TYPE_CHECKING:
+    from dspark.config import RunConfig
+
+log = logging.getLogger(__name__)
 
 MIN_FILL = 0.75
 """A prompt in bin b has at least this fraction of b tokens."""
@@ -134,6 +140,69 @@ def _table(prompts: Sequence[EvalPrompt], bins: Sequence[int]) -> str:
             continue
         rows.append(f"{b:>8} {len(n):>7} {min(n):>8} {sum(n) / len(n):>8.0f} {max(n):>8} {sum(docs) / len(docs):>5.1f}")
     return "\n".join(rows)
+
+
+# --- the run's set ---------------------------------------------------------------------------------
+
+
+def run_eval_set(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[list[EvalPrompt], Path]:
+    """The prompts (a prepared set, e.g. your own traffic, or one built per context bin), saved
+    as ``out_dir/eval_set.jsonl`` for the vLLM engines (``out_dir`` is created once they are
+    known good). A prompts file is only read: when it is that very file (a rerun on an earlier
+    eval's set), the set is saved as ``eval_set.used.jsonl`` beside it instead."""
+    e = cfg.eval
+    if e.prompts_file:  # checked line by line against the target before anything is exported or served
+        prompts = load_eval_set(
+            Path(e.prompts_file).expanduser(),
+            vocab_size=heads.vocab_size,
+            window=int(heads.config.get("max_position_embeddings") or 0),
+            max_new_tokens=e.max_new_tokens,
+        )
+    else:
+        prompts = build_eval_set(
+            heads.tokenizer,
+            context_bins=e.context_bins,
+            prompts_per_bin=e.prompts_per_bin,
+            max_new_tokens=e.max_new_tokens,
+            window=int(heads.config.get("max_position_embeddings") or 0),
+            source=e.source,
+            aa_lcr_csv=e.aa_lcr_csv,
+            aa_lcr_texts=e.aa_lcr_texts,
+            seed=e.seed,
+        )
+    prompts_file = out_dir / "eval_set.jsonl"
+    given = Path(e.prompts_file).expanduser() if e.prompts_file else None
+    if given is not None and prompts_file.exists() and prompts_file.resolve() == given.resolve():
+        prompts_file = out_dir / "eval_set.used.jsonl"  # the input stays as the user gave it
+    make_out_dir(out_dir)
+    save_eval_set(prompts, prompts_file)
+    log.info(
+        "eval set: %d prompts in bins %s -> %s (sha256 %s)",
+        len(prompts),
+        sorted({p.bin for p in prompts}),
+        prompts_file,
+        eval_set_sha256(prompts)[:12],
+    )
+    return prompts, prompts_file
+
+
+def warn_past_training_window(cfg: RunConfig, attention_window: Optional[int], trained: Optional[int]) -> None:
+    """A full-attention drafter evaluated on prompts longer than it was trained on reads context
+    farther back than any distance it has seen: say so, with the two ways out (issue #47).
+    ``trained``: the train.max_seq_len it was trained on (the export stage's record; None where
+    its checkpoint does not say, as for a speculators directory)."""
+    longest = max(cfg.eval.context_bins)
+    if attention_window is None and isinstance(trained, int) and longest > trained:
+        log.warning(
+            "eval: the drafter attends over the whole context (drafter.attention_window=null) and was trained on "
+            "windows of train.max_seq_len=%d tokens; the eval's prompts reach %d tokens, where it reads context %.0fx "
+            "farther back than it was trained on and acceptance may fade. Train with drafter.attention_window "
+            "(served as a sliding window by vLLM and llama.cpp) or on windows as long as the served context "
+            '(docs/guide.md, "Long context")',
+            trained,
+            longest,
+            longest / trained,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -17,7 +17,7 @@ from dspark.export import ExportSummary
 from dspark.export.vllm_format import load_drafter, read_export
 from dspark.serving.methods import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
 from eval.acceptance import AcceptanceCounts, per_bin_summary
-from eval.inputs import vllm_max_model_len
+from eval.engine_args import vllm_max_model_len
 from eval.llama_cpp_rows import llama_cpp_wanted
 from eval.results import DrafterResult
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from dspark.core.files import atomic_write_text
+from dspark.core.atomic_files import atomic_write_text
 from eval.acceptance import ACCEPT_PER_POS, ACCEPTANCE_METRICS, TOKENS_PER_STEP, AcceptanceCounts, AcceptanceMetric
 from eval.checks import interval_text, paired_interval
 from eval.intervals import CONFIDENCE

@@ -23,17 +23,20 @@ import torch
 from omegaconf import DictConfig
 
 from dspark.config import RunConfig, config_fingerprint, eval_fields, load_config
+from dspark.core.atomic_files import atomic_write_json
 from dspark.core.errors import exit_on_user_error, run_hydra_command, task_started
-from dspark.core.files import atomic_write_json, holding
+from dspark.core.locks import holding
 from dspark.export import ExportSummary
 from dspark.export.stage import ExportRecord, read_exports, run_export
 from dspark.serving.methods import export_method
 from eval.acceptance import AcceptanceCounts
 from eval.agreement import greedy_outputs_equal, llama_cpp_parity
 from eval.checks import quality_checks
+from eval.engine_args import engine_kwargs, vllm_max_model_len
 from eval.eval_set import eval_set_sha256
-from eval.inputs import claim_out_dir, engine_kwargs, eval_set, vllm_max_model_len, warn_past_training_window
 from eval.llama_cpp_rows import llama_cpp_results, llama_cpp_wanted
+from eval.out_dir import claim_out_dir
+from eval.prompts import run_eval_set, warn_past_training_window
 from eval.reference_rows import reference_results
 from eval.results import (
     Check,
@@ -151,7 +154,7 @@ def _run_eval(cfg: RunConfig, heads: Any, target_dir: Path, out_dir: Path) -> Ev
     t0 = time.perf_counter()
     for window, trained in record.windows.values():  # ours and the ablation, as the export stage read them
         warn_past_training_window(cfg, window, trained)
-    prompts, prompts_file = eval_set(cfg, heads, out_dir)
+    prompts, prompts_file = run_eval_set(cfg, heads, out_dir)
     exports = record.exports
     seconds = {"eval set": round(time.perf_counter() - t0, 1)}  # every part's wall clock, in the order run
     # the reference loop's and vLLM's parts do not depend on llama.cpp's settings: another llama.cpp

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dspark.config import EvalConfig, ExtractEngineConfig, TargetConfig
-from dspark.core.files import atomic_write_json
+from dspark.core.atomic_files import atomic_write_json
 from dspark.serving.methods import BY_NAME, SPECULATIVE, speculative_config
 from dspark.serving.vllm_engine import generate, make_llm
 from eval.acceptance import AcceptanceCounts
@@ -281,7 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     p.add_argument("--temperature", type=float, default=defaults.temperature)
     p.add_argument(
-        "--max-model-len", type=int, required=True, help="the engine window (eval.inputs.vllm_max_model_len)"
+        "--max-model-len", type=int, required=True, help="the engine window (eval.engine_args.vllm_max_model_len)"
     )
     p.add_argument(
         "--cpu-kvcache-gib",

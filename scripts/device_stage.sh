@@ -188,7 +188,7 @@ fi
 if ! [ -f "$cache/vllm_cpu_ngram.json" ]; then
   window=$("$PY" -c 'import sys
 from eval.eval_set import load_eval_set
-from eval.inputs import engine_window
+from eval.engine_args import engine_window
 p = load_eval_set(sys.argv[1]); print(engine_window(max(x.num_tokens for x in p), int(sys.argv[2]), int(sys.argv[3])))' \
     "$cache/eval_set.jsonl" "$new" "$gamma")
   echo "device_stage: vLLM's greedy answers to the eval set on CPU (ngram, window $window); about 20 min"

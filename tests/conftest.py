@@ -47,7 +47,7 @@ def tiny_qwen3_dir(smollm2_dir) -> Path:
     temporary name, renamed when complete)."""
     from filelock import FileLock
 
-    from dspark.core.files import atomic_path
+    from dspark.core.atomic_files import atomic_path
     from dspark.target import cache_root
     from tests.toy import TINY_QWEN3, TOKENIZER_FILES, save_target, tiny_qwen3_target
 

@@ -57,7 +57,7 @@ SHORT_QUESTIONS = [
 def torchrun(script: str, *args: str, nproc: int = 2) -> list[str]:
     """``python -m torch.distributed.run`` of ``script`` with ``args`` on ``nproc`` local ranks,
     at a free rendezvous port."""
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
 
     return [
         sys.executable,
@@ -244,7 +244,7 @@ def build_target_and_shards(root: Path, smollm2_dir: Path, *, n_train=12, n_val=
     from transformers import AutoTokenizer
 
     from data_tools.shard_writer import finalize, write_shard
-    from dspark.core.files import file_sha256, text_sha256
+    from dspark.core.file_reads import file_sha256, text_sha256
     from dspark.core.layer_ids import reference_hidden_states
 
     target = root / "target"

@@ -96,7 +96,7 @@ line naming the path instead of a traceback."""
 
 def user_os_error(err: OSError) -> Optional[str]:
     """``err`` as one line naming its path and the way out, or None for an OS error a user's path
-    did not cause (a full disk has its own message, :mod:`dspark.core.files`)."""
+    did not cause (a full disk has its own message, :mod:`dspark.core.disk_space`)."""
     hint = USER_OS_ERRORS.get(err.errno or -1)
     if hint is None:
         return None

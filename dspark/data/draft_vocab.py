@@ -29,12 +29,12 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.core import derived
+from dspark.core import derived_files
 from dspark.data.target_topk import supervised_tokens
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR = derived.COUNTS_DIR
+CACHE_DIR = derived_files.COUNTS_DIR
 
 
 def token_counts(ds: Any, *, vocab_size: int, rule: str) -> torch.Tensor:
@@ -67,7 +67,9 @@ def cached_token_counts(ds: Any, *, vocab_size: int, rule: str) -> torch.Tensor:
         counts = token_counts(ds, vocab_size=vocab_size, rule=rule)
         save_file({"counts": counts}, str(tmp), metadata={"rule": rule, "sequences": str(len(ds))})
 
-    return load_file(str(derived.reuse_or_build(path, build, what="token-count cache", source=source_name)))["counts"]
+    return load_file(str(derived_files.reuse_or_build(path, build, what="token-count cache", source=source_name)))[
+        "counts"
+    ]
 
 
 def build_d2t(counts: torch.Tensor, size: int) -> torch.Tensor:

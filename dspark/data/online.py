@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dspark.core.files import atomic_write_text
+from dspark.core.atomic_files import atomic_write_text
 from dspark.data.batching import Batch, DataPosition, collate
 from dspark.data.shards import ShardSequence, decode_states
 from dspark.data.target_topk import SequenceTopK

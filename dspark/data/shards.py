@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from dspark.core import derived, fp8
+from dspark.core import derived_files, fp8
 from dspark.data.target_topk import SequenceTopK
 from dspark.formats.shard_format import (
     MANIFEST,
@@ -125,7 +125,7 @@ class ShardDataset:
         """The shard's memory-mapped Arrow cache, built once from the Parquet file after that file's
         size and SHA-256 matched the manifest and every row passed :func:`check_row` (the cache's
         name carries the verified hash, so only a verified shard produces one), and checked before
-        each reuse as :mod:`dspark.core.derived` says: its size and SHA-256 recorded at build, a
+        each reuse as :mod:`dspark.core.derived_files` says: its size and SHA-256 recorded at build, a
         damaged cache rebuilt from the shard with a warning."""
 
         def build(tmp: Path) -> None:
@@ -133,7 +133,7 @@ class ShardDataset:
             with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
                 writer.write_table(table, max_chunksize=16)
 
-        cache = derived.reuse_or_build(
+        cache = derived_files.reuse_or_build(
             cache_path(self.directory, info), build, what="Arrow cache", source=arrow_cache_source(info)
         )
         try:

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dspark.config import SUPERVISE
-from dspark.core import derived, fp8
+from dspark.core import derived_files, fp8
 from dspark.formats.shard_format import ShardInfo, topk_source
 
 log = logging.getLogger(__name__)
@@ -122,10 +122,10 @@ class TargetTopK:
         self.ds, self.k, self.rule = ds, k, rule
         self.target_logits, self.head_id, self.final_index = target_logits, head_id, final_index
         self.rows_per_call = rows_per_call
-        self.root = Path(ds.directory) / derived.TOPK_DIR / ds.split
+        self.root = Path(ds.directory) / derived_files.TOPK_DIR / ds.split
         # each rank computes every world_size-th missing shard; the caller synchronises, then loads
         # checked as a derived file, bound to its shard (a pair copied from another shard is rebuilt)
-        missing = [s for s in ds.shards if derived.problem(self.path(s), source=self.source(s)) is not None]
+        missing = [s for s in ds.shards if derived_files.problem(self.path(s), source=self.source(s)) is not None]
         for info in tqdm(
             missing[rank::world_size], desc=f"target top-{k} ({ds.split})", unit="shard", disable=rank != 0
         ):
@@ -165,7 +165,7 @@ class TargetTopK:
             meta = {"k": str(self.k), "rule": self.rule, "shard_sha256": info.sha256}
             save_file(tensors, str(tmp), metadata=meta)
 
-        derived.reuse_or_build(self.path(info), build, what="target top-k cache", source=self.source(info))
+        derived_files.reuse_or_build(self.path(info), build, what="target top-k cache", source=self.source(info))
 
     def load(self) -> list[SequenceTopK]:
         """Every sequence's cache, in dataset order (raises if a shard's file is missing)."""

@@ -23,15 +23,10 @@ from safetensors.torch import save_file
 from dspark.checkpoint_tags import latest_tag
 from dspark.checkpoint_weights import TrainingCheckpoint, load_training_checkpoint
 from dspark.config import TORCH_DTYPES, TargetConfig
+from dspark.core.atomic_files import atomic_path, default_file_mode, remove_stale_temporaries, replace_problem
+from dspark.core.disk_space import reporting_disk_full
 from dspark.core.errors import exit_on_user_error
-from dspark.core.files import (
-    atomic_path,
-    default_file_mode,
-    read_json,
-    remove_stale_temporaries,
-    replace_problem,
-    reporting_disk_full,
-)
+from dspark.core.file_reads import read_json
 from dspark.core.layer_ids import CONVENTION
 from dspark.core.target_dir import read_text_config
 from dspark.export.gguf import GGUF_TYPES
@@ -207,7 +202,7 @@ def existing_export(ckpt: TrainingCheckpoint, layout: str) -> ExportSummary:
 def check_out_dir(out_dir: Path, checkpoint: Path) -> None:
     """Refuse an ``--out`` that export may not write: the checkpoint's tag directory, any directory
     above it, anything inside the run's checkpoint directory, or a directory that holds what an
-    earlier export did not write (:func:`~dspark.core.files.replace_problem`). One error each,
+    earlier export did not write (:func:`~dspark.core.atomic_files.replace_problem`). One error each,
     before anything is written."""
     out, tag = out_dir.resolve(), Path(checkpoint).expanduser().resolve()
     if not tag.exists():

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dspark.config import GGUF_TYPES, DSparkConfig
-from dspark.core import derived
-from dspark.core.files import file_sha256
+from dspark.core import derived_files
+from dspark.core.file_reads import file_sha256
 from dspark.core.waits import log_tail, run_child
 from dspark.export.vllm_format import CONFIG_FILE, WEIGHTS_FILE, ExportError, read_export
 from dspark.families import get_family, llama_cpp_families
@@ -72,7 +72,7 @@ def export_problem(export_dir: Path) -> Optional[str]:
 
 
 def _convert(tree: LlamaCpp, args: list[str], out: Path, what: str, tmp: Path) -> None:
-    """Run the converter for ``out`` into ``tmp`` (the temporary name :mod:`dspark.core.derived`
+    """Run the converter for ``out`` into ``tmp`` (the temporary name :mod:`dspark.core.derived_files`
     renames when it is complete and recorded); its log beside ``out`` while it runs."""
     log_file = out.with_name(f"{out.name}.convert.log")
     rc = run_child(
@@ -112,7 +112,9 @@ def convert_export(tree: LlamaCpp, export_dir: Path, target_dir: Path, gguf_type
         log.info("llama.cpp: %s -> %s (%.0f s)", export_dir, out, time.perf_counter() - t0)
 
     way_out = "move it, or export to another --out"
-    return derived.reuse_or_build(out, build, what="drafter GGUF", source=source.hexdigest(), only_over_ours=way_out)
+    return derived_files.reuse_or_build(
+        out, build, what="drafter GGUF", source=source.hexdigest(), only_over_ours=way_out
+    )
 
 
 AUTO_TARGET = "auto"
@@ -145,7 +147,7 @@ def target_gguf(
         st = f.stat()
         key.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     out = Path(cache) / "llama.cpp" / "targets" / f"{target_dir.name}-{key.hexdigest()[:12]}.{gguf_type}.gguf"
-    if derived.problem(out) is None:
+    if derived_files.problem(out) is None:
         return out
     from filelock import FileLock
 
@@ -156,7 +158,7 @@ def target_gguf(
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{out}.lock"):
-        return derived.reuse_or_build(out, build, what="target GGUF")
+        return derived_files.reuse_or_build(out, build, what="target GGUF")
 
 
 # --- the pair ------------------------------------------------------------------------------------

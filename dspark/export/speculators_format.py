@@ -40,7 +40,8 @@ from safetensors.torch import load_file
 
 from dspark.checkpoint_weights import check_weights
 from dspark.config import DSparkConfig
-from dspark.core.files import atomic_path, read_json, remove_stale_temporaries, replace_problem
+from dspark.core.atomic_files import atomic_path, remove_stale_temporaries, replace_problem
+from dspark.core.file_reads import read_json
 from dspark.export.vllm_format import CONFIG_FILE, PROVENANCE_FILE, WEIGHTS_FILE, ExportedDrafter, ExportError
 from dspark.families import DEFAULT_FAMILY, DrafterDims, get_family, speculators_families
 from dspark.families.base import served_window

@@ -21,8 +21,10 @@ from typing import Any, Optional
 from dspark.checkpoint_tags import checkpoint_model_file, latest_tag
 from dspark.checkpoint_weights import TrainingCheckpoint, load_training_checkpoint
 from dspark.config import RunConfig, config_fingerprint
+from dspark.core.atomic_files import atomic_write_json
 from dspark.core.errors import UserError
-from dspark.core.files import atomic_write_json, holding, read_json
+from dspark.core.file_reads import read_json
+from dspark.core.locks import holding
 from dspark.core.waits import WaitTimedOut
 from dspark.export import EXPORT_FILES, ExportSummary, existing_export, export, exported_layout
 from dspark.export.vllm_format import CONFIG_FILE, EXPORT_FORMAT_VERSION, WEIGHTS_FILE, drafter_layouts

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from dspark.core.files import free_port
+from dspark.core.ports import free_port
 from dspark.core.target_dir import read_text_config
 from dspark.export.speculators_format import read_drafter_dir, verifier_dir
 from dspark.export.vllm_format import ExportError

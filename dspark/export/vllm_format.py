@@ -40,7 +40,7 @@ from safetensors.torch import load_file
 from dspark.checkpoint_tags import CheckpointError
 from dspark.checkpoint_weights import DRAFT_MAP, SHARED_FROM_TARGET, TrainingCheckpoint, check_weights
 from dspark.config import DSparkConfig
-from dspark.core.files import read_json
+from dspark.core.file_reads import read_json
 from dspark.core.layer_ids import CONVENTION, from_vllm_draft_target_layer_ids, vllm_draft_target_layer_ids
 from dspark.data.draft_vocab import target_ids
 from dspark.families import family_of_architecture, get_family, served_architectures

@@ -43,8 +43,9 @@ import pyarrow as pa
 from dspark import config
 from dspark.config import TORCH_DTYPES
 from dspark.core import fp8
+from dspark.core.atomic_files import atomic_write_text
 from dspark.core.errors import UserError
-from dspark.core.files import atomic_write_text, read_json
+from dspark.core.file_reads import read_json
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -339,7 +340,7 @@ def cache_path(directory: Path, info: ShardInfo) -> Path:
 
 def shard_source(info: ShardInfo) -> str:
     """A shard's identity, as the records of the files derived from it name it
-    (:mod:`dspark.core.derived`'s ``source``): its path in the dataset and its SHA-256."""
+    (:mod:`dspark.core.derived_files`'s ``source``): its path in the dataset and its SHA-256."""
     return f"{info.path} sha256 {info.sha256}"
 
 

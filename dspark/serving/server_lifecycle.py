@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dspark.core.errors import UserError
-from dspark.core.files import free_port
+from dspark.core.ports import free_port
 from dspark.core.waits import die_with_parent_hook, log_tail
 
 log = logging.getLogger(__name__)

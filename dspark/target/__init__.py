@@ -33,8 +33,9 @@ from filelock import FileLock
 from safetensors import safe_open
 
 from dspark.config import TORCH_DTYPES, RunConfig, TargetConfig, default_cache_dir
-from dspark.core.derived import file_records, files_problem
-from dspark.core.files import atomic_path, atomic_write_text, file_sha256
+from dspark.core.atomic_files import atomic_path, atomic_write_text
+from dspark.core.derived_files import file_records, files_problem
+from dspark.core.file_reads import file_sha256
 from dspark.core.target_dir import TargetError, check_field, hf_target_dir, read_config
 
 log = logging.getLogger(__name__)

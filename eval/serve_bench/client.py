@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dspark.config import ServeBenchConfig
-from dspark.core.files import atomic_write_json
+from dspark.core.atomic_files import atomic_write_json
 from dspark.core.waits import WaitTimedOut, log_tail, run_child
 from eval.acceptance import ACCEPT_PER_POS, DRAFT_SHARE, TAU, TOKENS_PER_STEP, AcceptanceCounts
 from eval.serve_bench.server import REPO, Configuration, Server

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dspark.config import RunConfig
+from dspark.core.atomic_files import write_jsonl
 from dspark.core.errors import UserError
-from dspark.core.files import not_a_file, read_jsonl, write_jsonl
+from dspark.core.file_reads import not_a_file, read_jsonl
 from dspark.export.stage import read_exports
 from dspark.serving.methods import BY_NAME, LLAMA_CPP_PREFIX, OURS, export_method, llama_cpp_method
-from eval.inputs import eval_set
+from eval.prompts import run_eval_set
 from eval.serve_bench.server import Configuration
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ def answer_len(cfg: RunConfig) -> int:
 def eval_set_traffic(cfg: RunConfig, heads: Any, out_dir: Path) -> tuple[Path, int]:
     """The eval set (what the eval measures tau on) as a traffic file: each prompt's tokens (the
     chat template applied already) decoded to text; the longest prompt, in tokens."""
-    prompts, _ = eval_set(cfg, heads, out_dir)
+    prompts, _ = run_eval_set(cfg, heads, out_dir)
     path = out_dir / "traffic_eval_set.jsonl"
     tok = heads.tokenizer
     write_jsonl(

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from dspark.config import RunConfig
 from dspark.config.wandb_run import init_wandb
-from dspark.core.files import atomic_write_json, atomic_write_text
+from dspark.core.atomic_files import atomic_write_json, atomic_write_text
 from dspark.serving.methods import BENCH_CONFIGS, LLAMA_CPP_PREFIX
 from eval.acceptance import ACCEPTANCE_METRICS, TAU, TOKENS_PER_STEP
 from eval.report import fmt, metric_text

@@ -79,7 +79,7 @@ class Configuration:
 
 
 def engine_flags(kwargs: dict[str, Any]) -> list[str]:
-    """vllm.LLM keyword arguments (``eval.inputs.engine_kwargs``) as the server's command-line flags."""
+    """vllm.LLM keyword arguments (``eval.engine_args.engine_kwargs``) as the server's command-line flags."""
     flags: list[str] = []
     for key, value in kwargs.items():
         flag = "--" + key.replace("_", "-")

@@ -49,8 +49,9 @@ from typing import Any, Optional
 import torch
 
 from dspark.config import RunConfig, ServeBenchConfig, config_fingerprint, load_config
+from dspark.core.atomic_files import atomic_write_json
 from dspark.core.errors import CONF_DIR, exit_on_user_error, run_hydra_command, task_started
-from dspark.core.files import atomic_write_json, file_sha256
+from dspark.core.file_reads import file_sha256
 from dspark.export.stage import export_path, wait_for_export
 from dspark.serving.llama_cpp.server import Counters, complete, counters_after, llama_server, read_counters, server_spec
 from dspark.serving.methods import (
@@ -64,7 +65,8 @@ from dspark.serving.server_lifecycle import Server
 from dspark.serving.vllm_engine import run_headless_workers
 from dspark.target import prepare_target, resolve_target
 from eval.acceptance import TAU, TOKENS_PER_STEP
-from eval.inputs import claim_out_dir, engine_kwargs, engine_window, make_out_dir
+from eval.engine_args import engine_kwargs, engine_window
+from eval.out_dir import claim_out_dir, make_out_dir
 from eval.results import nan_to_none
 from eval.serve_bench.client import NEW_CONNECTION_PER_REQUEST, Level, client_argv, level_record, run_client
 from eval.serve_bench.configs import (

@@ -202,7 +202,7 @@ def test_over_the_real_link_rows_arrive_whole_and_a_pickle_is_refused(tmp_path):
     """Both ends of a StreamLink (gloo on localhost): a sequence and a block end arrive as sent;
     then a hand-made message carrying a code-running pickle, and one declaring a huge frame, are
     refused by the trainer's recv without allocating or unpickling."""
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
 
     port, marker, rows = free_port(), tmp_path / "pwned", [shard_row(12), {"end": 3}, {}]
     evil = pickle.dumps({"seq_id": Marker(str(marker))})
@@ -265,7 +265,7 @@ def test_the_link_is_bounded_by_its_stream_binds_its_address_and_names_what_is_m
     DistStoreError; the store listened on every interface even with trainer_addr=127.0.0.1."""
     import psutil
 
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
     from dspark.formats.stream import StreamMeta
     from dspark.formats.stream_remote import RemoteSource
 

@@ -145,7 +145,7 @@ def test_producer_on_its_own_streams_to_the_trainer_over_the_link(uninterrupted,
     """The multi-node layout on one machine: ``python -m data_tools.online`` (the engine) and
     ``python train.py`` (the trainer) as two processes joined by data.online.trainer_addr; the
     trainer enters the same prompts as the one-process run."""
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
 
     out, port = tmp_path, free_port()
     link = ["data.online.trainer_addr=127.0.0.1", f"data.online.port={port}", "data.online.connect_timeout_s=600"]

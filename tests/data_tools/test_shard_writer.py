@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from data_tools.shard_writer import ShardWriter, complete_shard, finalize
-from dspark.core.files import DiskFullError
+from dspark.core.disk_space import DiskFullError
 from dspark.formats.shard_format import Manifest
 from tests.toy import toy_manifest
 

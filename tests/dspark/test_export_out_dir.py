@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.core.files import DirectoryInUseError, atomic_path
+from dspark.core.atomic_files import DirectoryInUseError, atomic_path
 from dspark.export import export
 from dspark.export.vllm_format import ExportError
 from tests.dspark.test_export_bytes import TARGET_CONFIG, checkpoint

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dspark.core.derived import NotDerivedError
+from dspark.core.derived_files import NotDerivedError
 from dspark.export import gguf
 
 

@@ -241,7 +241,7 @@ def test_two_producers_enter_the_prompts_in_the_order_one_producer_gives(slow_ra
     """Two engines over their links, one of them slow: the trainer reads their blocks back in
     prompt order (skipped prompts leave the same gaps), from a cursor inside a block, with the
     validation set from producer 0 only, and both stop when the trainer closes."""
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
 
     rows, port = [fake_row(i) for i in range(10)], free_port(span=2)
     kw = dict(layer_ids=[1, 2, 3], hidden_size=HIDDEN, skip={3, 8}, block=3, capacity=2, val=[fake_row(99)])
@@ -261,7 +261,7 @@ def test_two_producers_enter_the_prompts_in_the_order_one_producer_gives(slow_ra
 
 def test_producers_that_disagree_with_the_trainer_are_refused():
     from dspark.config import ConfigError
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
 
     rows, port = [fake_row(i) for i in range(4)], free_port(span=2)
     kw = dict(layer_ids=[1, 2, 3], hidden_size=HIDDEN)
@@ -277,7 +277,7 @@ def test_producers_that_disagree_with_the_trainer_are_refused():
 def test_one_of_two_producers_dying_stops_the_trainer_with_its_error():
     """Producer 1's engine dies on its second block: the trainer takes every sequence before that
     block in prompt order, then raises the producer's own error (from the link's store)."""
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
 
     rows, port = [fake_row(i) for i in range(20)], free_port(span=2)
     kw = dict(layer_ids=[1, 2, 3], hidden_size=HIDDEN, block=2)
@@ -295,7 +295,7 @@ def test_one_of_two_producers_dying_stops_the_trainer_with_its_error():
 
 
 def test_no_prompt_fitting_in_a_whole_pass_is_an_error_with_several_producers():
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
 
     rows, port = [fake_row(i) for i in range(6)], free_port(span=2)
     kw = dict(layer_ids=[1, 2, 3], hidden_size=HIDDEN, skip=set(range(6)), block=2)
@@ -407,7 +407,7 @@ def test_two_ranks_train_from_two_producers_on_other_nodes_and_resume_at_their_c
     import subprocess
     import sys
 
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
 
     target, data = tiny
 

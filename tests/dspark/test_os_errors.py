@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark.core.files import DiskFullError, NotWritableError, atomic_path, is_disk_full
+from dspark.core.atomic_files import NotWritableError, atomic_path
+from dspark.core.disk_space import DiskFullError, is_disk_full
 from dspark.export import export, main
 from tests.dspark.test_export_bytes import TARGET_CONFIG, checkpoint
 from tests.dspark.test_export_out_dir import FIELDS, _tree
@@ -93,7 +94,7 @@ def test_a_read_only_filesystem_is_one_error_not_two(setup, tmp_path, capsys, mo
 
 def test_a_cleanup_that_fails_is_a_warning_not_a_second_error(tmp_path, monkeypatch, caplog):
     _refuse(monkeypatch, "unlink", errno.EROFS, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="dspark.core.files"):
+    with caplog.at_level(logging.WARNING, logger="dspark.core.atomic_files"):
         with pytest.raises(
             NotWritableError, match=rf"cannot write {tmp_path}/f: {tmp_path} is on a read-only filesystem$"
         ):
@@ -115,7 +116,7 @@ def test_out_under_proc_is_not_a_full_disk(setup, capsys, monkeypatch):
 def test_a_full_disk_is_said_only_for_enospc_and_edquot(tmp_path, monkeypatch):
     """An errno decides; free space is asked only of a writer whose error has none (torch's zip
     writer: ``unexpected pos``, a full tmpfs in test_trainer_checkpoints' disk-full save)."""
-    monkeypatch.setattr("dspark.core.files.free_bytes", lambda _: 0)
+    monkeypatch.setattr("dspark.core.disk_space.free_bytes", lambda _: 0)
     for code in (errno.ENOSPC, errno.EDQUOT):
         assert is_disk_full(OSError(code, os.strerror(code)), tmp_path)
     for code in (errno.EACCES, errno.EROFS, errno.ENOENT, errno.EEXIST):
@@ -124,7 +125,7 @@ def test_a_full_disk_is_said_only_for_enospc_and_edquot(tmp_path, monkeypatch):
     wrapped.__cause__ = OSError(errno.EROFS, os.strerror(errno.EROFS))
     assert not is_disk_full(wrapped, tmp_path)
     assert is_disk_full(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"), tmp_path)
-    monkeypatch.setattr("dspark.core.files.free_bytes", lambda _: 1 << 40)
+    monkeypatch.setattr("dspark.core.disk_space.free_bytes", lambda _: 1 << 40)
     assert not is_disk_full(RuntimeError("unexpected pos 576 vs 534"), tmp_path)
 
 

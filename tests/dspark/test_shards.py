@@ -368,21 +368,21 @@ def test_a_topk_cache_moved_onto_another_shards_name_is_rebuilt_for_that_shard(t
 
 
 def test_a_cache_without_a_record_is_rebuilt_and_one_confirmed_is_not_hashed_again(tmp_path, monkeypatch):
-    from dspark.core import derived
+    from dspark.core import derived_files
 
     make_dataset(tmp_path)
     ShardDataset(tmp_path)
     (cache,) = (tmp_path / ".arrow_cache" / "train").glob("shard-00000-*.arrow")
-    derived.record_path(cache).unlink()  # a cache built before records existed, or a kill before its record
-    assert derived.problem(cache).startswith("no intact record of its build")
+    derived_files.record_path(cache).unlink()  # a cache built before records existed, or a kill before its record
+    assert derived_files.problem(cache).startswith("no intact record of its build")
     ShardDataset(tmp_path)
-    assert derived.problem(cache) is None
+    assert derived_files.problem(cache) is None
     hashed = []
-    monkeypatch.setattr(derived, "file_sha256", lambda p: hashed.append(p) or "0" * 64)
+    monkeypatch.setattr(derived_files, "file_sha256", lambda p: hashed.append(p) or "0" * 64)
     ShardDataset(tmp_path)  # the rerun: a stat per cache, no hash
     assert hashed == []
     os.utime(cache)  # touched: hashed once (here against a wrong hash, so refused)
-    assert derived.problem(cache).startswith("sha256 0000000000000000, its build recorded")
+    assert derived_files.problem(cache).startswith("sha256 0000000000000000, its build recorded")
 
 
 def test_verify_hashes_every_cache_and_drops_a_damaged_one(tmp_path, capsys):

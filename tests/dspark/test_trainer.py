@@ -367,7 +367,7 @@ def test_deepspeed_starts_in_a_process_where_vllm_left_a_one_process_group():
     job's trainer must still start DeepSpeed (it failed with DeepSpeed's LOCAL_RANK assertion)."""
     code = """
 import datetime, torch, torch.distributed as dist, deepspeed
-from dspark.core.files import free_port
+from dspark.core.ports import free_port
 from dspark.distributed import init_distributed
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)  # as vLLM does
 print("group", init_distributed(60))
@@ -386,7 +386,7 @@ print("engine", type(engine).__name__)
 def test_a_rendezvous_nobody_joins_ends_within_train_dist_timeout_s_naming_it():
     """Rank 1 of 2 whose master never comes up: torch would retry; the bound ends it, naming the
     address, the world size and the setting."""
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
 
     port = free_port()
     env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}

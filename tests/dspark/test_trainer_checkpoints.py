@@ -317,7 +317,7 @@ def test_a_full_disk_stops_the_save_keeps_latest_and_the_rerun_completes_the_run
 ):
     """Room for two tags, not three. ``before``: the size check refuses the third save before it
     writes; ``during``: with that check blinded, torch.save runs out of space mid-tag."""
-    from dspark.core.files import DiskFullError
+    from dspark.core.disk_space import DiskFullError
 
     run = ("train.max_steps=6", "train.save_every=2")
     full = make_trainer(compose_config, tiny, tmp_path / "full", *run).train()
@@ -452,7 +452,7 @@ def test_two_ranks_one_disk_full_mid_save_all_end_soon_with_rank_0s_error(tiny, 
     """Rank 0's save fails (disk full) while rank 1 has written its part and waits in DeepSpeed's
     barrier: torchrun, seeing rank 0 end, ends rank 1 too, long before the collective timeout;
     the run ends non-zero with rank 0's error naming the tag, and latest stays on step 2."""
-    from dspark.core.files import free_port
+    from dspark.core.ports import free_port
 
     target, data = tiny
     script = tmp_path / "rank0_disk_full.py"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.core.files import file_sha256
+from dspark.core.file_reads import file_sha256
 from tests.toy import REPO, make_trainer
 from tests.toy import TINY_LAYERS as LAYERS  # + final state 4
 

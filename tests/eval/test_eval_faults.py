@@ -38,7 +38,7 @@ if os.environ.get("STUB_HANG"):  # the engine "starts" and never finishes: waits
     Path(os.environ["STUB_HANG"]).write_text(str(os.getpid()))
     while True:
         time.sleep(1)
-from dspark.core.files import atomic_write_json
+from dspark.core.atomic_files import atomic_write_json
 from eval.eval_set import load_eval_set
 
 from eval.acceptance import AcceptanceCounts
@@ -71,7 +71,7 @@ repo, target, point, overrides = sys.argv[1], sys.argv[2], sys.argv[3], json.loa
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")  # as Hydra's main does
 sys.executable = os.environ["STUB_PYTHON"]  # the vLLM child eval.vllm_rows starts: the stub
 import eval.reference, eval.report, eval.run
-from dspark.core.files import atomic_path
+from dspark.core.atomic_files import atomic_path
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from eval.eval_set import EvalPromptError
-from eval.inputs import OUT_DIR_MARKER, OutDirInUseError, claim_out_dir, eval_set
+from eval.out_dir import OUT_DIR_MARKER, OutDirInUseError, claim_out_dir
+from eval.prompts import run_eval_set
 
 HEADS = SimpleNamespace(vocab_size=49152, config={"max_position_embeddings": 8192}, tokenizer=None)
 
@@ -64,7 +65,7 @@ def test_a_rerun_on_an_earlier_evals_own_set_never_rewrites_it(tmp_path, compose
     text = _prompt("fits", 100) + "\n" + _prompt("too-long", 9000) + "\n"
     given.write_text(text)
     cfg = compose_config(f"eval.prompts_file={given}", f"eval.out_dir={out}", "eval.max_new_tokens=16")
-    prompts, used = eval_set(cfg, HEADS, out)
+    prompts, used = run_eval_set(cfg, HEADS, out)
     assert [p.prompt_id for p in prompts] == ["fits"]
     assert given.read_text() == text  # the input as the user gave it
     assert used == out / "eval_set.used.jsonl"
@@ -77,12 +78,12 @@ def test_a_bad_prompts_file_leaves_no_directory_behind(tmp_path, compose_config)
     out = tmp_path / "outputs" / "eval"
     cfg = compose_config(f"eval.prompts_file={bad}", f"eval.out_dir={out}")
     with pytest.raises(EvalPromptError, match="not valid JSON"):
-        eval_set(cfg, HEADS, out)
+        run_eval_set(cfg, HEADS, out)
     assert not (tmp_path / "outputs").exists()
     good = tmp_path / "good.jsonl"
     good.write_text(_prompt("p0", 10) + "\n")
     cfg = compose_config(f"eval.prompts_file={good}", f"eval.out_dir={out}", "eval.max_new_tokens=16")
-    _, used = eval_set(cfg, HEADS, out)
+    _, used = run_eval_set(cfg, HEADS, out)
     assert used == out / "eval_set.jsonl" and (out / OUT_DIR_MARKER).is_file()
 
 
@@ -93,12 +94,12 @@ def test_a_second_eval_on_a_held_output_is_refused_naming_the_first(tmp_path):
     import subprocess
     import sys
 
-    from dspark.core.files import InUseError, holding
+    from dspark.core.locks import InUseError, holding
 
     out = tmp_path / "eval" / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c", (
-            "import sys, time; from dspark.core.files import holding\n"
+            "import sys, time; from dspark.core.locks import holding\n"
             f"with holding({str(out)!r}, key='eval.out_dir', what='eval'):\n"
             "    print('held', flush=True); time.sleep(60)\n"
         )],

@@ -8,7 +8,7 @@ import logging
 from types import SimpleNamespace
 
 from dspark.config import DSparkConfig
-from eval.inputs import warn_past_training_window
+from eval.prompts import warn_past_training_window
 
 
 def _ckpt(window, trained):

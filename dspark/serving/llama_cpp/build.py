@@ -45,9 +45,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from dspark.core.derived import file_records, files_problem
+from dspark.core.atomic_files import atomic_path, atomic_write_text
+from dspark.core.derived_files import file_records, files_problem
 from dspark.core.errors import UserError, exit_on_user_error
-from dspark.core.files import atomic_path, atomic_write_text, file_sha256
+from dspark.core.file_reads import file_sha256
 from dspark.core.path_env import default_cache_dir
 from dspark.core.waits import WaitTimedOut, log_tail, run_child
 
@@ -149,7 +150,7 @@ REBUILD = ".venv/bin/python -m dspark.serving.llama_cpp build"
 
 def binaries(tree: LlamaCpp) -> dict[str, list]:
     """Every file the build put in its ``bin`` directory (the server, ggml's CPU variants), as
-    :func:`dspark.core.derived.file_records` records them: what its marker keeps and each use checks."""
+    :func:`dspark.core.derived_files.file_records` records them: what its marker keeps and each use checks."""
     return file_records(tree.bin_dir)
 
 

@@ -26,8 +26,9 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
+from dspark.core.atomic_files import atomic_path, atomic_write_json
 from dspark.core.errors import UserError
-from dspark.core.files import atomic_path, atomic_write_json, file_sha256, read_json
+from dspark.core.file_reads import file_sha256, read_json
 
 log = logging.getLogger(__name__)
 

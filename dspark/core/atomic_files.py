@@ -1,34 +1,26 @@
-"""File helpers every stage uses: atomic writes, content hashes, JSONL, a free local port.
-
-Every file the pipeline hands to a later stage (or to a resumed run) is written through
-:func:`atomic_write_text`/:func:`atomic_path`: a unique temporary name in the same directory,
-fsynced, then renamed, so a killed job never leaves a half-written file under the real name and
-two concurrent writers never share a temporary file.
-"""
+"""Atomic writes: every file the pipeline hands to a later stage (or to a resumed run) is written
+through :func:`atomic_write_text`/:func:`atomic_path`: a unique temporary name in the same
+directory, fsynced, then renamed, so a killed job never leaves a half-written file under the real
+name and two concurrent writers never share a temporary file. A directory is replaced only when it
+is an earlier output of the same kind (:func:`replace_problem`), never a user's; an OS refusal the
+user can fix becomes one :class:`NotWritableError` naming the path and the cause."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import glob
-import hashlib
 import json
 import logging
 import os
 import shutil
 import socket
-import stat
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Optional
+from typing import Any, Collection, Iterator, Optional
 
 from dspark.core.errors import UserError
 
 log = logging.getLogger(__name__)
-
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-NEARLY_FULL_BYTES = 1 << 20
-"""Free space below which a failed write counts as a full disk when the writer's error carries no
-errno at all (torch's zip writer reports only ``unexpected pos ...``); an errno decides by itself."""
 
 
 def _tmp_name(path: Path) -> Path:
@@ -162,6 +154,16 @@ def replace_problem(
     return f"{path} holds {shown} ({what}); refusing to replace it: pick another directory, or empty it yourself"
 
 
+def foreign_listing(directory: Path, ours: Collection[str]) -> Optional[str]:
+    """What an existing ``directory`` holds, shown as "a, b and N more", when it holds none of the
+    entries ``ours`` (what this project's output of that kind always has); None when it is empty or
+    holds one of them, so a run may write there."""
+    entries = sorted(p.name for p in Path(directory).iterdir())
+    if not entries or any(e in entries for e in ours):
+        return None
+    return ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+
+
 @contextlib.contextmanager
 def atomic_path(
     path: Path | str, *, owner_marker: Optional[str] = None, owned_files: Optional[Collection[str]] = None
@@ -222,207 +224,7 @@ def atomic_write_json(path: Path | str, obj: Any, **dumps: Any) -> None:
     atomic_write_text(path, json.dumps(obj, **dumps) + "\n")
 
 
-class InUseError(UserError):
-    """A directory another live run is writing."""
-
-
-def lock_or_name_holder(lock_file: Path, owner_file: Path, refusal: Callable[[dict], UserError], **owner: Any) -> Any:
-    """An OS file lock on ``lock_file``, taken without waiting (released when the process ends, so a
-    killed holder leaves no stale lock), with this process's host, pid and start (and ``owner``)
-    written to ``owner_file``; held already: ``refusal(the holder's record)`` is raised ({} when
-    the record cannot be read). Returns the lock, for its ``release``."""
-    import time
-
-    from filelock import FileLock, Timeout
-
-    lock = FileLock(str(lock_file))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        try:
-            holder = json.loads(Path(owner_file).read_text())
-        except (OSError, ValueError):
-            holder = {}
-        raise refusal(holder if isinstance(holder, dict) else {}) from None
-    atomic_write_json(owner_file, {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), **owner})
-    return lock
-
-
-@contextlib.contextmanager
-def holding(path: Path | str, *, key: str, what: str) -> Iterator[None]:
-    """Hold the output directory ``path`` (named by the setting ``key``) for this process
-    (:func:`lock_or_name_holder`), the lock keyed by the directory's absolute path in this machine's
-    temporary directory (``dspark-holds/``) so that nothing is written beside the user's
-    directories. A second run on this machine writing the same output is refused naming the
-    holder's pid. (Runs on other hosts over a shared filesystem are not seen: the eval's driver is
-    one process on node 0.) Creates nothing at ``path``."""
-    import tempfile
-
-    path = Path(path).expanduser().absolute()
-    holds = Path(tempfile.gettempdir()) / "dspark-holds"
-    holds.mkdir(parents=True, exist_ok=True)
-    key_hash = hashlib.sha256(str(path).encode()).hexdigest()[:16]
-
-    def refusal(holder: dict) -> UserError:
-        return InUseError(
-            f"{key}={path}: in use by another {what} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')}); "
-            f"two runs writing it at once would replace each other's files. Wait for it, or set {key} to another "
-            "directory"
-        )
-
-    lock = lock_or_name_holder(holds / f"{key_hash}.lock", holds / f"{key_hash}.owner.json", refusal, path=str(path))
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def foreign_listing(directory: Path, ours: Collection[str]) -> Optional[str]:
-    """What an existing ``directory`` holds, shown as "a, b and N more", when it holds none of the
-    entries ``ours`` (what this project's output of that kind always has); None when it is empty or
-    holds one of them, so a run may write there."""
-    entries = sorted(p.name for p in Path(directory).iterdir())
-    if not entries or any(e in entries for e in ours):
-        return None
-    return ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-
-
-def not_a_file(path: Path | str) -> Optional[str]:
-    """What is at ``path`` where a regular file belongs, said plainly (None: a regular file):
-    "no such file", "a directory", "a named pipe (FIFO)", ... so a message says what is wrong."""
-    p = Path(path)
-    try:
-        mode = p.stat().st_mode
-    except FileNotFoundError:
-        return "no such file"
-    except OSError as e:
-        return f"cannot be read ({e.strerror})"
-    if stat.S_ISREG(mode):
-        return None
-    for test, what in (
-        (stat.S_ISDIR, "a directory, not a file"),
-        (stat.S_ISFIFO, "a named pipe (FIFO), not a regular file"),
-        (stat.S_ISSOCK, "a socket, not a regular file"),
-        (stat.S_ISCHR, "a character device, not a regular file"),
-        (stat.S_ISBLK, "a block device, not a regular file"),
-    ):
-        if test(mode):
-            return what
-    return "not a regular file"
-
-
-def file_sha256(path: Path | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def text_sha256(text: Optional[str]) -> str:
-    return hashlib.sha256((text or "").encode()).hexdigest()
-
-
-def read_jsonl(path: Path | str, *, error: type[ValueError] = ValueError) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value) for each non-blank line; bad JSON raises ``error`` (the
-    caller's own ValueError subclass) naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise error(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-
-
-def read_json(path: Path | str, *, expected: str, error: type[ValueError] = ValueError) -> Any:
-    """The parsed content of a JSON file; a file that is not valid JSON (or not UTF-8) raises
-    ``error`` (the caller's own ValueError subclass) naming it and ``expected``."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path}: not valid JSON ({e}), {expected}") from None
-
-
 def write_jsonl(path: Path | str, records: Iterator[Any] | list[Any]) -> None:
     """One JSON value per line, written atomically."""
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-
-
-def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
-    """A TCP port that was free a moment ago (the OS picks it); for one-process rendezvous.
-    ``span``: the ``span`` ports from it were all free (one link per online producer)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port + span <= 65536 and all(_bindable(host, port + k) for k in range(1, span)):
-            return port
-    raise RuntimeError(f"no {span} consecutive free TCP ports found on {host}")
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
-
-
-class DiskFullError(UserError):
-    """A write found no room (or hit a quota): the message names the directory, the bytes wanted
-    and the bytes free, and says what to do. What was being written is removed, not left half."""
-
-
-def free_bytes(path: Path | str) -> int:
-    """Bytes free to this user on the filesystem holding ``path`` (or its nearest existing parent)."""
-    path = Path(path).expanduser().absolute()
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def is_disk_full(err: BaseException, directory: Path | str) -> bool:
-    """Whether ``err`` (or an error it came from) means the filesystem of ``directory`` is full:
-    ENOSPC/EDQUOT, or the OS's words for them in a library's message. An OS error with any other
-    errno is not. Only for a writer whose error carries no errno (torch's zip writer reports
-    ``unexpected pos ...``) does a RuntimeError/OSError count while less than
-    :data:`NEARLY_FULL_BYTES` is free. Call it before removing what was half written: that is
-    what filled the disk."""
-    seen: Optional[BaseException] = err
-    errnos = []
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno is not None:
-            errnos.append(seen.errno)
-        if any(os.strerror(code) in str(seen) for code in DISK_FULL_ERRNOS):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    if errnos:
-        return any(code in DISK_FULL_ERRNOS for code in errnos)
-    return isinstance(err, (OSError, RuntimeError)) and free_bytes(directory) < NEARLY_FULL_BYTES
-
-
-def disk_full_message(directory: Path | str, what: str, needed: int, todo: str, *, at_least: bool = False) -> str:
-    """``<directory>: no space for <what> ([at least ]<needed> bytes needed, <free> bytes free); <todo>``."""
-    bound = "at least " if at_least else ""
-    free = free_bytes(directory)
-    return f"{directory}: no space for {what} ({bound}{needed:,} bytes needed, {free:,} bytes free); {todo}"
-
-
-@contextlib.contextmanager
-def reporting_disk_full(
-    directory: Path | str, *, what: str, needed: int, todo: str, at_least: bool = False
-) -> Iterator[None]:
-    """Raise a full disk met inside as :class:`DiskFullError` (see :func:`disk_full_message`)
-    instead of the writer's own ``[Errno 28]`` from deep inside pyarrow, torch or safetensors."""
-    try:
-        yield
-    except UserError:
-        raise  # a refusal (DiskFullError among them) already says what is wrong
-    except Exception as e:
-        if not is_disk_full(e, directory):
-            raise
-        raise DiskFullError(disk_full_message(directory, what, needed, todo, at_least=at_least)) from e
