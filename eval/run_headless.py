@@ -15,7 +15,7 @@ from dspark.core.errors import exit_on_user_error, run_hydra_command, task_start
 from dspark.export.stage import export_path, wait_for_export
 from dspark.target import resolve_target
 from eval.engine_args import engine_kwargs, vllm_max_model_len
-from eval.vllm_rows import main as serve_main
+from eval.serve import main as serve_main
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.vllm_rows import main
+from eval.serve import main
 
 
 def model_dir(path: Path) -> Path:
