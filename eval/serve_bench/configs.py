@@ -37,14 +37,13 @@ def resolve_configs(cfg: RunConfig, target_dir: Path, *, gpu: bool) -> list[Conf
     :func:`~dspark.serving.methods.export_method` says (``dspark`` on GPUs, the ``dflash`` export on
     CPU; left out, with a log line, when the drafter has no dflash layout)."""
     out = []
+    exports = ExportsOnce(cfg)
     for name in cfg.serve_bench.configs:
         if name.startswith(LLAMA_CPP_PREFIX):
-            out.append(llama_cpp_configuration(cfg, target_dir, name))
+            out.append(llama_cpp_configuration(cfg, target_dir, name, exports))
             continue
         if name == OURS:
-            m = export_method(
-                gpu=gpu, has_layout=lambda x: ensure_export(cfg, target_dir, x, required=False) is not None
-            )
+            m = export_method(gpu=gpu, has_layout=lambda x: exports.get(x, required=False) is not None)
         else:
             m = BY_NAME[name]
         if m is None:
@@ -53,12 +52,12 @@ def resolve_configs(cfg: RunConfig, target_dir: Path, *, gpu: bool) -> list[Conf
                 "(sample_from_anchor or a Markov head); 'ours' is left out. On a GPU it is served as dspark."
             )
             continue
-        draft = ensure_export(cfg, target_dir, m.layout, required=True) if m.layout is not None else None
+        draft = exports.get(m.layout, required=True) if m.layout is not None else None
         out.append(Configuration.serving(name, m, draft))
     return out
 
 
-def llama_cpp_configuration(cfg: RunConfig, target_dir: Path, name: str) -> Configuration:
+def llama_cpp_configuration(cfg: RunConfig, target_dir: Path, name: str, exports: ExportsOnce) -> Configuration:
     """``llama.cpp-METHOD``: llama-server with that method; a drafter's export converted to GGUF
     by llama.cpp's own converter (``eval.llama_cpp_draft_type``), as the eval serves it."""
     from dspark.export.gguf import convert_export
@@ -67,7 +66,7 @@ def llama_cpp_configuration(cfg: RunConfig, target_dir: Path, name: str) -> Conf
     m = llama_cpp_method(name)
     draft = None
     if m.layout is not None:
-        export = ensure_export(cfg, target_dir, m.layout, required=True)
+        export = exports.get(m.layout, required=True)
         draft = convert_export(ensure_built(), export, target_dir, cfg.eval.llama_cpp_draft_type)
     return Configuration(name, m.name if m.spec_types else None, draft, engine="llama.cpp")
 
@@ -82,18 +81,26 @@ def serves_exports(cfg: RunConfig) -> bool:
     return False
 
 
-def ensure_export(cfg: RunConfig, target_dir: Path, layout: str, *, required: bool) -> Optional[Path]:
-    """This run's export in ``layout``, as the export stage's record lists it (the export stage runs
-    before this one). None when the drafter has no such layout and ``required`` is False."""
-    ours = read_exports(cfg).exports["ours"]
-    if layout in ours:
-        return ours[layout].out_dir
-    if required:
-        raise ServeBenchError(
-            f"serve_bench.configs has {layout}, but this drafter has no {layout} export (the dflash layout "
-            "needs drafter.sample_from_anchor=false and drafter.markov_rank=0); use 'ours'"
-        )
-    return None
+class ExportsOnce:
+    """This run's exports, as the export stage's record lists them (the export stage runs before
+    this one): the record is read and checked once, at the first configuration that serves one."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self._cfg = cfg
+        self._ours: Optional[dict[str, Any]] = None
+
+    def get(self, layout: str, *, required: bool) -> Optional[Path]:
+        """The export in ``layout``; None when the drafter has none and ``required`` is False."""
+        if self._ours is None:
+            self._ours = read_exports(self._cfg).exports["ours"]
+        if layout in self._ours:
+            return self._ours[layout].out_dir
+        if required:
+            raise ServeBenchError(
+                f"serve_bench.configs has {layout}, but this drafter has no {layout} export (the dflash layout "
+                "needs drafter.sample_from_anchor=false and drafter.markov_rank=0); use 'ours'"
+            )
+        return None
 
 
 # --- traffic -----------------------------------------------------------------------------------
