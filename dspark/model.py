@@ -365,8 +365,12 @@ class DSparkDrafter(nn.Module):
         """[..., H] (+ [..., R]) -> [..., V]: LM head plus the Markov bias."""
         logits = self.lm_head(hidden).float()
         if markov_embed is not None:
-            logits = logits + self.markov_head.markov_w2(markov_embed).float()
+            logits = logits + self.markov_logits(markov_embed)
         return logits
+
+    def markov_logits(self, markov_embed: torch.Tensor) -> torch.Tensor:
+        """[..., R] -> [..., V]: the Markov head's bias on the draft logits, W2(e)."""
+        return self.markov_head.markov_w2(markov_embed).float()
 
     def confidence_logits(self, hidden: torch.Tensor, markov_embed: Optional[torch.Tensor]) -> torch.Tensor:
         """[..., H] (+ [..., R]) -> [...]: the confidence head's logit, sigmoid(.) = P(accept)."""

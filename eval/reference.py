@@ -185,6 +185,9 @@ class DraftRunner:
         block = torch.full((1, q), d.dims.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = anchor
         hidden = d.forward_block(block, torch.arange(a, a + q, device=self.device)[None], self.kv)[0]  # [gamma, H]
+        # the LM head over the whole block in one product: it reads the head's weights once, not once
+        # per position (the Markov bias, which depends on the token just drafted, is added per position)
+        head_logits = d.lm_head(hidden[:gamma]).float()  # [gamma, V]
         tokens: list[int] = []
         probs, confs = [], []
         prev = [anchor]
@@ -192,7 +195,7 @@ class DraftRunner:
             markov = None
             if d.markov_head is not None:  # sequential: the previous token is the one just drafted
                 markov = d.markov_head.embed(torch.tensor(prev, device=self.device), hidden[: k + 1])[-1]
-            logits = d.draft_logits(hidden[k], markov)
+            logits = head_logits[k] if markov is None else head_logits[k] + d.markov_logits(markov)
             if d.confidence_head is not None:
                 conf = float(torch.sigmoid(d.confidence_logits(hidden[k], markov)))
                 if confidence_threshold is not None and k > 0 and conf < confidence_threshold:
