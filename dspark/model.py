@@ -368,6 +368,15 @@ class DSparkDrafter(nn.Module):
             logits = logits + self.markov_logits(markov_embed)
         return logits
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V]: the LM head alone, fp32, computed as W @ h^T, for a few rows at
+        inference (the reference loop's block): on CPU torch's h @ W^T with 7 rows took 4x as long
+        (34 against 8 ms at V 49152, H 576, 2 cores). Equal to ``lm_head(hidden)`` up to rounding."""
+        w = self.lm_head.weight
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(w.dtype)
+        out = (w @ flat.T).T.reshape(*hidden.shape[:-1], w.shape[0]).float()
+        return out if self.lm_head.bias is None else out + self.lm_head.bias.float()
+
     def markov_logits(self, markov_embed: torch.Tensor) -> torch.Tensor:
         """[..., R] -> [..., V]: the Markov head's bias on the draft logits, W2(e)."""
         return self.markov_head.markov_w2(markov_embed).float()

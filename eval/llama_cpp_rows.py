@@ -15,25 +15,32 @@ a step's time, per step.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import shutil
+from array import array
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from dspark.serving.llama_cpp.build import LlamaCpp
 from dspark.serving.llama_cpp.server import (
+    Server,
     complete,
     counters_after,
+    draft_window,
     llama_server,
     prompt_chunks,
     proposer_stats,
     proposer_stats_after,
     read_counters,
     server_spec,
+    shared_prefix_len,
+    slot_action,
     steps_problem,
 )
 from dspark.serving.methods import LLAMA_CPP_PREFIX, LlamaCppMethod
-from dspark.serving.server_lifecycle import choose_port
+from dspark.serving.server_lifecycle import ServerError, choose_port
 from eval.acceptance import AcceptanceCounts
 
 log = logging.getLogger(__name__)
@@ -58,13 +65,114 @@ class LlamaCppServing:
     start_timeout_s: float = 600
 
 
+@dataclass(frozen=True)
+class SharedPrefill:
+    """Each prompt's prefill shared by the eval's llama.cpp servers through saved slots (issue #60):
+    the ``none`` server (the first row) prefills a prompt's first ``prefixes[prompt_id]`` tokens,
+    saves that slot and completes the prompt from it; every other server erases its slot, restores
+    the file and processes only the rest, which :func:`shared_prefix_len` makes long enough for the
+    drafter's window and aligned with a whole prefill's micro-batches: the same outputs and counts
+    as a whole prefill (``tests/eval/test_llama_cpp.py``). A missing or unreadable slot file: that
+    prompt is prefilled whole, as without sharing."""
+
+    slot_dir: Path
+    prefixes: dict[str, int]
+    source: str
+    """What the saved caches are of (the target GGUF and cache type), in every file's name, so a slot
+    of another target is never restored."""
+
+    @classmethod
+    def of(cls, slot_dir: Path, target_gguf: Path, prompts: list, drafts: list[Path]) -> Optional[SharedPrefill]:
+        """Sharing for these rows, or None when nothing can be shared (a drafter that attends to the
+        whole context needs the whole prompt processed in its own server)."""
+        windows = [draft_window(d) for d in drafts]
+        if any(w is None for w in windows):
+            log.info("llama.cpp rows: a drafter attends to the whole context; every row prefills every prompt")
+            return None
+        window = max([w for w in windows if w is not None], default=0)
+        prefixes = {p.prompt_id: shared_prefix_len(len(p.prompt_token_ids), window) for p in prompts}
+        if not any(prefixes.values()):
+            return None
+        st = target_gguf.stat()
+        return cls(slot_dir, prefixes, f"{target_gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+
+    def filename(self, ids: list[int], n: int) -> str:
+        h = hashlib.sha256(self.source.encode())
+        h.update(array("q", ids[:n]).tobytes())
+        return f"prefix-{n}-{h.hexdigest()[:20]}.bin"
+
+    def prepare(self, server: Server, prompt: Any, *, build: bool, seed: int, timeout_s: float) -> int:
+        """Put the prompt's shared prefix in the server's slot (``build``: prefill it and save it;
+        else restore it); the tokens the next request reuses (0: the whole prompt is processed)."""
+        ids, n = list(prompt.prompt_token_ids), self.prefixes.get(prompt.prompt_id, 0)
+        if n <= 0:
+            return 0
+        name = self.filename(ids, n)
+        slot_action(server, "erase", timeout_s=timeout_s)  # the drafter's cache too
+        if build:
+            before = read_counters(server)
+            complete(server, ids[:n], n_predict=0, temperature=0.0, seed=seed, timeout_s=timeout_s)
+            counters_after(server, before, 1)  # its counters are in before the prompt's own are read
+            try:
+                saved = slot_action(server, "save", name, timeout_s=timeout_s).get("n_saved")
+            except ServerError as e:
+                log.warning(
+                    "llama.cpp: could not save prompt %s's prefill (%s); later rows prefill it whole",
+                    prompt.prompt_id,
+                    e,
+                )
+                return n
+            if saved != n:
+                log.warning(
+                    "llama.cpp: saved %s tokens of prompt %s's prefill, expected %d", saved, prompt.prompt_id, n
+                )
+            return n
+        if not (self.slot_dir / name).is_file():
+            log.info("llama.cpp: no saved prefill for prompt %s (%s); prefilled whole", prompt.prompt_id, name)
+            return 0
+        try:
+            restored = slot_action(server, "restore", name, timeout_s=timeout_s).get("n_restored")
+        except ServerError as e:
+            restored = f"none ({e})"
+        if restored != n:
+            log.warning(
+                "llama.cpp: restored %s tokens of prompt %s's prefill, expected %d; prefilled whole",
+                restored,
+                prompt.prompt_id,
+                n,
+            )
+            slot_action(server, "erase", timeout_s=timeout_s)
+            return 0
+        return n
+
+    def remove(self) -> None:
+        """The saved slots (a few hundred MB): once every row has run."""
+        shutil.rmtree(self.slot_dir, ignore_errors=True)
+
+
 def serve_prompts(
-    s: LlamaCppServing, method: LlamaCppMethod, draft: Optional[Path], prompts: list, log_path: Path
+    s: LlamaCppServing,
+    method: LlamaCppMethod,
+    draft: Optional[Path],
+    prompts: list,
+    log_path: Path,
+    shared: Optional[SharedPrefill] = None,
 ) -> list[dict[str, Any]]:
     """One server for ``method``, the prompts one at a time: one record per prompt with its
-    counters (``asdict(AcceptanceCounts)``), output ids, decode timing and each proposer's share."""
+    counters (``asdict(AcceptanceCounts)``), output ids, decode timing and each proposer's share.
+    ``shared``: each prompt's prefill shared with the other rows (``none`` saves, the others restore)."""
+    if shared is not None:
+        shared.slot_dir.mkdir(parents=True, exist_ok=True)  # llama-server refuses a missing --slot-save-path
     spec = server_spec(
-        s.target_gguf, method, s.gamma, s.ctx, draft_gguf=draft, threads=s.threads, p_min=s.p_min, seed=s.seed
+        s.target_gguf,
+        method,
+        s.gamma,
+        s.ctx,
+        draft_gguf=draft,
+        threads=s.threads,
+        p_min=s.p_min,
+        seed=s.seed,
+        slot_dir=shared.slot_dir if shared is not None else None,
     )
     host = "127.0.0.1"
     what = f"llama.cpp {method.name}"
@@ -87,6 +195,9 @@ def serve_prompts(
         counters_after(server, before, len(c.tokens))
         proposer_stats_after(log_path, stats_before, method.spec_types)
         for i, p in enumerate(prompts):
+            reused = 0
+            if shared is not None:
+                reused = shared.prepare(server, p, build=method.name == "none", seed=s.seed, timeout_s=s.timeout_s)
             before, stats_before = read_counters(server), proposer_stats(log_path)
             c = complete(
                 server,
@@ -95,9 +206,11 @@ def serve_prompts(
                 temperature=s.temperature,
                 seed=s.seed,
                 timeout_s=s.timeout_s,
+                cache_prompt=reused > 0,
             )
             d = counters_after(server, before, len(c.tokens))
-            steps = d.decodes - prompt_chunks(len(p.prompt_token_ids))
+            processed = int(c.timings.get("prompt_n", len(p.prompt_token_ids) - reused))
+            steps = d.decodes - prompt_chunks(processed)
             problem = steps_problem(steps, len(c.tokens), d.accepted, s.gamma)
             if problem:
                 raise RuntimeError(f"{what}, prompt {p.prompt_id}: {problem}; its log: {log_path}")
@@ -112,6 +225,7 @@ def serve_prompts(
                     "output_ids": c.tokens,
                     "decode_tokens": max(int(c.timings.get("predicted_n", 0)) - 1, 0),
                     "decode_ms": float(c.timings.get("predicted_ms", 0.0)),
+                    "prompt_reused": int(c.timings.get("cache_n", 0)),
                     "draft_ms": sum(v.draft_ms for v in stats.values()),
                     "proposers": {k: asdict(v) for k, v in stats.items()},
                 }
@@ -225,6 +339,9 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
             draft = convert_export(tree, ex[m.layout].out_dir, target_dir, e.llama_cpp_draft_type)
             label = name if who == "ours" else "markov-off"
             runs.append((LLAMA_CPP_PREFIX + label, m, draft))
+    shared = None
+    if e.llama_cpp_share_prefill:
+        shared = SharedPrefill.of(out_dir / "llama.cpp" / "slots", target, prompts, [d for _, _, d in runs if d])
     checked: set[Path] = set()
     out: list[DrafterResult] = []
     plain: Optional[float] = None
@@ -234,7 +351,7 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
             checked.add(draft)
 
         def serve(name: str = name, m: LlamaCppMethod = m, draft: Optional[Path] = draft) -> list[DrafterResult]:
-            per_prompt = serve_prompts(serving, m, draft, prompts, out_dir / "llama.cpp" / f"{name}.log")
+            per_prompt = serve_prompts(serving, m, draft, prompts, out_dir / "llama.cpp" / f"{name}.log", shared)
             return [_row(name, m, draft, target, per_prompt, e.gamma, tree)]
 
         (row,) = parts.get_or_run(name, serve)
@@ -242,6 +359,8 @@ def llama_cpp_results(cfg: Any, target_dir: Path, prompts: list, out_dir: Path, 
             plain = row.tokens_per_s
         row.baseline_tokens_per_s = plain
         out.append(row)
+    if shared is not None:
+        shared.remove()
     return out
 
 

@@ -185,9 +185,9 @@ class DraftRunner:
         block = torch.full((1, q), d.dims.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = anchor
         hidden = d.forward_block(block, torch.arange(a, a + q, device=self.device)[None], self.kv)[0]  # [gamma, H]
-        # the LM head over the whole block in one product: it reads the head's weights once, not once
-        # per position (the Markov bias, which depends on the token just drafted, is added per position)
-        head_logits = d.lm_head(hidden[:gamma]).float()  # [gamma, V]
+        # the LM head over the whole block in one product, reading its weights once rather than once
+        # per position; the Markov bias, which needs the token just drafted, is added per position
+        head_logits = d.head_logits(hidden[:gamma])  # [gamma, V]
         tokens: list[int] = []
         probs, confs = [], []
         prev = [anchor]

@@ -118,6 +118,12 @@ class EvalConfig:
     """``llama-server -t``; 0: every core."""
     llama_cpp_timeout_s: int = field(default=3600, metadata=_RUN_CONTROL)
     """Bound on a llama.cpp server's start and on each of its requests."""
+    llama_cpp_share_prefill: bool = field(default=True, metadata=_RUN_CONTROL)
+    """Prefill each prompt once for all llama.cpp rows: ``none`` (the first row) saves the target's
+    cache of the prompt's first tokens (llama-server's slot save) and the other rows restore it,
+    processing only the rest (the drafter's window + 1 tokens at least, from a multiple of 512):
+    the same outputs and counts as a whole prefill, which no row's timing counts. False: every row
+    prefills every prompt."""
 
     def __post_init__(self) -> None:
         _choice("eval.source", self.source, EVAL_SOURCES)

@@ -196,7 +196,8 @@ def test_served_draft_ids_are_target_ids_and_the_proposal_is_zero_outside():
     runner = DraftRunner(model)
     runner.extend(torch.randn(6, H))
     fixed = torch.tensor([0.0, 0.0, 5.0, 0.0])  # draft id 2 = target 20, whatever the state
-    model.draft_logits = lambda hidden, markov: fixed.expand(*hidden.shape[:-1], 4)
+    model.head_logits = lambda hidden: fixed.expand(*hidden.shape[:-1], 4)  # the block's LM head
+    model.markov_logits = lambda markov: torch.zeros(4)
     tokens, _, _ = runner.propose(7, 3, 0.0, torch.Generator())
     assert tokens == [20, 20, 20]
     tokens, q, _ = runner.propose(7, 2, 1.0, torch.Generator().manual_seed(0))
@@ -227,20 +228,20 @@ def test_acceptance_in_the_reference_loop_counts_target_tokens():
     model = tiny_drafter(drafter(draft_vocab_size=len(d2t)), target=target, d2t=d2t).eval()
     runner = DraftRunner(model)
     n_draft = len(d2t)
-    calls = {"k": 0, "anchor": -1}
 
-    def oracle(hidden, markov):  # the true next target token's draft id, draft id 0 where it has none
-        if runner.length != calls["anchor"]:
-            calls.update(k=0, anchor=runner.length)
-        pos = runner.length + calls["k"] + 1  # the token this draft predicts (runner.length: the anchor's index)
-        calls["k"] += 1
-        want = full[pos] if pos < len(full) else 0
-        ids, ok = model.to_draft_ids(torch.tensor([want]))
-        logits = torch.zeros(n_draft)
-        logits[int(ids[0]) if bool(ok[0]) else 0] = 10.0
-        return logits
+    def oracle(hidden):  # the block's LM head: at each position, the true next target token's draft id (0 if none)
+        rows = []
+        for k in range(hidden.shape[0]):
+            pos = runner.length + k + 1  # the token draft k predicts (runner.length: the anchor's index)
+            want = full[pos] if pos < len(full) else 0
+            ids, ok = model.to_draft_ids(torch.tensor([want]))
+            row = torch.zeros(n_draft)
+            row[int(ids[0]) if bool(ok[0]) else 0] = 10.0
+            rows.append(row)
+        return torch.stack(rows)
 
-    model.draft_logits = oracle
+    model.head_logits = oracle
+    model.markov_logits = lambda markov: torch.zeros(n_draft)
     res = speculative_generate(TargetRunner(target, [1]), runner, prompt, cfg, set(), torch.Generator())
     assert res.tokens == greedy  # lossless
     # by hand: from answer index j (the anchor), accept the leading drafts in the vocabulary

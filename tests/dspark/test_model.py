@@ -188,3 +188,16 @@ def test_bf16_model_runs_with_its_confidence_head_in_either_dtype(confidence_hea
     # measured: 8.4e-4 off the fp32 logits (|logit| <= 0.18); 4e-3 is bf16's rounding step at 1.0, so a
     # head run in the wrong dtype or on other inputs fails while bf16's own rounding passes (issue #49)
     torch.testing.assert_close(out.confidence_logits, ref.confidence_logits, rtol=0, atol=4e-3)
+
+
+def test_the_blocks_head_logits_are_the_lm_heads_and_the_markov_bias_adds_to_them():
+    """The reference loop's block product (W @ h^T, issue #60) is the LM head up to rounding, and the
+    head plus the Markov bias is draft_logits (the reduced head: tests/dspark/test_draft_vocab.py)."""
+    m = make_model()
+    ids, ctx = inputs(b=1)
+    out = m(ids, ctx, torch.tensor([[6]]))
+    h, e = out.hidden[0, 0], out.markov_embed[0, 0]  # [K, H], [K, R]
+    assert m.head_logits(h).shape == (h.shape[0], V)
+    torch.testing.assert_close(m.head_logits(h), m.lm_head(h).float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.head_logits(h) + m.markov_logits(e), m.draft_logits(h, e), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(m.head_logits(h), m.draft_logits(h, e))  # the bias is not zero here

@@ -265,7 +265,8 @@ def test_which_eval_fields_feed_which_fingerprint_is_pinned():
     from dspark.config import EVAL_PARTS, EvalConfig, eval_fields
     from eval.run import LLAMA_CPP_SETTINGS, NOT_LLAMA_CPP_SETTINGS, NOT_SETTINGS
 
-    assert set(NOT_SETTINGS) == {"force", "vllm_timeout_s", "llama_cpp_timeout_s", "out_dir"}
+    # llama_cpp_share_prefill: the same outputs and counts either way (test_llama_cpp.py), so not a setting
+    assert set(NOT_SETTINGS) == {"force", "vllm_timeout_s", "llama_cpp_timeout_s", "llama_cpp_share_prefill", "out_dir"}
     assert set(LLAMA_CPP_SETTINGS) == {
         "llama_cpp",
         "llama_cpp_methods",

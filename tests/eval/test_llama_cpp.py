@@ -487,6 +487,69 @@ def test_a_windowed_drafter_is_converted_served_and_accepts_what_the_reference_d
     _assert_served_as_reference(served, prompts, tmp_path / "win", target_dir, gamma, n)
 
 
+def test_a_shared_prefix_is_a_multiple_of_512_that_leaves_the_drafters_window_to_process():
+    from dspark.serving.llama_cpp.server import N_UBATCH, shared_prefix_len
+
+    assert N_UBATCH == 512
+    assert shared_prefix_len(7168, 256) == 6656  # 512 tokens processed after the restore
+    assert shared_prefix_len(1024, 256) == 512
+    assert shared_prefix_len(769, 256) == 512 and shared_prefix_len(768, 256) == 0  # 257 left at least
+    assert shared_prefix_len(1100, 16) == 1024
+    assert shared_prefix_len(7168, None) == 0  # a whole-context drafter needs the whole prompt
+
+
+@pytest.mark.slow
+def test_a_shared_prefill_serves_what_a_whole_prefill_does_and_a_missing_slot_falls_back(
+    tmp_path, llama_cpp, tiny_pair
+):
+    """Issue #60: the none server saves each prompt's first 512-multiple tokens, the drafter
+    servers restore them and process only the rest (the drafter's window + 1 at least): every
+    row's tokens, drafts, per-position acceptance and steps equal those of whole prefills, the
+    restored rows processed only the tail (timings.cache_n), a prompt whose slot file is gone is
+    prefilled whole with the same result, and the slots are removed at the end."""
+    import dataclasses
+    import random
+
+    from dspark.checkpoint_weights import load_training_checkpoint
+    from dspark.export import export
+    from dspark.export.gguf import convert_export
+    from eval.eval_set import EvalPrompt
+    from eval.llama_cpp_rows import LlamaCppServing, SharedPrefill, serve_prompts
+
+    target, _, _, target_dir = tiny_pair
+    ckpt = load_training_checkpoint(_ckpt_of(tiny_pair))
+    windowed = dataclasses.replace(ckpt, drafter=dataclasses.replace(ckpt.drafter, attention_window=16))
+    export(windowed, tmp_path / "win", layout="dspark", target_dir=target_dir)
+    draft = convert_export(llama_cpp, tmp_path / "win", target_dir, "f32")
+    rng = random.Random(0)
+    phrase = [rng.randrange(100, 4000) for _ in range(40)]  # repeated, so the n-gram proposer drafts too
+    long_ids = lambda n: [rng.randrange(100, 4000) if rng.random() < 0.5 else phrase[i % 40] for i in range(n)]  # noqa: E731
+    prompts = [EvalPrompt(str(i), n, long_ids(n), n, "test", "", None, []) for i, n in enumerate((700, 1100))]
+    shared = SharedPrefill.of(tmp_path / "slots", target, prompts, [draft])
+    assert shared is not None and shared.prefixes == {"0": 512, "1": 1024}
+    s = LlamaCppServing(llama_cpp, target, ctx=1280, gamma=4, max_new_tokens=24, temperature=0.0, seed=0)
+    rows = {"none": None, "dspark": draft, "ngram-then-dspark": draft}
+    whole = {
+        m: serve_prompts(s, LLAMA_CPP_BY_NAME[m], d, prompts, tmp_path / f"whole-{m}.log") for m, d in rows.items()
+    }
+    shared_rows = {}
+    for m, d in rows.items():
+        if m == "ngram-then-dspark":  # prompt 1's slot file is gone: prefilled whole
+            (shared.slot_dir / shared.filename(list(prompts[1].prompt_token_ids), 1024)).unlink()
+        shared_rows[m] = serve_prompts(s, LLAMA_CPP_BY_NAME[m], d, prompts, tmp_path / f"shared-{m}.log", shared)
+    keys = ("output_ids", "num_drafts", "num_draft_tokens", "num_accepted", "accepted_per_pos", "num_steps")
+    for m in rows:
+        for a, b in zip(whole[m], shared_rows[m]):
+            assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (m, a["prompt_id"])
+        assert [r["prompt_reused"] for r in whole[m]] == [0, 0]
+    assert [r["prompt_reused"] for r in shared_rows["none"]] == [512, 1024]
+    assert [r["prompt_reused"] for r in shared_rows["dspark"]] == [512, 1024]
+    assert [r["prompt_reused"] for r in shared_rows["ngram-then-dspark"]] == [512, 0]
+    assert sum(r["num_accepted"] for r in whole["ngram-then-dspark"]) > 0  # the counts compared are not all zero
+    shared.remove()
+    assert not shared.slot_dir.exists() and not _servers_left()
+
+
 @pytest.mark.slow
 def test_a_reduced_draft_vocabulary_is_served_through_d2t_and_accepts_what_the_reference_does(
     tmp_path, llama_cpp, tiny_pair

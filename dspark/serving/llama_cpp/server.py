@@ -76,6 +76,10 @@ class ServerSpec:
     kv_cache_type: Optional[str] = None
     """``-ctk/-ctv`` and the drafter's ``-ctkd/-ctvd``: None is llama.cpp's default (f16);
     :func:`server_spec` sets f32 for an f32 target."""
+    slot_dir: Optional[Path] = None
+    """``--slot-save-path``: where slots are saved and restored (:func:`slot_action`), so servers
+    share a prompt's prefill; the RAM prompt cache is then off (``--cache-ram 0``), so a restored
+    slot is the only cache a request finds."""
 
     def command(self, tree: LlamaCpp, *, host: str, port: int) -> list[str]:
         threads = str(self.threads or os.cpu_count() or 1)
@@ -109,6 +113,8 @@ class ServerSpec:
         ]
         if not self.prompt_cache:
             cmd.append("--no-cache-prompt")
+        if self.slot_dir is not None:
+            cmd += ["--slot-save-path", str(self.slot_dir), "--cache-ram", "0"]
         if self.kv_cache_type is not None:
             cmd += ["-ctk", self.kv_cache_type, "-ctv", self.kv_cache_type]
         if not self.method.spec_types:
@@ -237,18 +243,60 @@ def complete(
     temperature: float,
     seed: int,
     timeout_s: float = 3600,
+    cache_prompt: bool = False,
 ) -> Completion:
-    """One completion of ``prompt_ids`` (used as given: no BOS added; or a text), no prompt cache."""
+    """One completion of ``prompt_ids`` (used as given: no BOS added; or a text). ``cache_prompt``:
+    reuse what the slot holds of the prompt (a restored prefix, :func:`slot_action`), processing
+    only the rest (``timings.cache_n`` reused, ``timings.prompt_n`` processed); off, the whole
+    prompt is processed."""
     body = {
         "prompt": prompt_ids if isinstance(prompt_ids, str) else list(prompt_ids),
         "n_predict": n_predict,
         "temperature": temperature,
         "seed": seed,
-        "cache_prompt": False,
+        "cache_prompt": cache_prompt,
         "return_tokens": True,
     }
     out = _post(f"{server.url}/completion", body, timeout_s)
     return Completion([int(t) for t in out.get("tokens") or []], dict(out.get("timings") or {}))
+
+
+def slot_action(server: Server, action: str, filename: Optional[str] = None, timeout_s: float = 600) -> dict[str, Any]:
+    """``POST /slots/0?action=save|restore|erase`` (a server started with ``slot_dir``): save writes
+    the target's cache of slot 0 and its tokens to ``slot_dir/filename`` (``n_saved``), restore
+    reads them back (``n_restored``), erase clears the slot in the target and the drafter alike.
+    Only the target's cache is saved: a drafter rebuilds its own from the tokens processed after a
+    restore, so a restore must follow an erase (the drafter's cache must hold consecutive
+    positions: llama.cpp b11434 fails the next request otherwise)."""
+    body = {} if filename is None else {"filename": filename}
+    return _post(f"{server.url}/slots/0?action={action}", body, timeout_s)
+
+
+N_UBATCH = 512
+"""``-ub`` (llama-server's default): a prefill's chunks of ``-b`` tokens run in micro-batches of this
+many, so a prefix of a multiple of it leaves the rest of the prompt in the micro-batches a whole
+prefill has: a restored prefix and its tail compute what one prefill computes."""
+
+
+def shared_prefix_len(prompt_len: int, window: Optional[int]) -> int:
+    """How much of a prompt servers can share through a saved slot: the largest multiple of
+    :data:`N_UBATCH` that leaves at least ``window + 1`` tokens to process, so a drafter with that
+    sliding window rebuilds everything its first block reads from the tail (0: nothing shared;
+    ``window`` None: a drafter that attends to the whole context, which shares nothing)."""
+    if window is None:
+        return 0
+    return max((prompt_len - (window + 1)) // N_UBATCH * N_UBATCH, 0)
+
+
+def draft_window(draft_gguf: Path) -> Optional[int]:
+    """The drafter GGUF's sliding window (``<arch>.attention.sliding_window``); None when it
+    attends to the whole context."""
+    from gguf import GGUFReader
+
+    for name, f in GGUFReader(str(draft_gguf)).fields.items():
+        if name.endswith(".attention.sliding_window"):
+            return int(f.contents())
+    return None
 
 
 def next_token_logprobs(
@@ -342,7 +390,8 @@ def counters_after(server: Server, before: Counters, num_generated: int, wait_s:
 
 
 def prompt_chunks(prompt_len: int) -> int:
-    """The target decodes of a prompt's prefill (``-b`` tokens each)."""
+    """The target decodes of a prompt's prefill (``-b`` tokens each): of the tokens it processed
+    (``timings.prompt_n``), after what it reused."""
     return math.ceil(prompt_len / N_BATCH)
 
 
