@@ -375,6 +375,7 @@ model = torch.nn.Linear(4, 2)
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                   config={"train_micro_batch_size_per_gpu": 1})
 print("engine", type(engine).__name__)
+dist.destroy_process_group()  # a gloo group left to the interpreter's exit can abort it ("terminate called")
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
