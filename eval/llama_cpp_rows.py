@@ -28,7 +28,6 @@ from dspark.serving.llama_cpp.server import (
     Server,
     complete,
     counters_after,
-    draft_window,
     llama_server,
     prompt_chunks,
     proposer_stats,
@@ -85,11 +84,16 @@ class SharedPrefill:
     def of(cls, slot_dir: Path, target_gguf: Path, prompts: list, drafts: list[Path]) -> Optional[SharedPrefill]:
         """Sharing for these rows, or None when nothing can be shared (a drafter that attends to the
         whole context needs the whole prompt processed in its own server)."""
-        windows = [draft_window(d) for d in drafts]
+        from dspark.export.gguf import gguf_fields
+
+        windows = []
+        for d in drafts:  # the sliding window as llama.cpp reads it from the drafter GGUF
+            fields = gguf_fields(d)
+            windows.append(fields.get(f"{fields.get('general.architecture')}.attention.sliding_window"))
         if any(w is None for w in windows):
             log.info("llama.cpp rows: a drafter attends to the whole context; every row prefills every prompt")
             return None
-        window = max([w for w in windows if w is not None], default=0)
+        window = max(windows, default=0)
         prefixes = {p.prompt_id: shared_prefix_len(len(p.prompt_token_ids), window) for p in prompts}
         if not any(prefixes.values()):
             return None

@@ -288,17 +288,6 @@ def shared_prefix_len(prompt_len: int, window: Optional[int]) -> int:
     return max((prompt_len - (window + 1)) // N_UBATCH * N_UBATCH, 0)
 
 
-def draft_window(draft_gguf: Path) -> Optional[int]:
-    """The drafter GGUF's sliding window (``<arch>.attention.sliding_window``); None when it
-    attends to the whole context."""
-    from gguf import GGUFReader
-
-    for name, f in GGUFReader(str(draft_gguf)).fields.items():
-        if name.endswith(".attention.sliding_window"):
-            return int(f.contents())
-    return None
-
-
 def next_token_logprobs(
     server: Server, prompt_ids: list[int], *, n_probs: int, timeout_s: float = 3600
 ) -> dict[int, float]:
