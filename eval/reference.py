@@ -39,6 +39,19 @@ from eval.results import Calibration
 
 log = logging.getLogger(__name__)
 
+HEAD_ONLY_LMS = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "DeepseekV3ForCausalLM",
+    }
+)
+"""transformers' causal LMs whose forward ends in ``lm_head(last_hidden_state)`` (no soft-capping,
+no logit scale): :class:`TargetRunner` computes their head itself."""
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -85,6 +98,13 @@ class TargetRunner:
         if self.num_layers in self.layer_ids:  # the final state before the norm: not in hidden_states
             model.get_decoder().norm.register_forward_pre_hook(lambda _m, a: setattr(self, "_pre_norm", a[0]))
         self.cache = None
+        # transformers' causal LMs whose logits are lm_head(last hidden state), nothing after it:
+        # their head is computed here, as W @ h^T (on CPU torch's h @ W^T with the verify pass's 8
+        # rows took 4x as long: dspark.model's head_logits), and over the last position alone for
+        # a prefill (its other positions' logits are never read: 7k x 49k floats, 1.4 GB, at 7k)
+        head = model.get_output_embeddings()
+        plain_head = isinstance(head, torch.nn.Linear) and type(model).__name__ in HEAD_ONLY_LMS
+        self._decoder = model.get_decoder() if plain_head else None
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -96,15 +116,28 @@ class TargetRunner:
         return int(self.cache.get_seq_length()) if self.cache is not None else 0
 
     @torch.no_grad()
-    def forward(self, ids: Sequence[int], states: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, ids: Sequence[int], states: bool = True, last_logits_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, V] (``last_logits_only``: [1, V], the last position's) and context states
+        [n, C] for ``ids`` appended to the cache."""
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         want_states = states and bool(self.layer_ids)  # plain decoding asks for none: a fair baseline
-        out = self.model(input_ids=inp, past_key_values=self.cache, use_cache=True, output_hidden_states=want_states)
+        kw = dict(input_ids=inp, past_key_values=self.cache, use_cache=True, output_hidden_states=want_states)
+        if self._decoder is not None:
+            out = self._decoder(**kw)
+            h = out.last_hidden_state[0, -1:] if last_logits_only else out.last_hidden_state[0]
+            w = self.model.get_output_embeddings()
+            logits = (w.weight @ h.to(w.weight.dtype).T).T
+            logits = logits if w.bias is None else logits + w.bias
+        else:
+            out = self.model(**kw, **({"logits_to_keep": 1} if last_logits_only else {}))
+            logits = out.logits[0]
         self.cache = out.past_key_values
         if not want_states:
-            return out.logits[0].float(), torch.empty(inp.shape[1], 0, device=self.device)
+            return logits.float(), torch.empty(inp.shape[1], 0, device=self.device)
         states = [self._pre_norm[0] if i == self.num_layers else out.hidden_states[i][0] for i in self.layer_ids]
-        return out.logits[0].float(), torch.cat(states, dim=-1).float()
+        return logits.float(), torch.cat(states, dim=-1).float()
 
     def drop_last(self, n: int) -> None:
         """Forget the last n cached positions (rejected drafts)."""
@@ -370,7 +403,7 @@ def prefill_prompt(target: TargetRunner, prompt: Sequence[int]) -> Prefill:
     position's logits and every position's context states, for every pass over the prompt
     (:meth:`TargetRunner.rewind`)."""
     target.reset()
-    logits, states = target.forward(prompt)
+    logits, states = target.forward(prompt, last_logits_only=True)
     return Prefill(logits[-1], states, len(prompt))
 
 

@@ -6,7 +6,7 @@ decoding timed for the wall-clock speedup."""
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -76,7 +76,7 @@ class _ReferencePass:
             method = f"ngram-then-{method}" if lookup is not None else method
         return cls(name, export_dir, lookup, dcfg, draft, layers, method, torch.Generator().manual_seed(dcfg.seed))
 
-    def result(self, prompts: list, plain_tps: Optional[float]) -> DrafterResult:
+    def result(self, prompts: list, plain_tps: Optional[float], plain_over: Optional[int] = None) -> DrafterResult:
         counts = [g.counts for g in self.gens]
         overall, per_bin = per_bin_summary([p.bin for p in prompts], counts, self.dcfg.gamma)
         steps = max(overall["num_steps"], 1)
@@ -100,7 +100,8 @@ class _ReferencePass:
             notes=f"{where}; decode phase only (prefill excluded); per step: draft "
             f"{1e3 * draft_s / steps:.1f} ms, target verify of up to {self.dcfg.gamma + 1} tokens "
             f"{1e3 * verify_s / steps:.1f} ms"
-            + (f", plain decoding {1e3 / plain_tps:.1f} ms/token" if plain_tps else ""),
+            + (f", plain decoding {1e3 / plain_tps:.1f} ms/token" if plain_tps else "")
+            + (f" (each answer's first {plain_over} tokens)" if plain_tps and plain_over else ""),
             per_prompt=_per_prompt(prompts, counts, [g.tokens for g in self.gens]),
         )
 
@@ -157,6 +158,8 @@ def reference_results(
         if ps.draft is not None:
             ps.draft.columns = state_columns(layers, ps.layers, width)
     plain_cfg, eos, plain_tokens, plain_s = DecodeConfig.of(cfg.eval), _eos_ids(heads), 0, 0.0
+    if cfg.eval.plain_tokens is not None:  # timed over each answer's first tokens
+        plain_cfg = replace(plain_cfg, max_new_tokens=min(plain_cfg.max_new_tokens, cfg.eval.plain_tokens))
     todo = [("plain decoding", None)] * bool(cfg.eval.measure_plain) + [(ps.name, ps) for ps in passes]
     with tqdm(total=len(prompts) * len(todo), desc="reference loop", unit="pass") as bar:
         for p in prompts:
@@ -173,4 +176,5 @@ def reference_results(
                     )
                 bar.update()
     plain = (plain_tokens / plain_s if plain_s else float("nan")) if cfg.eval.measure_plain else None
-    return [ps.result(prompts, plain) for ps in passes]
+    capped = plain_cfg.max_new_tokens < cfg.eval.max_new_tokens
+    return [ps.result(prompts, plain, plain_cfg.max_new_tokens if capped else None) for ps in passes]

@@ -253,6 +253,7 @@ def test_wrong_type_fails_at_compose_naming_the_key(override, key):
         ("data.store_dtype=int8", r"data.store_dtype='int8': expected one of"),
         ("data.val_fraction=1.0", r"data.val_fraction=1.0: expected a fraction in \[0, 1\)"),
         ("eval.gamma=8", r"eval.gamma=8: expected at most drafter.block_size=7"),
+        ("eval.plain_tokens=0", r"eval.plain_tokens=0: expected a number >= 1"),
         ("eval.baselines=[suffix]", r"eval.baselines\[\]='suffix': expected one of \['ngram'\]"),
         ("logging.mode=loud", r"logging.mode='loud'"),
         ("deepspeed.zero_optimization.stage=4", r"deepspeed.zero_optimization.stage=4: expected one of \[0, 1, 2, 3\]"),

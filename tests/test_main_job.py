@@ -85,6 +85,8 @@ def test_main_job_with_its_ablation_then_a_rerun_that_skips_everything(tmp_path,
     # left (llama.cpp's block budget, which the reference loop then follows so that the twins count alike)
     for name in ("dspark", "ngram-then-dspark"):
         assert all(p["num_drafts"] >= p["num_steps"] - 1 for p in names[name]["per_prompt"])
+    for name in ("dspark", "ngram-then-dspark"):  # plain decoding timed over each answer's first eval.plain_tokens
+        assert re.search(r"plain decoding \d+\.\d ms/token \(each answer's first 6 tokens\)$", names[name]["notes"])
     equal = results["conditions"]["extra"]["greedy_outputs_equal"]  # each row's greedy text against vLLM ngram's
     assert set(equal) == set(names) and all(e["prompts"] == 2 and 0 <= e["equal"] <= 2 for e in equal.values())
     assert equal["ngram"]["equal"] == 2 and all(len(p["output_ids"]) > 0 for p in names["dspark"]["per_prompt"])

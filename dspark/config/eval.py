@@ -80,6 +80,10 @@ class EvalConfig:
     alone, the served ngram baseline's twin: its counts should equal vLLM's on the same tokens)."""
     measure_plain: bool = field(default=True, metadata=_NOT_LLAMA_CPP)
     """Time plain decoding of the same target for the wall-clock speedup."""
+    plain_tokens: Optional[int] = field(default=None, metadata=_NOT_LLAMA_CPP)
+    """Time plain decoding over the first N new tokens of each answer (None: ``max_new_tokens``): a
+    token's cost is set by the prompt's length, which an answer barely moves, so fewer tokens time
+    the same cost in less of the eval's minutes."""
     baselines: list[str] = field(default_factory=lambda: ["ngram"], metadata=_NOT_LLAMA_CPP)
     """vLLM methods served on the same prompts."""
     serve_export: str = field(default="auto", metadata=_NOT_LLAMA_CPP)
@@ -146,6 +150,8 @@ class EvalConfig:
         for key in ("prompts_per_bin", "max_new_tokens", "gamma", "vllm_timeout_s"):
             _at_least(f"eval.{key}", getattr(self, key), 1)
         _at_least("eval.temperature", self.temperature, 0)
+        if self.plain_tokens is not None:
+            _at_least("eval.plain_tokens", self.plain_tokens, 1)
         if self.confidence_threshold is not None:
             _check(
                 0 <= self.confidence_threshold <= 1,

@@ -28,14 +28,14 @@ class ScriptedTarget:
     def reset(self) -> None:
         self.length = 0
 
-    def forward(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: list[int], last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         pos = range(self.length, self.length + len(ids))
         self.length += len(ids)
         self.forwards += 1
         logits = torch.full((len(ids), VOCAB), -1.0)
         for i, p in enumerate(pos):  # past the scripted answer (drafts of the last step): token 0
             logits[i, self.truth[p + 1] if p + 1 < len(self.truth) else 0] = 1.0
-        return logits, torch.empty(len(ids), 0)
+        return (logits[-1:] if last_logits_only else logits), torch.empty(len(ids), 0)
 
     def drop_last(self, n: int) -> None:
         self.length -= n

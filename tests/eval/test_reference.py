@@ -282,3 +282,37 @@ def test_the_window_sweep_counts_what_the_reference_loop_counts(window):
         got, tokens, _ = simulate(drafter, len(prompt), greedy, states, cfg.gamma, cfg.max_new_tokens, {5})
         assert tokens == want.tokens
         assert got == want.counts and got.num_accepted > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_runners_own_head_gives_the_models_logits_and_a_prefill_keeps_the_last(tied):
+    """TargetRunner computes a Llama's head itself (W @ h^T) and, for a prefill, over the last
+    position alone: the logits are the model's own at every position, a cached continuation's
+    too, the states unchanged, and a model outside the list goes through its own forward."""
+    target = tiny_llama_target(seed=1, vocab_size=50, num_hidden_layers=2, tie_word_embeddings=tied)
+    ids = torch.randint(1, 50, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = target(torch.tensor([ids]), output_hidden_states=True)
+    own = TargetRunner(target, LAYERS)
+    assert own._decoder is not None
+    own.reset()
+    head, states = own.forward(ids[:9])
+    tail, tail_states = own.forward(ids[9:])
+    torch.testing.assert_close(torch.cat([head, tail]), ref.logits[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([head, tail]).argmax(-1), ref.logits[0].argmax(-1))
+    torch.testing.assert_close(states[:, :32], ref.hidden_states[1][0, :9])  # layer 1's state
+
+    pre = prefill_prompt(own, ids)
+    assert pre.logits.shape == (50,) and pre.length == 12 and pre.states.shape == (12, 2 * 32)
+    torch.testing.assert_close(pre.logits, ref.logits[0, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pre.states, torch.cat([states, tail_states]))
+
+    class Wrapped(type(target)):  # a class the runner does not know: the model's own forward
+        pass
+
+    target.__class__ = Wrapped
+    theirs = TargetRunner(target, LAYERS)
+    assert theirs._decoder is None
+    pre_theirs = prefill_prompt(theirs, ids)
+    torch.testing.assert_close(pre_theirs.logits, ref.logits[0, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pre_theirs.states, pre.states)
