@@ -9,7 +9,8 @@ freedom: with 3 seeds an arm, about 4, so the 95 % critical value is about 2.8, 
 1.96). A lever "passes" when its gain is positive and p < 0.05.
 
     .venv/bin/python benchmarks/lever_report.py outputs/checkpoints/levers/smollm2-135m \\
-        --baseline fp32 --plot docs/img/levers.png [--json outputs/benchmarks/levers.json]
+        --baseline fp32 --plot docs/img/levers.png [--json outputs/benchmarks/levers.json] \\
+        [--side-by-side outputs/benchmarks/sbs-wallclock/*.json]   # speculators' arms beside ours
 """
 
 from __future__ import annotations
@@ -101,6 +102,37 @@ def lever_runs(root: Path) -> dict[str, dict[int, list[dict]]]:
             print(f"left out: lever-{lever}-seed{seed} (at step {seeds[seed][-1]['step']} of {last}, unfinished)")
             del seeds[seed]
     return out
+
+
+def side_by_side_runs(paths: list[Path], found: dict[str, dict[int, list[dict]]], baseline: str) -> None:
+    """Adds the arms of ``benchmarks/speculators_side_by_side.py --json`` runs (speculators' model,
+    its default and its Muon option, at steps that fill the baseline's minutes) to ``found``, seeded
+    by each run's ``seed=`` override. Every arm sees the baseline's batches, so its predictions at a
+    step are the baseline's at that step (its runs' predictions per step)."""
+    base = found.get(baseline)
+    if not base:
+        raise SystemExit(f"error: --side-by-side needs the baseline arm {baseline!r}'s runs for predictions per step")
+    per_step = statistics.mean(vals[-1]["predictions"] / vals[-1]["step"] for vals in base.values())
+    for path in paths:
+        report = json.loads(path.read_text())
+        seeds = [int(o.split("=", 1)[1]) for o in report.get("overrides", []) if o.startswith("seed=")]
+        if len(seeds) != 1:
+            raise SystemExit(f"error: {path}: overrides {report.get('overrides')}: expected one seed=N")
+        for arm, res in report.items():
+            if arm in ("overrides", "steps", "ours") or not isinstance(res, dict):
+                continue
+            vals = [
+                {
+                    "step": v["step"],
+                    "train_seconds": v["train_seconds"],
+                    "predictions": v["step"] * per_step,
+                    "tau": v["tau"],
+                    "accept_pos_1": v["pos1"],
+                }
+                for v in res["validations"]
+            ]
+            if vals:
+                found.setdefault(arm, {})[seeds[0]] = vals
 
 
 def summary(found: dict[str, dict[int, list[dict]]], baseline: str) -> list[dict]:
@@ -211,8 +243,17 @@ def main() -> None:
         metavar="LEVER=PRED_S",
         help="an arm's predictions per second measured alone, for the fit's hours (default: its runs' own)",
     )
+    p.add_argument(
+        "--side-by-side",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="RUN.json",
+        help="benchmarks/speculators_side_by_side.py --json runs on the same data: their arms join the table",
+    )
     args = p.parse_args()
     found = lever_runs(args.root)
+    side_by_side_runs(args.side_by_side, found, args.baseline)
     rows = summary(found, args.baseline)
     print(table(rows, args.baseline))
     if args.fit is not None:

@@ -9,6 +9,11 @@ Arms (``--arms``):
   sampling and masks, its reduction; in a minimal loop, because its trainer cannot run on a CPU
   (it takes ``torch.accelerator`` or ``cuda``: docs/speculators_notes.md, "On a CPU"). Its model
   and losses are its own; the loop only feeds it our batches and steps the same AdamW.
+- ``speculators-muon``: the same model, init and loss with speculators' Muon option, built by its own
+  ``speculators.train.optimizers.build_optimizers`` (``torch.optim.Muon`` over the hidden 2-D matrices,
+  AdamW over the rest) with its CLI's defaults (``--optimizer`` defaults to ``muon`` in 0.9.0's schema:
+  ``muon_lr`` = ``lr``, momentum 0.95, weight decay 0.1, 5 Newton-Schulz steps, ``match_rms_adamw``);
+  one schedule per optimizer, as its trainer keeps.
 - ``speculators-matched``: the same, started from our arm's initial weights and with our loss
   weights (the run's ``train.kl_weight``/``tv_weight``/``ce_weight`` as speculators' ``kl_div``/
   ``tv``/``ce``; KL alone by default since issue #38, 0.9 TV + 0.1 CE in the runs recorded before):
@@ -44,7 +49,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-ARMS = ("ours", "speculators", "speculators-matched")
+ARMS = ("ours", "speculators", "speculators-muon", "speculators-matched")
 
 
 def _config(overrides: list[str], tmp: str, steps: int, validate_at: list[int]) -> Any:
@@ -131,7 +136,9 @@ def _speculators_losses(model: Any, batch: Any, mask: torch.Tensor, loss_config:
     return out
 
 
-def run_speculators(tr: Any, heads: Any, tmp: Path, *, matched: bool, validate_at: list[int], log: Any) -> dict:
+def run_speculators(
+    tr: Any, heads: Any, tmp: Path, *, matched: bool, validate_at: list[int], log: Any, muon: bool = False
+) -> dict:
     from speculators.losses import resolve_loss_config
 
     from dspark.data.target_topk import supervised_tokens
@@ -149,16 +156,28 @@ def run_speculators(tr: Any, heads: Any, tmp: Path, *, matched: bool, validate_a
     loss_config = resolve_loss_config(spec, "eager")
     tv_fn = resolve_loss_config("tv", "eager")["tv"][0]
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_lambda(s, warmup=t.warmup_steps, total=t.max_steps, min_ratio=t.min_lr_ratio)
-    )
+    if muon:  # speculators' own builder, its CLI's defaults (muon_lr defaults to lr)
+        from speculators.train.optimizers import build_optimizers
+        from speculators.train.trainer import TrainerConfig
+
+        opts = build_optimizers(
+            model, TrainerConfig(lr=t.lr, num_epochs=1, save_path=str(tmp), optimizer="muon", muon_lr=t.lr)
+        )
+    else:
+        opts = [torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))]
+    scheds = [
+        torch.optim.lr_scheduler.LambdaLR(
+            o, lambda s: lr_lambda(s, warmup=t.warmup_steps, total=t.max_steps, min_ratio=t.min_lr_ratio)
+        )
+        for o in opts
+    ]
     torch.manual_seed(tr.cfg.seed)  # speculators draws its anchors from torch's global generator
     rows, seconds, steps_done = [], 0.0, 0
     model.train()
     for step in range(1, t.max_steps + 1):
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        for o in opts:
+            o.zero_grad(set_to_none=True)
         losses = []
         for batch in (tr.batches.next() for _ in range(t.grad_accum_steps)):
             mask = supervised_tokens(batch.loss_mask, batch.lengths, t.supervise)
@@ -170,8 +189,9 @@ def run_speculators(tr: Any, heads: Any, tmp: Path, *, matched: bool, validate_a
         # speculators' trainer clips at 1.0 (speculators/train/trainer.py: clip_grad_norm_), as ours does
         # (train.grad_clip, through DeepSpeed's gradient_clipping)
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        opt.step()
-        sched.step()
+        for o, sc in zip(opts, scheds):
+            o.step()
+            sc.step()
         seconds += time.perf_counter() - t0
         steps_done = step
         if step in validate_at:
@@ -182,7 +202,8 @@ def run_speculators(tr: Any, heads: Any, tmp: Path, *, matched: bool, validate_a
             row = {"step": step, "train_seconds": seconds, "loss": loss.item(), **_val(tr.evaluate())}
             rows.append(row)
             log(row)
-    return {"validations": rows, "seconds_per_step": seconds / max(steps_done, 1), "loss": spec}
+    optimizer = "muon (speculators' build_optimizers)" if muon else "adamw"
+    return {"validations": rows, "seconds_per_step": seconds / max(steps_done, 1), "loss": spec, "optimizer": optimizer}
 
 
 def summarize(paths: list[Path]) -> str:
@@ -299,7 +320,13 @@ def main() -> None:
                     }
                 else:
                     report[arm] = run_speculators(
-                        tr, heads, Path(tmp), matched=arm.endswith("matched"), validate_at=validate_at, log=log
+                        tr,
+                        heads,
+                        Path(tmp),
+                        matched=arm.endswith("matched"),
+                        validate_at=validate_at,
+                        log=log,
+                        muon=arm.endswith("muon"),
                     )
             finally:
                 tr.close()

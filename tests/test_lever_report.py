@@ -64,3 +64,30 @@ def test_runs_are_grouped_by_lever_and_tested_against_the_baseline(tmp_path, cap
 def test_no_runs_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no lever-NAME-seedK/validation.jsonl under"):
         lr.lever_runs(tmp_path)
+
+
+def test_speculators_side_by_side_runs_join_the_table_at_the_baselines_predictions_per_step(tmp_path):
+    for seed, base in enumerate([1.38, 1.40, 1.37]):
+        _run(tmp_path, f"lever-fp32-seed{seed}", [1.1, 1.2, base])  # 2e6 predictions at step 300
+    runs = []
+    for seed, tau in enumerate([1.30, 1.31, 1.29]):
+        path = tmp_path / f"sbs-{seed}.json"
+        vals = [{"step": 50, "train_seconds": 60.0, "tau": 1.05, "pos1": 0.05},
+                {"step": 150, "train_seconds": 590.0, "tau": tau, "pos1": 0.2}]  # fmt: skip
+        path.write_text(json.dumps({"overrides": ["+experiment=x", f"seed={seed}"], "steps": 150,
+                                    "speculators-muon": {"validations": vals, "seconds_per_step": 3.9}}))  # fmt: skip
+        runs.append(path)
+    found = lr.lever_runs(tmp_path)
+    lr.side_by_side_runs(runs, found, "fp32")
+    assert sorted(found["speculators-muon"]) == [0, 1, 2]
+    last = found["speculators-muon"][1][-1]
+    assert last["predictions"] == pytest.approx(150 * 2e6 / 300) and last["accept_pos_1"] == 0.2
+    row = next(r for r in lr.summary(found, "fp32") if r["lever"] == "speculators-muon")
+    assert row["steps"] == [150] and row["test"]["diff"] == pytest.approx(1.30 - 1.3833333, abs=1e-6)
+    assert row["test"]["p"] < 0.05  # behind beyond the noise
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"overrides": ["+experiment=x"], "speculators": {"validations": []}}))
+    with pytest.raises(SystemExit, match=r"bad.json: overrides \['\+experiment=x'\]: expected one seed=N"):
+        lr.side_by_side_runs([bad], found, "fp32")
+    with pytest.raises(SystemExit, match="needs the baseline arm 'bf16'"):
+        lr.side_by_side_runs(runs, found, "bf16")
