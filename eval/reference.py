@@ -25,6 +25,7 @@ bound that a serving-side hybrid could reach.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -105,6 +106,7 @@ class TargetRunner:
         head = model.get_output_embeddings()
         plain_head = isinstance(head, torch.nn.Linear) and type(model).__name__ in HEAD_ONLY_LMS
         self._decoder = model.get_decoder() if plain_head else None
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -131,8 +133,9 @@ class TargetRunner:
             logits = (w.weight @ h.to(w.weight.dtype).T).T
             logits = logits if w.bias is None else logits + w.bias
         else:
-            out = self.model(**kw, **({"logits_to_keep": 1} if last_logits_only else {}))
-            logits = out.logits[0]
+            keep = last_logits_only and self._keeps_logits
+            out = self.model(**kw, **({"logits_to_keep": 1} if keep else {}))
+            logits = out.logits[0, -1:] if last_logits_only else out.logits[0]
         self.cache = out.past_key_values
         if not want_states:
             return logits.float(), torch.empty(inp.shape[1], 0, device=self.device)
