@@ -279,6 +279,7 @@ def test_which_eval_fields_feed_which_fingerprint_is_pinned():
         "reference_proposers",
         "reference_outputs",
         "measure_plain",
+        "plain_tokens",
         "baselines",
         "serve_export",
         "vllm_max_model_len",
