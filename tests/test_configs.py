@@ -334,6 +334,7 @@ def test_keys_the_schema_lacks_are_refused_naming_them(compose_config):
     }
 
 
+@pytest.mark.slow  # a subprocess or several: 4-6 s, kept out of the 5-minute fast tier
 def test_every_config_error_exits_2_hydras_own_too(tmp_path):
     """Hydra's composition errors (a key without +, a missing option) exited 1, ours 2: one status."""
     unknown = "error: unknown config key train.lrr (did you mean train.lr?)"

@@ -217,6 +217,7 @@ def test_bundled_lcr_is_long_multi_document_and_seeded():
     "source, lo, hi",
     [("bundled_lcr_short", 550, 1200), ("bundled_lcr_long", 900, 8500)],
 )
+@pytest.mark.slow  # a subprocess or several: 4-6 s, kept out of the 5-minute fast tier
 def test_named_lcr_sources_yield_as_many_as_asked_in_their_range_never_the_evals_documents(smollm2_dir, source, lo, hi):
     import itertools
 
@@ -259,6 +260,7 @@ def test_overlong_prompts_are_skipped_or_truncated(smollm2_dir):
     assert tok.decode(long.prompt_ids).endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # a subprocess or several: 4-6 s, kept out of the 5-minute fast tier
 def test_bundled_prompts_ignore_packages_put_on_sys_path_at_run_time(tmp_path, monkeypatch):
     """wandb puts its vendored packages on sys.path when it starts; the prompt set must not change
     mid-process (a multirun's second job refused the dataset its first job extracted)."""

@@ -28,6 +28,7 @@ def fake_export(directory: Path, *, config: str = '{"architectures": ["Qwen3DSpa
     return directory
 
 
+@pytest.mark.slow  # a subprocess or several: 4-6 s, kept out of the 5-minute fast tier
 def test_validate_under_python_m_prints_the_error_line_with_rc_2(tmp_path):
     export = fake_export(tmp_path / "e", config='{"architectures": ["Qwen3DSparkModel"],')  # a torn write
     out = run_cli("validate", export)

@@ -188,6 +188,7 @@ def test_kill_9_then_resume_neither_skips_nor_repeats(tiny, tmp_path, compose_co
     assert max(seen.values()) - min(seen.values()) <= 1  # 40 draws over 12 sequences: balanced epochs
 
 
+@pytest.mark.slow  # a subprocess or several: 4-6 s, kept out of the 5-minute fast tier
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_saves_stops_and_the_rerun_continues_the_same_run(compose_config, tiny, tmp_path, sig):
     """Issue #17: Slurm's SIGTERM (preemption, requeue) and USR1 (time limit near) save a checkpoint

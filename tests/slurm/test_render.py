@@ -305,6 +305,7 @@ def test_tp16_on_two_nodes_is_refused_with_the_expected_shape(render):
     assert r.rc == 0, r.log
 
 
+@pytest.mark.slow  # a subprocess or several: 4-6 s, kept out of the 5-minute fast tier
 def test_a_misspelt_override_fails_on_the_batch_host(render):
     r = render("train.sbatch", "train.lrr=3e-4")
     assert r.rc == 2 and not r.srun

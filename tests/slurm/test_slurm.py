@@ -141,6 +141,7 @@ def test_no_gpus_without_allow_cpu_fails_clearly(slurm, tmp_path):
     assert "DSPARK_ALLOW_CPU=1" in log
 
 
+@pytest.mark.slow  # a subprocess or several: 4-6 s, kept out of the 5-minute fast tier
 def test_a_misspelt_override_fails_the_job_before_srun(slurm, tmp_path):
     (tmp_path / "slurm").mkdir()
     job = sbatch(
