@@ -35,6 +35,7 @@ import torch
 
 from dspark.calibration import NUM_BINS, calibration_sums, expected_calibration_error
 from dspark.config import EvalConfig
+from dspark.model import few_rows_linear
 from eval.acceptance import AcceptanceCounts
 from eval.results import Calibration
 
@@ -100,11 +101,11 @@ class TargetRunner:
             model.get_decoder().norm.register_forward_pre_hook(lambda _m, a: setattr(self, "_pre_norm", a[0]))
         self.cache = None
         # transformers' causal LMs whose logits are lm_head(last hidden state), nothing after it:
-        # their head is computed here, as W @ h^T (on CPU torch's h @ W^T with the verify pass's 8
-        # rows took 4x as long: dspark.model's head_logits), and over the last position alone for
-        # a prefill (its other positions' logits are never read: 7k x 49k floats, 1.4 GB, at 7k)
-        head = model.get_output_embeddings()
-        plain_head = isinstance(head, torch.nn.Linear) and type(model).__name__ in HEAD_ONLY_LMS
+        # their head is computed here (dspark.model.few_rows_linear: the verify pass's 8 rows), and
+        # over the last position alone for a prefill (its other positions' logits are never read:
+        # 7k x 49k floats, 1.4 GB, at 7k)
+        self._head = model.get_output_embeddings()
+        plain_head = isinstance(self._head, torch.nn.Linear) and type(model).__name__ in HEAD_ONLY_LMS
         self._decoder = model.get_decoder() if plain_head else None
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -129,9 +130,7 @@ class TargetRunner:
         if self._decoder is not None:
             out = self._decoder(**kw)
             h = out.last_hidden_state[0, -1:] if last_logits_only else out.last_hidden_state[0]
-            w = self.model.get_output_embeddings()
-            logits = (w.weight @ h.to(w.weight.dtype).T).T
-            logits = logits if w.bias is None else logits + w.bias
+            logits = few_rows_linear(self._head, h)
         else:
             keep = last_logits_only and self._keeps_logits
             out = self.model(**kw, **({"logits_to_keep": 1} if keep else {}))
