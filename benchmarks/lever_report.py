@@ -6,7 +6,10 @@ lever, over its seeds: training minutes, predictions per second, and the final v
 pos-1 as mean ± sd. Each lever is compared with the baseline arm (``--baseline``) by Welch's
 two-sided t-test on the seeds' final val tau (unequal variances, Welch-Satterthwaite degrees of
 freedom: with 3 seeds an arm, about 4, so the 95 % critical value is about 2.8, not the normal
-1.96). A lever "passes" when its gain is positive and p < 0.05.
+1.96). A lever "passes" when its gain is positive and p < 0.05. A lever meant to save time rather
+than add tau (``--noninferior LEVER=MARGIN``, the margin declared before its runs) is tested the
+other way: it is no worse than the baseline when Welch's one-sided 95 % lower bound on its
+difference lies above -MARGIN.
 
     .venv/bin/python benchmarks/lever_report.py outputs/checkpoints/levers/smollm2-135m \\
         --baseline fp32 --plot docs/img/levers.png [--json outputs/benchmarks/levers.json] \\
@@ -82,6 +85,36 @@ def welch(a: list[float], b: list[float]) -> dict:
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     t = diff / se
     return {"diff": diff, "se": se, "t": t, "df": df, "p": t_two_sided_p(t, df), "t_crit": t_critical(df)}
+
+
+def noninferiority(a: list[float], b: list[float], margin: float) -> dict:
+    """Is mean(b) no worse than mean(a) by more than ``margin``? Welch's one-sided test of
+    H0: diff <= -margin at 5 %: passes when the one-sided 95 % lower bound exceeds -margin."""
+    w = welch(a, b)
+    t = (w["diff"] + margin) / w["se"]
+    half = t_two_sided_p(t, w["df"]) / 2
+    lower = w["diff"] - t_critical(w["df"], 0.10) * w["se"]
+    return {**w, "margin": margin, "t_ni": t, "p_ni": half if t > 0 else 1.0 - half, "lower": lower}
+
+
+def noninferiority_table(found: dict[str, dict[int, list[dict]]], baseline: str, margins: dict[str, float]) -> str:
+    base = [vals[-1]["tau"] for vals in found.get(baseline, {}).values()]
+    out = [
+        f"| lever | seeds vs `{baseline}`'s | diff | one-sided 95 % lower bound | margin | t (df) | p | no worse |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for lever, margin in margins.items():
+        if lever not in found:
+            raise SystemExit(f"error: --noninferior {lever}={margin}: no runs of lever {lever!r}")
+        taus = [vals[-1]["tau"] for vals in found[lever].values()]
+        if len(taus) < 2 or len(base) < 2:
+            raise SystemExit(f"error: --noninferior {lever}: needs 2 seeds or more in it and in {baseline!r}")
+        n = noninferiority(base, taus, margin)
+        out.append(
+            f"| `{lever}` | {len(taus)} vs {len(base)} | {n['diff']:+.3f} | {n['lower']:+.3f} | -{margin:.3f} | "
+            f"{n['t_ni']:.2f} ({n['df']:.1f}) | {n['p_ni']:.3f} | {'yes' if n['lower'] > -margin else 'no'} |"
+        )
+    return "\n".join(out)
 
 
 def lever_runs(root: Path) -> dict[str, dict[int, list[dict]]]:
@@ -251,11 +284,21 @@ def main() -> None:
         metavar="RUN.json",
         help="benchmarks/speculators_side_by_side.py --json runs on the same data: their arms join the table",
     )
+    p.add_argument(
+        "--noninferior",
+        action="append",
+        default=[],
+        metavar="LEVER=MARGIN",
+        help="test LEVER for being no worse than the baseline by more than MARGIN val tau (declare it first)",
+    )
     args = p.parse_args()
     found = lever_runs(args.root)
     side_by_side_runs(args.side_by_side, found, args.baseline)
     rows = summary(found, args.baseline)
     print(table(rows, args.baseline))
+    if args.noninferior:
+        margins = {k: float(v) for k, v in (r.split("=") for r in args.noninferior)}
+        print("\n" + noninferiority_table(found, args.baseline, margins))
     if args.fit is not None:
         print(f"\n| lever | fit: tau = a + b log10(predictions) | points | reaches {args.fit} at | hours at its rate |")
         print("|---|---|---|---|---|")

@@ -91,3 +91,25 @@ def test_speculators_side_by_side_runs_join_the_table_at_the_baselines_predictio
         lr.side_by_side_runs([bad], found, "fp32")
     with pytest.raises(SystemExit, match="needs the baseline arm 'bf16'"):
         lr.side_by_side_runs(runs, found, "bf16")
+
+
+def test_noninferiority_passes_a_level_arm_and_fails_a_worse_or_noisy_one(tmp_path, capsys):
+    base = [1.362, 1.357, 1.413, 1.380, 1.370, 1.366]
+    level = [1.359, 1.376, 1.357, 1.403, 1.372, 1.368]
+    n = lr.noninferiority(base, level, 0.035)
+    w = lr.welch(base, level)
+    # the lower bound is the difference less t(0.95, df) standard errors: by hand, against the table's 1.812 at 10 df
+    assert n["lower"] == pytest.approx(w["diff"] - lr.t_critical(w["df"], 0.10) * w["se"])
+    assert lr.t_critical(10, 0.10) == pytest.approx(1.812, abs=1e-3)
+    assert n["lower"] > -0.035 and n["p_ni"] < 0.05
+    worse = lr.noninferiority(base, [t - 0.04 for t in level], 0.035)
+    assert worse["lower"] < -0.035 and worse["p_ni"] > 0.05  # level in spread but 0.04 lower: not shown no worse
+    noisy = lr.noninferiority(base[:3], level[:2], 0.035)
+    assert noisy["lower"] < -0.035  # two seeds against three cannot show it, whatever the means
+    for seed, (a, b) in enumerate(zip(base, level)):
+        _run(tmp_path, f"lever-fp32-seed{seed}", [1.1, 1.2, a])
+        _run(tmp_path, f"lever-bf16-equal-steps-seed{seed}", [1.1, 1.2, b])
+    md = lr.noninferiority_table(lr.lever_runs(tmp_path), "fp32", {"bf16-equal-steps": 0.035})
+    assert md.splitlines()[-1].startswith("| `bf16-equal-steps` | 6 vs 6 |") and md.rstrip().endswith("| yes |")
+    with pytest.raises(SystemExit, match="no runs of lever 'muon'"):
+        lr.noninferiority_table(lr.lever_runs(tmp_path), "fp32", {"muon": 0.035})
