@@ -87,20 +87,22 @@ def welch(a: list[float], b: list[float]) -> dict:
     return {"diff": diff, "se": se, "t": t, "df": df, "p": t_two_sided_p(t, df), "t_crit": t_critical(df)}
 
 
-def noninferiority(a: list[float], b: list[float], margin: float) -> dict:
+def noninferiority(a: list[float], b: list[float], margin: float, alpha: float = 0.05) -> dict:
     """Is mean(b) no worse than mean(a) by more than ``margin``? Welch's one-sided test of
-    H0: diff <= -margin at 5 %: passes when the one-sided 95 % lower bound exceeds -margin."""
+    H0: diff <= -margin at ``alpha``: passes when the one-sided 1 - alpha lower bound exceeds -margin."""
     w = welch(a, b)
     t = (w["diff"] + margin) / w["se"]
     half = t_two_sided_p(t, w["df"]) / 2
-    lower = w["diff"] - t_critical(w["df"], 0.10) * w["se"]
+    lower = w["diff"] - t_critical(w["df"], 2 * alpha) * w["se"]
     return {**w, "margin": margin, "t_ni": t, "p_ni": half if t > 0 else 1.0 - half, "lower": lower}
 
 
-def noninferiority_table(found: dict[str, dict[int, list[dict]]], baseline: str, margins: dict[str, float]) -> str:
+def noninferiority_table(
+    found: dict[str, dict[int, list[dict]]], baseline: str, margins: dict[str, float], alpha: float = 0.05
+) -> str:
     base = [vals[-1]["tau"] for vals in found.get(baseline, {}).values()]
     out = [
-        f"| lever | seeds vs `{baseline}`'s | diff | one-sided 95 % lower bound | margin | t (df) | p | no worse |",
+        f"| lever | seeds vs `{baseline}`'s | diff | one-sided {100 * (1 - alpha):g} % lower bound | margin | t (df) | p | no worse |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for lever, margin in margins.items():
@@ -109,7 +111,7 @@ def noninferiority_table(found: dict[str, dict[int, list[dict]]], baseline: str,
         taus = [vals[-1]["tau"] for vals in found[lever].values()]
         if len(taus) < 2 or len(base) < 2:
             raise SystemExit(f"error: --noninferior {lever}: needs 2 seeds or more in it and in {baseline!r}")
-        n = noninferiority(base, taus, margin)
+        n = noninferiority(base, taus, margin, alpha)
         out.append(
             f"| `{lever}` | {len(taus)} vs {len(base)} | {n['diff']:+.3f} | {n['lower']:+.3f} | -{margin:.3f} | "
             f"{n['t_ni']:.2f} ({n['df']:.1f}) | {n['p_ni']:.3f} | {'yes' if n['lower'] > -margin else 'no'} |"
@@ -134,6 +136,25 @@ def lever_runs(root: Path) -> dict[str, dict[int, list[dict]]]:
         for seed in [k for k, vals in seeds.items() if vals[-1]["step"] < last]:
             print(f"left out: lever-{lever}-seed{seed} (at step {seeds[seed][-1]['step']} of {last}, unfinished)")
             del seeds[seed]
+    return out
+
+
+def heldout_runs(path: Path, found: dict[str, dict[int, list[dict]]]) -> dict[str, dict[int, list[dict]]]:
+    """The runs of ``found`` re-validated by ``benchmarks/revalidate.py`` (its JSON lines): each
+    seed's one validation is the held-out one, at the run's own step, predictions and minutes."""
+    out: dict[str, dict[int, list[dict]]] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        own = found.get(row["lever"], {}).get(row["seed"])
+        if own is None:
+            continue  # a run left out of found (unfinished) is left out here too
+        if row["step"] != own[-1]["step"]:
+            raise SystemExit(f"error: {path}: {row['run']} re-validated at step {row['step']}, its run ended at {own[-1]['step']}")
+        out.setdefault(row["lever"], {})[row["seed"]] = [{**own[-1], "tau": row["tau"], "accept_pos_1": row["accept_pos_1"]}]
+    if not out:
+        raise SystemExit(f"error: {path}: no re-validated run of the levers found")
     return out
 
 
@@ -195,7 +216,7 @@ def _ms(xs: list[float], fmt: str = ".3f") -> str:
     return f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
 
 
-def table(rows: list[dict], baseline: str) -> str:
+def table(rows: list[dict], baseline: str, alpha: float = 0.05) -> str:
     out = [
         f"| lever | seeds | steps | train min | predictions/s | val tau (mean ± sd) | val pos-1 | vs `{baseline}`: "
         "diff, t (df), p | passes |",
@@ -207,7 +228,7 @@ def table(rows: list[dict], baseline: str) -> str:
             vs, passes = "baseline" if r["lever"] == baseline else "-", ""
         else:
             vs = f"{t['diff']:+.3f}, {t['t']:.2f} ({t['df']:.1f}), {t['p']:.3f}"
-            passes = "yes" if t["p"] < 0.05 and t["diff"] > 0 else "no"
+            passes = "yes" if t["p"] < alpha and t["diff"] > 0 else "no"
         out.append(
             f"| `{r['lever']}` | {len(r['seeds'])} | {'/'.join(map(str, r['steps']))} | {_ms(r['train_min'], '.1f')} | "
             f"{_ms(r['pred_s'], '.0f')} | {_ms(r['tau'])} | {_ms(r['pos1'])} | {vs} | {passes} |"
@@ -291,15 +312,27 @@ def main() -> None:
         metavar="LEVER=MARGIN",
         help="test LEVER for being no worse than the baseline by more than MARGIN val tau (declare it first)",
     )
+    p.add_argument(
+        "--alpha", type=float, default=0.05, help="the tests' level (two-sided; one-sided for --noninferior)"
+    )
+    p.add_argument(
+        "--validations",
+        type=Path,
+        default=None,
+        metavar="REVALIDATE.jsonl",
+        help="benchmarks/revalidate.py's held-out validations in place of each run's own final one",
+    )
     args = p.parse_args()
     found = lever_runs(args.root)
     side_by_side_runs(args.side_by_side, found, args.baseline)
+    if args.validations:  # the levers' own runs only: speculators' arms were not re-validated
+        found = heldout_runs(args.validations, found)
     rows = summary(found, args.baseline)
-    print(table(rows, args.baseline))
+    print(table(rows, args.baseline, args.alpha))
     if args.noninferior:
         margins = {k: float(v) for k, v in (r.split("=") for r in args.noninferior)}
-        print("\n" + noninferiority_table(found, args.baseline, margins))
-    if args.fit is not None:
+        print("\n" + noninferiority_table(found, args.baseline, margins, args.alpha))
+    if args.fit is not None and not args.validations:
         print(f"\n| lever | fit: tau = a + b log10(predictions) | points | reaches {args.fit} at | hours at its rate |")
         print("|---|---|---|---|---|")
         rates = {k: float(v) for k, v in (r.split("=") for r in args.rate)}
@@ -307,7 +340,7 @@ def main() -> None:
             f = fit_crossing(seeds, args.fit, rate=rates.get(lever))
             print(f"| `{lever}` | {f['a']:.3f} + {f['b']:.3f} log10(p) | {f['points']} | {f['predictions']:.2e} "
                   f"| {f['hours']:.3g} h at {f['rate']:.0f}/s |")  # fmt: skip
-    if args.plot:
+    if args.plot and not args.validations:
         plot(found, args.plot)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
