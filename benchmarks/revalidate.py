@@ -4,7 +4,8 @@ The levers (``+experiment=smollm2_cpu_levers``) validate on the demo's split: 19
 drafted blocks, where val tau spreads 0.05 between seeds of one recipe at val losses within 0.05 %
 of each other (docs/benchmarks.md, "Training levers"). This tool measures each run's final weights
 on prompts none of them trained on, with the trainer's own validation (``Trainer.evaluate``: the
-same fixed anchors, loss terms and acceptance), so recipes are ranked on more blocks:
+same fixed anchors, loss terms and acceptance), so recipes are ranked on more blocks. Each run's own
+validation is recomputed first and must equal its recorded final one (the weights and recipe are the run's):
 
     python benchmarks/revalidate.py prompts outputs/benchmarks/heldout.jsonl      # the bundled prompts after the demo's 256
     python -m data_tools.extract +experiment=smollm2_cpu_demo data.source=outputs/benchmarks/heldout.jsonl \\
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.lever_report import RUN_NAME  # noqa: E402
+from dspark.core.file_reads import read_jsonl  # noqa: E402
 
 
 def heldout_prompts(out: Path, *, skip: int, count: int) -> int:
@@ -64,9 +66,11 @@ def seq_ids(dataset: Path) -> set[str]:
 def revalidate(run_dir: Path, shards: Path) -> dict:
     """The final weights of ``run_dir`` validated on every sequence of ``shards``' train split."""
     import torch
-    from omegaconf import OmegaConf
+    from hydra import compose, initialize_config_dir
 
     from dspark.checkpoint import load_with_frozen_from_the_target
+    from dspark.checkpoint_run import run_differences
+    from dspark.checkpoint_tags import resolve_tag
     from dspark.checkpoint_weights import load_training_checkpoint
     from dspark.config import load_config
     from dspark.data.shards import ShardDataset
@@ -74,11 +78,20 @@ def revalidate(run_dir: Path, shards: Path) -> dict:
     from dspark.target import load_target_heads, resolve_target
 
     ck = load_training_checkpoint(run_dir)
+    m = RUN_NAME.match(run_dir.name)
     with tempfile.TemporaryDirectory(prefix="dspark-revalidate-") as tmp:
-        raw = OmegaConf.create(ck.run_config)
-        raw.train.checkpoint_dir = str(Path(tmp) / "ckpt")  # a fresh directory: nothing resumed, nothing written to the run's
-        raw.logging.wandb = False
-        cfg = load_config(raw)
+        overrides = [
+            "+experiment=smollm2_cpu_levers",
+            f"+lever={m['lever'].replace('-', '_')}",
+            f"seed={m['seed']}",
+            f"train.checkpoint_dir={Path(tmp) / 'ckpt'}",  # a fresh directory: nothing resumed, nothing written to the run's
+            "logging.wandb=false",
+        ]
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = load_config(compose(config_name="config", overrides=overrides))
+        changed = run_differences(resolve_tag(run_dir), cfg)
+        if changed:  # the lever's file or the demo changed since the run: not the recipe it trained with
+            raise SystemExit(f"error: {run_dir}: today's {' '.join(overrides[:3])} differs from the run: {'; '.join(changed)}")
         heads = load_target_heads(resolve_target(cfg.target).path)
         trainer = build_trainer(cfg, heads)
         try:
@@ -87,6 +100,13 @@ def revalidate(run_dir: Path, shards: Path) -> dict:
             if both:
                 raise SystemExit(f"error: {shards}: {len(both)} held-out sequences are in {run_dir}'s training data ({both[0]}, ...)")
             load_with_frozen_from_the_target(ck.weights, trainer.engine.module.drafter)
+            own = trainer.evaluate()  # the run's own validation again: the weights and recipe are the run's
+            recorded = list(read_jsonl(run_dir / "validation.jsonl"))[-1][1]
+            if abs(own["tau"] - recorded["tau"]) > 1e-4 or abs(own["loss"] - recorded["loss"]) > 1e-4:
+                raise SystemExit(
+                    f"error: {run_dir}: its own validation reads tau {own['tau']:.5f}, loss {own['loss']:.5f} "
+                    f"here against {recorded['tau']:.5f}, {recorded['loss']:.5f} recorded at step {recorded['step']}"
+                )
             res = trainer.evaluate(held)
         finally:
             trainer.close()
