@@ -102,7 +102,8 @@ def noninferiority_table(
 ) -> str:
     base = [vals[-1]["tau"] for vals in found.get(baseline, {}).values()]
     out = [
-        f"| lever | seeds vs `{baseline}`'s | diff | one-sided {100 * (1 - alpha):g} % lower bound | margin | t (df) | p | no worse |",
+        f"| lever | seeds vs `{baseline}`'s | diff | one-sided {100 * (1 - alpha):g} % lower bound | margin | t (df) "
+        "| p | no worse |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for lever, margin in margins.items():
@@ -151,8 +152,12 @@ def heldout_runs(path: Path, found: dict[str, dict[int, list[dict]]]) -> dict[st
         if own is None:
             continue  # a run left out of found (unfinished) is left out here too
         if row["step"] != own[-1]["step"]:
-            raise SystemExit(f"error: {path}: {row['run']} re-validated at step {row['step']}, its run ended at {own[-1]['step']}")
-        out.setdefault(row["lever"], {})[row["seed"]] = [{**own[-1], "tau": row["tau"], "accept_pos_1": row["accept_pos_1"]}]
+            raise SystemExit(
+                f"error: {path}: {row['run']} re-validated at step {row['step']}, its run ended at {own[-1]['step']}"
+            )
+        out.setdefault(row["lever"], {})[row["seed"]] = [
+            {**own[-1], "tau": row["tau"], "accept_pos_1": row["accept_pos_1"]}
+        ]
     if not out:
         raise SystemExit(f"error: {path}: no re-validated run of the levers found")
     return out

@@ -7,12 +7,13 @@ on prompts none of them trained on, with the trainer's own validation (``Trainer
 same fixed anchors, loss terms and acceptance), so recipes are ranked on more blocks. Each run's own
 validation is recomputed first and must equal its recorded final one (the weights and recipe are the run's):
 
-    python benchmarks/revalidate.py prompts outputs/benchmarks/heldout.jsonl      # the bundled prompts after the demo's 256
-    python -m data_tools.extract +experiment=smollm2_cpu_demo data.source=outputs/benchmarks/heldout.jsonl \\
+    python benchmarks/revalidate.py prompts outputs/benchmarks/heldout.jsonl  # bundled prompts after the demo's 256
+    python -m data_tools.extract +experiment=smollm2_cpu_demo data.source=$PWD/outputs/benchmarks/heldout.jsonl \\
         data.num_prompts=110 data.val_fraction=0 data.shards_dir=outputs/data/smollm2-135m-heldout
     python benchmarks/revalidate.py runs outputs/checkpoints/levers/smollm2-135m outputs/data/smollm2-135m-heldout \\
         --levers fp32,bf16-equal-steps,muon-lr2e3-bf16-mb4 --out outputs/benchmarks/revalidate.jsonl
-    python benchmarks/lever_report.py outputs/checkpoints/levers/smollm2-135m --baseline fp32 --validations outputs/benchmarks/revalidate.jsonl
+    python benchmarks/lever_report.py outputs/checkpoints/levers/smollm2-135m --baseline fp32 \\
+        --validations outputs/benchmarks/revalidate.jsonl --alpha 0.025 --noninferior bf16-equal-steps=0.035
 
 A run already in ``--out`` is skipped, so a killed re-validation continues where it stopped. A
 held-out sequence that is also in the run's training shards is refused by name.
@@ -84,21 +85,25 @@ def revalidate(run_dir: Path, shards: Path) -> dict:
             "+experiment=smollm2_cpu_levers",
             f"+lever={m['lever'].replace('-', '_')}",
             f"seed={m['seed']}",
-            f"train.checkpoint_dir={Path(tmp) / 'ckpt'}",  # a fresh directory: nothing resumed, nothing written to the run's
+            f"train.checkpoint_dir={Path(tmp) / 'ckpt'}",  # fresh: nothing resumed, nothing written to the run's
             "logging.wandb=false",
         ]
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
             cfg = load_config(compose(config_name="config", overrides=overrides))
         changed = run_differences(resolve_tag(run_dir), cfg)
         if changed:  # the lever's file or the demo changed since the run: not the recipe it trained with
-            raise SystemExit(f"error: {run_dir}: today's {' '.join(overrides[:3])} differs from the run: {'; '.join(changed)}")
+            raise SystemExit(
+                f"error: {run_dir}: today's {' '.join(overrides[:3])} differs from the run: {'; '.join(changed)}"
+            )
         heads = load_target_heads(resolve_target(cfg.target).path)
         trainer = build_trainer(cfg, heads)
         try:
             held = ShardDataset(shards, "train", states_dtype=torch.float32, keep_fp8=True)
             both = sorted(seq_ids(Path(cfg.data.shards_dir).expanduser()) & seq_ids(shards))
             if both:
-                raise SystemExit(f"error: {shards}: {len(both)} held-out sequences are in {run_dir}'s training data ({both[0]}, ...)")
+                raise SystemExit(
+                    f"error: {shards}: {len(both)} held-out sequences are in {run_dir}'s training data ({both[0]}, ...)"
+                )
             load_with_frozen_from_the_target(ck.weights, trainer.engine.module.drafter)
             own = trainer.evaluate()  # the run's own validation again: the weights and recipe are the run's
             recorded = list(read_jsonl(run_dir / "validation.jsonl"))[-1][1]
@@ -136,17 +141,26 @@ def main() -> None:
     runs = sorted(d for d in args.root.glob("lever-*") if RUN_NAME.match(d.name))
     runs = [d for d in runs if wanted is None or RUN_NAME.match(d.name)["lever"] in wanted]
     if not runs:
-        raise SystemExit(f"error: no lever-NAME-seedK runs under {args.root}" + (f" for {sorted(wanted)}" if wanted else ""))
+        raise SystemExit(
+            f"error: no lever-NAME-seedK runs under {args.root}" + (f" for {sorted(wanted)}" if wanted else "")
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for d in runs:
         if d.name in done:
+            continue
+        if not (d / "latest").is_file():  # still training (a lever run saves its final tag alone)
+            print(f"left out: {d.name} (no checkpoint yet)", flush=True)
             continue
         res = revalidate(d, args.shards)
         m = RUN_NAME.match(d.name)
         row = {"run": d.name, "lever": m["lever"], "seed": int(m["seed"]), **res}
         with args.out.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"{d.name}: step {row['step']}, {row['sequences']} sequences, {row['blocks']} blocks: tau {row['tau']:.3f}, loss {row['loss']:.4f}", flush=True)
+        print(
+            f"{d.name}: step {row['step']}, {row['sequences']} sequences, {row['blocks']} blocks: "
+            f"tau {row['tau']:.3f}, loss {row['loss']:.4f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

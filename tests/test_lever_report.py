@@ -119,12 +119,17 @@ def test_heldout_validations_replace_each_runs_final_one_at_its_own_step(tmp_pat
     for seed, (a, b) in enumerate([(1.38, 1.40), (1.40, 1.41), (1.37, 1.39)]):
         _run(tmp_path, f"lever-fp32-seed{seed}", [1.1, 1.2, a])
         _run(tmp_path, f"lever-bf16-seed{seed}", [1.1, 1.2, b])
-    rows = [{"run": f"lever-{lv}-seed{s}", "lever": lv, "seed": s, "step": 300, "tau": t, "accept_pos_1": t - 1}
-            for lv, taus in (("fp32", [1.30, 1.31, 1.29]), ("bf16", [1.35, 1.36, 1.34])) for s, t in enumerate(taus)]
+    rows = [
+        {"run": f"lever-{lv}-seed{s}", "lever": lv, "seed": s, "step": 300, "tau": t, "accept_pos_1": t - 1}
+        for lv, taus in (("fp32", [1.30, 1.31, 1.29]), ("bf16", [1.35, 1.36, 1.34]))
+        for s, t in enumerate(taus)
+    ]
     f = tmp_path / "held.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     held = lr.heldout_runs(f, lr.lever_runs(tmp_path))
-    assert [v["tau"] for v in held["bf16"][1]] == [1.36] and held["bf16"][1][0]["predictions"] == 2e6  # the run's own count
+    assert [v["tau"] for v in held["bf16"][1]] == [1.36] and held["bf16"][1][0][
+        "predictions"
+    ] == 2e6  # the run's own count
     out = lr.summary(held, "fp32")
     assert out[1]["test"]["diff"] == pytest.approx(0.05) and out[1]["test"]["p"] < 0.01
     assert lr.table(out, "fp32", alpha=0.001).rstrip().endswith("| no |")  # the level is the caller's
