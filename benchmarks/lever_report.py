@@ -144,10 +144,7 @@ def heldout_runs(path: Path, found: dict[str, dict[int, list[dict]]]) -> dict[st
     """The runs of ``found`` re-validated by ``benchmarks/revalidate.py`` (its JSON lines): each
     seed's one validation is the held-out one, at the run's own step, predictions and minutes."""
     out: dict[str, dict[int, list[dict]]] = {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for _, row in read_jsonl(path):
         own = found.get(row["lever"], {}).get(row["seed"])
         if own is None:
             continue  # a run left out of found (unfinished) is left out here too

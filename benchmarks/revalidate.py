@@ -137,7 +137,7 @@ def main() -> None:
     wanted = set(args.levers.split(",")) if args.levers else None
     done = set()
     if args.out.is_file():
-        done = {json.loads(line)["run"] for line in args.out.read_text().splitlines() if line.strip()}
+        done = {row["run"] for _, row in read_jsonl(args.out)}
     runs = sorted(d for d in args.root.glob("lever-*") if RUN_NAME.match(d.name))
     runs = [d for d in runs if wanted is None or RUN_NAME.match(d.name)["lever"] in wanted]
     if not runs:
