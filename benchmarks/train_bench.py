@@ -90,6 +90,8 @@ def main() -> None:
                 f"paths.output_dir={work}",
                 "logging.wandb=false",
                 "train.micro_batch_size=2",
+                "train.optimizer=adamw",  # the fp32 AdamW step, as the plain model beside it runs
+                "train.autocast=off",
                 "train.anchors_per_seq=16",
                 f"train.max_steps={10**6}",
                 "train.log_every=1000000",

@@ -162,6 +162,17 @@ def test_smollm2_demo_preset():
     assert cfg.drafter.attention_window == 256 and cfg.train.run_name == "markov256-win256"  # issue #47's default
     for preset in ("smollm2_cpu_ablate", "smollm2_cpu_data_scale", "smollm2_cpu_smoke"):  # recorded / plumbing runs
         assert _load(f"+experiment={preset}").drafter.attention_window is None, preset
+    t = cfg.train  # issue #57's winner: Muon at 2e-3, bf16 products where the CPU has them, micro batch 4
+    assert (t.optimizer, t.muon_lr, t.autocast, t.micro_batch_size, t.max_steps) == ("muon", 2e-3, "auto", 4, 306)
+    for preset in (
+        "smollm2_cpu_ablate",
+        "smollm2_cpu_data_scale",
+        "smollm2_cpu_quality",
+        "smollm2_cpu_levers",
+        "smollm2_cpu_smoke",
+    ):
+        t = _load(f"+experiment={preset}").train  # recorded fp32 AdamW runs, the levers' baseline, the plumbing
+        assert (t.optimizer, t.autocast, t.micro_batch_size) == ("adamw", "off", 2), preset
 
 
 def test_smollm2_quality_preset_keeps_its_own_data_and_checkpoints():
