@@ -165,6 +165,7 @@ def test_smollm2_demo_preset():
     t = cfg.train  # issue #57's winner: Muon at 2e-3, bf16 products where the CPU has them, micro batch 4
     assert (t.optimizer, t.muon_lr, t.autocast, t.micro_batch_size, t.max_steps) == ("muon", 2e-3, "auto", 4, 306)
     for preset in (
+        "smollm2_cpu_demo_adamw_fp32",
         "smollm2_cpu_ablate",
         "smollm2_cpu_data_scale",
         "smollm2_cpu_quality",
